@@ -1,0 +1,1 @@
+"""kvtrace.cli"""

@@ -1,0 +1,337 @@
+"""The ClickHouse store behind one DSN: embedded chDB by default, a server in production.
+
+`chdb:///path` runs the real ClickHouse engine in-process through clickhouse-connect's chDB
+backend; `http(s)://user:pass@host:8123/db` talks to a server. Everything above this module
+uses the same SQL either way. All writes go through Arrow, the columnar hand-off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import clickhouse_connect
+import polars as pl
+import pyarrow as pa
+
+from kvtrace.schema.arrow import conform, to_arrow
+from kvtrace.schema.clickhouse import (
+    DEFAULT_DATABASE,
+    EMITTER_STATS,
+    EVENTS,
+    META_TABLE,
+    QUARANTINE,
+    TABLES,
+    DdlOptions,
+    migration_statements,
+    schema_statements,
+)
+from kvtrace.schema.events import SCHEMA_VERSION, Event
+from kvtrace.schema.records import EmitterStats, Rejection
+
+
+class StoreError(RuntimeError):
+    """The store cannot do what was asked; the message says why and what to do."""
+
+
+def data_dir() -> Path:
+    """Where kvtrace keeps local data: $KVTRACE_HOME, else the XDG data directory."""
+    if home := os.environ.get("KVTRACE_HOME"):
+        return Path(home).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "kvtrace"
+
+
+def default_dsn() -> str:
+    """$KVTRACE_DSN, else an embedded store under the data directory."""
+    return os.environ.get("KVTRACE_DSN") or f"chdb://{data_dir() / 'chdb'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Dsn:
+    """A parsed store address. The password never appears in `str()`."""
+
+    scheme: str
+    path: str = ""  # chdb: engine directory, or ":memory:"
+    host: str = ""
+    port: int = 0
+    username: str = "default"
+    password: str = field(default="", repr=False)
+    database: str = DEFAULT_DATABASE
+
+    @property
+    def embedded(self) -> bool:
+        return self.scheme == "chdb"
+
+    def __str__(self) -> str:
+        if self.embedded:
+            return f"chdb://{self.path}?database={self.database}"
+        return f"{self.scheme}://{self.username}@{self.host}:{self.port}/{self.database}"
+
+
+def parse_dsn(dsn: str) -> Dsn:
+    """`chdb:///abs/path[?database=db]`, `chdb://memory` or `http(s)://user:pass@host:port/db`."""
+    parts = urlsplit(dsn)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    if parts.scheme == "chdb":
+        if parts.netloc in ("memory", ":memory:"):
+            path = ":memory:"
+        elif parts.netloc:
+            raise StoreError(f"chdb DSN {dsn!r} needs an absolute path: chdb:///abs/path or chdb://memory")
+        else:
+            path = unquote(parts.path)
+            if not path.startswith("/"):
+                raise StoreError(f"chdb DSN {dsn!r} needs an absolute path")
+        out = Dsn("chdb", path=path, database=query.get("database", DEFAULT_DATABASE))
+    elif parts.scheme in ("http", "https"):
+        if not parts.hostname:
+            raise StoreError(f"DSN {dsn!r} has no host")
+        database = parts.path.strip("/") or query.get("database", DEFAULT_DATABASE)
+        out = Dsn(
+            parts.scheme,
+            host=parts.hostname,
+            port=parts.port or (8443 if parts.scheme == "https" else 8123),
+            username=unquote(parts.username or "default"),
+            password=unquote(parts.password or ""),
+            database=database,
+        )
+    else:
+        raise StoreError(f"DSN {dsn!r}: scheme must be chdb, http or https")
+    if not out.database.isidentifier():
+        raise StoreError(f"DSN {dsn!r}: database name {out.database!r} must be a plain identifier")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TableStatus:
+    name: str
+    rows: int
+    bytes_on_disk: int
+    partitions: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    dsn: str
+    server_version: str
+    schema_version: int | None  # None: `kvtrace db init` has not run
+    code_schema_version: int
+    tables: tuple[TableStatus, ...]
+    sources: int
+    dropped_events: int  # reported by emitters (latest counters per source)
+
+
+class Store:
+    """Reads and writes kvtrace tables; one instance per process and DSN is enough.
+
+    clickhouse-connect clients are not safe for concurrent calls, so calls are serialized.
+    """
+
+    def __init__(self, dsn: str | None = None) -> None:
+        self.dsn = parse_dsn(dsn or default_dsn())
+        self.db = self.dsn.database
+        self._lock = threading.RLock()
+        self._client: Any = None
+
+    # -- connection --------------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
+    def _connect(self) -> Any:
+        d = self.dsn
+        try:
+            if d.embedded:
+                if d.path != ":memory:":
+                    Path(d.path).mkdir(parents=True, exist_ok=True)
+                return clickhouse_connect.get_client(dsn=f"chdb://{d.path}" if d.path != ":memory:" else "chdb://memory")
+            return clickhouse_connect.get_client(
+                host=d.host,
+                port=d.port,
+                username=d.username,
+                password=d.password,
+                secure=d.scheme == "https",
+                compress="lz4",
+            )
+        except Exception as exc:
+            raise StoreError(f"cannot open store {d}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ping(self) -> bool:
+        try:
+            with self._lock:
+                return bool(self.client.command("SELECT 1") == 1)
+        except Exception:  # noqa: BLE001 - a health check answers, it does not raise
+            return False
+
+    # -- schema ------------------------------------------------------------------------------
+    def stored_schema_version(self) -> int | None:
+        with self._lock:
+            exists = self.client.command(f"EXISTS TABLE {self.db}.{META_TABLE}")
+            if not exists:
+                return None
+            rows = self.client.query(
+                f"SELECT argMax(value, updated_ns) FROM {self.db}.{META_TABLE} WHERE key = 'schema_version'"
+            ).result_rows
+        value = rows[0][0] if rows else ""
+        return int(value) if value else None
+
+    def init(self, ttl_days: int = 0, cluster: str = "") -> list[str]:
+        """Create or migrate every table; idempotent. Returns the statements that changed anything.
+
+        Refuses a store written by a newer kvtrace, whose rows this version may not understand.
+        """
+        opts = DdlOptions(database=self.db, ttl_days=ttl_days, cluster=cluster)
+        stored = self.stored_schema_version()
+        if stored is not None and stored > SCHEMA_VERSION:
+            raise StoreError(
+                f"store {self.dsn} has schema version {stored}, newer than this kvtrace "
+                f"({SCHEMA_VERSION}); upgrade kvtrace instead of downgrading the store"
+            )
+        applied: list[str] = []
+        with self._lock:
+            for stmt in schema_statements(opts):
+                self.client.command(stmt)
+            for table in TABLES:
+                name = f"{table.name}_local" if cluster else table.name
+                existing = {
+                    r[0]
+                    for r in self.client.query(
+                        "SELECT name FROM system.columns WHERE database = {db:String} AND table = {t:String}",
+                        parameters={"db": self.db, "t": name},
+                    ).result_rows
+                }
+                for stmt in migration_statements(table, existing, opts):
+                    self.client.command(stmt)
+                    applied.append(stmt)
+            if ttl_days:
+                for table in TABLES:
+                    name = f"{table.name}_local" if cluster else table.name
+                    self.client.command(
+                        f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER {cluster}' if cluster else ''} MODIFY TTL "
+                        f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {ttl_days} DAY"
+                    )
+            if stored != SCHEMA_VERSION:
+                self.client.insert(
+                    f"{self.db}.{META_TABLE}",
+                    [["schema_version", str(SCHEMA_VERSION), time.time_ns()]],
+                    column_names=["key", "value", "updated_ns"],
+                )
+                applied.append(f"schema_version {stored} -> {SCHEMA_VERSION}")
+        return applied
+
+    def require_schema(self) -> None:
+        version = self.stored_schema_version()
+        if version is None:
+            raise StoreError(f"store {self.dsn} has no kvtrace tables; run `kvtrace db init` first")
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"store {self.dsn} is at schema version {version}, this kvtrace writes {SCHEMA_VERSION}; "
+                "run `kvtrace db init` to migrate"
+            )
+
+    # -- writes ------------------------------------------------------------------------------
+    def insert_arrow(self, table: str, data: pa.Table) -> int:
+        if data.num_rows:
+            with self._lock:
+                self.client.insert_arrow(f"{self.db}.{table}", data)
+        return data.num_rows
+
+    def insert_events(self, events: Sequence[Event]) -> int:
+        return self.insert_arrow(EVENTS.name, to_arrow(events))
+
+    def insert_rejections(self, rejections: Sequence[Rejection]) -> int:
+        return self.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection))
+
+    def insert_stats(self, stats: Sequence[EmitterStats]) -> int:
+        return self.insert_arrow(EMITTER_STATS.name, to_arrow(stats, EmitterStats))
+
+    # -- reads -------------------------------------------------------------------------------
+    def query_arrow(self, sql: str, parameters: dict[str, Any] | None = None) -> pa.Table:
+        with self._lock:
+            return self.client.query_arrow(sql, parameters=parameters or {})
+
+    def query_polars(self, sql: str, parameters: dict[str, Any] | None = None) -> pl.DataFrame:
+        out = pl.from_arrow(self.query_arrow(sql, parameters))
+        if not isinstance(out, pl.DataFrame):
+            raise StoreError("query did not return a table")
+        return out
+
+    def scalar(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        with self._lock:
+            rows = self.client.query(sql, parameters=parameters or {}).result_rows
+        return rows[0][0] if rows else None
+
+    def events_sql(self, where: str = "1") -> str:
+        """SELECT of de-duplicated events in stream order, for readers that need exact rows."""
+        return (
+            f"SELECT * FROM {self.db}.{EVENTS.name} FINAL WHERE {where} "
+            "ORDER BY ts_ns, source_id, seq"
+        )
+
+    def iter_event_batches(self, where: str = "1", parameters: dict[str, Any] | None = None) -> Iterator[pa.Table]:
+        """Events in stream order as canonical Arrow tables, streamed: memory stays bounded.
+
+        The store is locked while the stream is open (a clickhouse-connect client serves one
+        call at a time), so consume it promptly.
+        """
+        with self._lock, self.client.query_arrow_stream(self.events_sql(where), parameters=parameters or {}) as stream:
+            for batch in stream:
+                if batch.num_rows:
+                    yield conform(pa.Table.from_batches([batch]))
+
+    def count_events(self) -> int:
+        return int(self.scalar(f"SELECT count() FROM {self.db}.{EVENTS.name} FINAL") or 0)
+
+    def status(self) -> StoreStatus:
+        version = self.stored_schema_version()
+        tables: list[TableStatus] = []
+        sources = dropped = 0
+        if version is not None:
+            for table in TABLES:
+                final = " FINAL" if table.replacing else ""
+                rows = int(self.scalar(f"SELECT count() FROM {self.db}.{table.name}{final}") or 0)
+                parts = self.query_arrow(
+                    "SELECT sum(bytes_on_disk) AS b, uniqExact(partition) AS p FROM system.parts "
+                    "WHERE database = {db:String} AND table = {t:String} AND active",
+                    {"db": self.db, "t": table.name},
+                ).to_pylist()[0]
+                tables.append(TableStatus(table.name, rows, int(parts["b"] or 0), int(parts["p"] or 0)))
+            sources = int(self.scalar(f"SELECT uniqExact(source_id) FROM {self.db}.{EVENTS.name}") or 0)
+            dropped = int(
+                self.scalar(
+                    "SELECT sum(d) FROM (SELECT argMax(dropped_queue_full + dropped_export_failed + "
+                    "dropped_invalid + dropped_shutdown, ts_ns) AS d "
+                    f"FROM {self.db}.{EMITTER_STATS.name} GROUP BY source_id)"
+                )
+                or 0
+            )
+        return StoreStatus(
+            dsn=str(self.dsn),
+            server_version=str(self.client.server_version),
+            schema_version=version,
+            code_schema_version=SCHEMA_VERSION,
+            tables=tuple(tables),
+            sources=sources,
+            dropped_events=dropped,
+        )

@@ -1,0 +1,172 @@
+"""Emitter settings, read once from the environment and validated loudly at start-up.
+
+Variables (all optional; nothing is emitted unless KVTRACE_ENABLED is true):
+  KVTRACE_ENABLED            1/true/yes to turn tracing on
+  KVTRACE_SINK               store | collector | otlp | spool (default: picked from what is set)
+  KVTRACE_DSN                store DSN for the store sink (chdb:///path or http(s)://...)
+  KVTRACE_COLLECTOR_URL      collector base URL for the collector sink
+  KVTRACE_TOKEN              bearer token for the collector
+  KVTRACE_OTLP_ENDPOINT      OTLP/HTTP logs endpoint for the otlp sink
+  KVTRACE_SPOOL_DIR          directory for spool files
+  KVTRACE_INSTANCE           instance name stamped on stats (default: hostname:pid)
+  KVTRACE_TENANT             default tenant namespace shims use when the engine has none
+  KVTRACE_SAMPLE_RATE        fraction of requests traced, 0 < rate <= 1 (default 1)
+  KVTRACE_MAX_QUEUE_SIZE, KVTRACE_MAX_EXPORT_BATCH_SIZE, KVTRACE_SCHEDULE_DELAY_MILLIS
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvtrace.instrumentation.api import Emitter, set_emitter
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.sinks.base import Sink
+
+
+class SinkKind(StrEnum):
+    STORE = "store"
+    COLLECTOR = "collector"
+    OTLP = "otlp"
+    SPOOL = "spool"
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names the variable."""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True, slots=True)
+class EmitterSettings:
+    enabled: bool = False
+    sink: SinkKind = SinkKind.SPOOL
+    dsn: str = ""
+    collector_url: str = ""
+    token: str = field(default="", repr=False)
+    otlp_endpoint: str = ""
+    spool_dir: str = ""
+    instance: str = ""
+    tenant: str = ""
+    sample_rate: float = 1.0
+    batch: BatchConfig = BatchConfig()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EmitterSettings:
+        env = os.environ if env is None else env
+
+        def flag(name: str) -> bool:
+            value = env.get(name, "").strip().lower()
+            if value in _TRUE:
+                return True
+            if value in _FALSE:
+                return False
+            raise ConfigError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+
+        def integer(name: str, default: int) -> int:
+            raw = env.get(name, "")
+            if not raw:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+
+        raw_rate = env.get("KVTRACE_SAMPLE_RATE", "1")
+        try:
+            rate = float(raw_rate)
+        except ValueError:
+            raise ConfigError(f"KVTRACE_SAMPLE_RATE={raw_rate!r}: expected a number in (0, 1]") from None
+        if not 0.0 < rate <= 1.0:
+            raise ConfigError(f"KVTRACE_SAMPLE_RATE={raw_rate!r}: expected a number in (0, 1]")
+
+        dsn = env.get("KVTRACE_DSN", "")
+        url = env.get("KVTRACE_COLLECTOR_URL", "")
+        otlp = env.get("KVTRACE_OTLP_ENDPOINT", "")
+        spool = env.get("KVTRACE_SPOOL_DIR", "")
+        sink_name = env.get("KVTRACE_SINK", "").strip().lower()
+        if sink_name:
+            try:
+                sink = SinkKind(sink_name)
+            except ValueError:
+                choices = ", ".join(k.value for k in SinkKind)
+                raise ConfigError(f"KVTRACE_SINK={sink_name!r}: expected one of {choices}") from None
+        else:
+            sink = (
+                SinkKind.COLLECTOR if url else SinkKind.STORE if dsn else SinkKind.OTLP if otlp else SinkKind.SPOOL
+            )
+        try:
+            batch = BatchConfig(
+                max_queue_size=integer("KVTRACE_MAX_QUEUE_SIZE", BatchConfig.max_queue_size),
+                max_export_batch_size=integer("KVTRACE_MAX_EXPORT_BATCH_SIZE", BatchConfig.max_export_batch_size),
+                schedule_delay_millis=integer("KVTRACE_SCHEDULE_DELAY_MILLIS", BatchConfig.schedule_delay_millis),
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        settings = cls(
+            enabled=flag("KVTRACE_ENABLED"),
+            sink=sink,
+            dsn=dsn,
+            collector_url=url,
+            token=env.get("KVTRACE_TOKEN", ""),
+            otlp_endpoint=otlp,
+            spool_dir=spool,
+            instance=env.get("KVTRACE_INSTANCE", "") or f"{socket.gethostname()}:{os.getpid()}",
+            tenant=env.get("KVTRACE_TENANT", ""),
+            sample_rate=rate,
+            batch=batch,
+        )
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        if self.sink is SinkKind.COLLECTOR and not self.collector_url:
+            raise ConfigError("KVTRACE_SINK=collector needs KVTRACE_COLLECTOR_URL")
+        if self.sink is SinkKind.STORE and not self.dsn:
+            raise ConfigError("KVTRACE_SINK=store needs KVTRACE_DSN")
+
+
+def build_sink(settings: EmitterSettings) -> Sink:
+    """The sink the settings name; imports only what that sink needs."""
+    if settings.sink is SinkKind.COLLECTOR:
+        from kvtrace.instrumentation.sinks.http import HttpSink
+
+        return HttpSink(settings.collector_url, token=settings.token)
+    if settings.sink is SinkKind.STORE:
+        from kvtrace.collector.store import Store
+        from kvtrace.instrumentation.sinks.store import StoreSink
+
+        return StoreSink(Store(settings.dsn))
+    if settings.sink is SinkKind.OTLP:
+        from kvtrace.instrumentation.sinks.otlp import OtlpLogSink
+
+        return OtlpLogSink(endpoint=settings.otlp_endpoint)
+    from kvtrace.instrumentation.sinks.spool import SpoolSink
+
+    spool_dir = settings.spool_dir
+    if not spool_dir:
+        from kvtrace.collector.store import data_dir
+
+        spool_dir = str(data_dir() / "spool")
+    return SpoolSink(spool_dir)
+
+
+def configure(settings: EmitterSettings | None = None, engine: str = "") -> Emitter:
+    """Install the process-wide emitter the settings describe (the no-op when disabled)."""
+    settings = settings or EmitterSettings.from_env()
+    if not settings.enabled:
+        set_emitter(None)
+        from kvtrace.instrumentation.api import get_emitter
+
+        return get_emitter()
+    emitter = BatchEmitter(build_sink(settings), settings.batch, instance=settings.instance, engine=engine)
+    previous = set_emitter(emitter)
+    previous.shutdown()
+    return emitter

@@ -1,0 +1,39 @@
+"""The contract between the emitter's worker thread and wherever batches go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+from kvtrace.schema.wire import Batch
+
+
+class ExportStatus(Enum):
+    SUCCESS = "success"
+    RETRY = "retry"  # transient: the same batch may succeed later
+    FAILURE = "failure"  # permanent: retrying the same batch cannot help
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    status: ExportStatus
+    retry_after_s: float = 0.0  # a server's Retry-After, honoured before the next attempt
+    detail: str = ""
+    rejected: int = 0  # rows the sink quarantined as invalid (stored elsewhere, not lost)
+
+
+OK = ExportResult(ExportStatus.SUCCESS)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives whole batches on the emitter's worker thread, never on an engine thread.
+
+    `export` may block up to its own timeout and should not raise; the worker treats an
+    exception as a RETRY. `shutdown` releases resources and is safe to call twice.
+    """
+
+    def export(self, batch: Batch) -> ExportResult: ...
+
+    def shutdown(self) -> None: ...

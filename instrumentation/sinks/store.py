@@ -1,0 +1,68 @@
+"""Writes batches straight into a kvtrace store (embedded chDB or a ClickHouse server)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from kvtrace.collector.store import Store
+from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
+from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.validation import Problem, problems
+from kvtrace.schema.wire import Batch
+from kvtrace.schema.records import Rejection
+
+
+class StoreSink:
+    """Direct-to-store export for single-process use (replays, the demo, notebooks).
+
+    Events built in-process are trusted and go in as one Arrow insert. If a shim handed over
+    a malformed event and the columnar conversion fails, the batch is re-checked row by row:
+    valid events are stored and the others quarantined with the reason.
+    """
+
+    def __init__(self, store: Store, origin: str = "emitter") -> None:
+        self.store = store
+        self.origin = origin
+
+    def export(self, batch: Batch) -> ExportResult:
+        rejected = 0
+        try:
+            if batch.events:
+                try:
+                    table = to_arrow(batch.events)
+                except Exception:  # noqa: BLE001 - a malformed event: sort the batch out row by row
+                    table, rejected = self._split(batch)
+                self.store.insert_arrow("events", table)
+            if batch.stats is not None:
+                self.store.insert_stats([batch.stats])
+        except Exception as exc:  # noqa: BLE001 - store trouble is transient from here
+            return ExportResult(ExportStatus.RETRY, detail=f"store insert failed: {exc}")
+        return ExportResult(ExportStatus.SUCCESS, rejected=rejected) if rejected else OK
+
+    def _split(self, batch: Batch) -> tuple[pa.Table, int]:
+        good = []
+        bad: list[Rejection] = []
+        for i, event in enumerate(batch.events):
+            try:
+                found = problems(event)
+                to_arrow([event])
+            except Exception as exc:  # noqa: BLE001
+                found = [Problem("", f"{type(exc).__name__}: {exc}")]
+            if found:
+                bad.append(
+                    Rejection(
+                        received_ns=batch.sent_ns,
+                        origin=f"{self.origin}:{batch.source_id:016x}:{batch.batch_seq}",
+                        row=i + 1,
+                        field=found[0].field,
+                        reason=found[0].reason,
+                        raw=repr(event)[:65536],
+                    )
+                )
+            else:
+                good.append(event)
+        self.store.insert_rejections(bad)
+        return to_arrow(good), len(bad)
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,83 @@
+"""Arrow / Parquet schema derived from the stored Structs, and columnar conversion.
+
+Arrow is the columnar hand-off between every store: ClickHouse inserts and queries, Parquet
+exports DuckDB reads, and polars frames. Conversion transposes rows once; no per-value Python
+dispatch beyond that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import cache
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from kvtrace.schema.events import SCHEMA_VERSION, Event
+from kvtrace.schema.fields import FieldSpec, field_specs
+
+SCHEMA_METADATA_KEY = b"kvtrace.schema_version"
+
+
+def arrow_type(spec: FieldSpec) -> pa.DataType:
+    out: pa.DataType = getattr(pa, spec.column.arrow)()
+    for _ in range(spec.depth):
+        out = pa.list_(out)
+    return out
+
+
+@cache
+def arrow_schema(struct: type[msgspec.Struct] = Event) -> pa.Schema:
+    """The Arrow schema of a stored Struct, tagged with the schema version it was made by."""
+    fields = [
+        pa.field(s.name, arrow_type(s), nullable=False, metadata={"doc": s.doc} if s.doc else None)
+        for s in field_specs(struct)
+    ]
+    return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: str(SCHEMA_VERSION).encode()})
+
+
+def to_arrow(records: Sequence[msgspec.Struct], struct: type[msgspec.Struct] = Event) -> pa.Table:
+    """Columnar table of records; enum members are stored by value."""
+    schema = arrow_schema(struct)
+    if not records:
+        return schema.empty_table()
+    columns = list(zip(*(msgspec.structs.astuple(r) for r in records), strict=True))
+    arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def conform(table: pa.Table, struct: type[msgspec.Struct] = Event) -> pa.Table:
+    """Cast a table from any reader (ClickHouse, Parquet, DuckDB) to the canonical schema.
+
+    Columns an older writer did not have are filled with the field's default, so files written
+    by an earlier schema version still load.
+    """
+    schema = arrow_schema(struct)
+    specs = {s.name: s for s in field_specs(struct)}
+    arrays = []
+    for f in schema:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            if pa.types.is_dictionary(col.type):
+                col = col.cast(col.type.value_type)
+            arrays.append(col.cast(f.type))
+        else:
+            default = specs[f.name].default
+            default = default.value if hasattr(default, "value") else default
+            arrays.append(pa.array([default] * table.num_rows, type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def iter_rows(table: pa.Table) -> Iterator[dict[str, Any]]:
+    """Plain dict rows of a table, batch by batch, for validation."""
+    for batch in table.to_batches(max_chunksize=65536):
+        yield from batch.to_pylist()
+
+
+def from_arrow(table: pa.Table) -> list[Event]:
+    """Events of a table that already passed validation (the store, our own exports)."""
+    table = conform(table)
+    return [msgspec.convert(row, Event) for row in iter_rows(table)]
+
+

@@ -1,0 +1,207 @@
+"""ClickHouse DDL derived from the stored Structs: single-node and replicated cluster variants.
+
+Tables are MergeTree partitioned by day. Events are a ReplacingMergeTree whose sort key ends in
+the event id (source_id, seq), so an event delivered twice collapses to one row; the key starts
+with instance and time because reconstruction reads one instance's stream in time order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtrace.schema.events import SCHEMA_VERSION, Event
+from kvtrace.schema.fields import FieldSpec, field_specs
+from kvtrace.schema.records import EmitterStats, Rejection
+
+DEFAULT_DATABASE = "kvtrace"
+
+
+@dataclass(frozen=True, slots=True)
+class TableSpec:
+    """How one Struct is laid out as a table."""
+
+    name: str
+    struct: type[msgspec.Struct]
+    time_column: str
+    order_by: tuple[str, ...]
+    shard_key: str
+    replacing: bool = False
+    indexes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+
+EVENTS = TableSpec(
+    name="events",
+    struct=Event,
+    time_column="ts_ns",
+    order_by=("instance", "ts_ns", "source_id", "seq"),
+    shard_key="cityHash64(instance)",
+    replacing=True,
+    indexes=(
+        "INDEX idx_request request_id TYPE bloom_filter(0.01) GRANULARITY 4",
+        "INDEX idx_block block_key TYPE bloom_filter(0.01) GRANULARITY 4",
+        "INDEX idx_kind kind TYPE set(16) GRANULARITY 4",
+    ),
+    aliases=("ts DateTime64(9, 'UTC') ALIAS fromUnixTimestamp64Nano(ts_ns)",),
+)
+QUARANTINE = TableSpec(
+    name="quarantine",
+    struct=Rejection,
+    time_column="received_ns",
+    order_by=("received_ns", "origin", "row"),
+    shard_key="rand()",
+)
+EMITTER_STATS = TableSpec(
+    name="emitter_stats",
+    struct=EmitterStats,
+    time_column="ts_ns",
+    order_by=("source_id", "ts_ns"),
+    shard_key="source_id",
+    replacing=True,
+)
+TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS)
+META_TABLE = "kvtrace_meta"
+
+
+@dataclass(frozen=True, slots=True)
+class DdlOptions:
+    """Choices that change the DDL: where, how long to keep, and single node or cluster."""
+
+    database: str = DEFAULT_DATABASE
+    ttl_days: int = 0  # 0 keeps data forever
+    cluster: str = ""  # non-empty: ReplicatedMergeTree + Distributed ON CLUSTER
+    zk_prefix: str = "/clickhouse/tables/{shard}"
+
+    def __post_init__(self) -> None:
+        if not self.database.isidentifier():
+            raise ValueError(f"database name {self.database!r} must be a plain identifier")
+        if self.ttl_days < 0:
+            raise ValueError(f"ttl_days must be >= 0, got {self.ttl_days}")
+        if self.cluster and not self.cluster.replace("-", "_").isidentifier():
+            raise ValueError(f"cluster name {self.cluster!r} must be a plain identifier")
+
+
+def _literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, list) and not value:
+        return "[]"
+    raise TypeError(f"no ClickHouse literal for {value!r}")
+
+
+def _zero(spec: FieldSpec) -> object:
+    if spec.depth:
+        return []
+    if spec.column.clickhouse == "Bool":
+        return False
+    if "String" in spec.column.clickhouse:
+        return ""
+    return 0
+
+
+def column_definition(spec: FieldSpec) -> str:
+    """One column line; a non-zero default is spelled out so later-added columns fill right."""
+    parts = [f"`{spec.name}`", spec.clickhouse_type]
+    default = spec.default.value if hasattr(spec.default, "value") else spec.default
+    if spec.default is not None and default != _zero(spec):
+        parts.append(f"DEFAULT {_literal(default)}")
+    codec = "CODEC(Delta, ZSTD(1))" if spec.is_sorted else spec.column.codec
+    if codec and spec.depth == 0:
+        parts.append(codec)
+    if spec.doc:
+        parts.append(f"COMMENT {_literal(spec.doc)}")
+    return " ".join(parts)
+
+
+def _day(table: TableSpec) -> str:
+    return f"toDate(fromUnixTimestamp64Nano({table.time_column}))"
+
+
+def _engine(table: TableSpec, opts: DdlOptions) -> str:
+    base = "ReplacingMergeTree" if table.replacing else "MergeTree"
+    if not opts.cluster:
+        return f"{base}()"
+    path = f"{opts.zk_prefix}/{opts.database}/{table.name}_local"
+    return f"Replicated{base}('{path}', '{{replica}}')"
+
+
+def _on_cluster(opts: DdlOptions) -> str:
+    return f" ON CLUSTER {opts.cluster}" if opts.cluster else ""
+
+
+def create_table(table: TableSpec, opts: DdlOptions) -> str:
+    """CREATE TABLE for one table (the `_local` one on a cluster)."""
+    name = f"{table.name}_local" if opts.cluster else table.name
+    lines = [column_definition(s) for s in field_specs(table.struct)]
+    lines += list(table.aliases) + list(table.indexes)
+    body = ",\n    ".join(lines)
+    ttl = (
+        f"\nTTL toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {opts.ttl_days} DAY"
+        if opts.ttl_days
+        else ""
+    )
+    return (
+        f"CREATE TABLE IF NOT EXISTS {opts.database}.{name}{_on_cluster(opts)}\n(\n    {body}\n)\n"
+        f"ENGINE = {_engine(table, opts)}\n"
+        f"PARTITION BY {_day(table)}\n"
+        f"ORDER BY ({', '.join(table.order_by)}){ttl}"
+    )
+
+
+def create_distributed(table: TableSpec, opts: DdlOptions) -> str:
+    """The Distributed table that fronts a cluster's `_local` tables under the plain name."""
+    return (
+        f"CREATE TABLE IF NOT EXISTS {opts.database}.{table.name}{_on_cluster(opts)}\n"
+        f"AS {opts.database}.{table.name}_local\n"
+        f"ENGINE = Distributed({opts.cluster}, {opts.database}, {table.name}_local, {table.shard_key})"
+    )
+
+
+def create_meta(opts: DdlOptions) -> str:
+    engine = (
+        f"ReplicatedReplacingMergeTree('/clickhouse/tables/{opts.database}/{META_TABLE}', '{{replica}}', updated_ns)"
+        if opts.cluster
+        else "ReplacingMergeTree(updated_ns)"
+    )
+    return (
+        f"CREATE TABLE IF NOT EXISTS {opts.database}.{META_TABLE}{_on_cluster(opts)}\n"
+        "(\n    `key` String,\n    `value` String,\n    `updated_ns` Int64\n)\n"
+        f"ENGINE = {engine}\nORDER BY key"
+    )
+
+
+def schema_statements(opts: DdlOptions = DdlOptions()) -> list[str]:
+    """Every statement that creates the schema, in order; each is idempotent."""
+    out = [f"CREATE DATABASE IF NOT EXISTS {opts.database}{_on_cluster(opts)}", create_meta(opts)]
+    for table in TABLES:
+        out.append(create_table(table, opts))
+        if opts.cluster:
+            out.append(create_distributed(table, opts))
+    return out
+
+
+def migration_statements(table: TableSpec, existing: set[str], opts: DdlOptions) -> list[str]:
+    """ADD COLUMN for each field the stored table lacks; schema changes are additive."""
+    specs = field_specs(table.struct)
+    targets = [f"{table.name}_local", table.name] if opts.cluster else [table.name]
+    out = []
+    for i, spec in enumerate(specs):
+        if spec.name in existing:
+            continue
+        after = f" AFTER `{specs[i - 1].name}`" if i else " FIRST"
+        for target in targets:
+            out.append(
+                f"ALTER TABLE {opts.database}.{target}{_on_cluster(opts)} "
+                f"ADD COLUMN IF NOT EXISTS {column_definition(spec)}{after}"
+            )
+    return out
+
+
+def schema_version_row() -> tuple[str, str]:
+    return ("schema_version", str(SCHEMA_VERSION))

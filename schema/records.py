@@ -1,0 +1,61 @@
+"""Stored records other than events: emitter health and quarantined input.
+
+Both are derived into tables and wire formats by the same machinery as the event, so a counter
+added here appears in the DDL, Arrow and JSON Schema without further edits.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvtrace.schema.columns import U64, Hash64, Label, Text, TimeNs
+
+
+class EmitterStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Cumulative counters of one emitter, sent with its batches so loss is never silent.
+
+    Counters are totals since the emitter started (like Prometheus counters): a reader takes the
+    latest row per source, and a restart shows up as a new source_id.
+    """
+
+    ts_ns: TimeNs
+    source_id: Hash64
+    instance: Label = ""
+    engine: Label = ""
+    emitted: Annotated[U64, msgspec.Meta(description="Events handed to emit().")] = 0
+    exported: Annotated[U64, msgspec.Meta(description="Events the sink accepted.")] = 0
+    dropped_queue_full: Annotated[U64, msgspec.Meta(description="Dropped: buffer was full.")] = 0
+    dropped_export_failed: Annotated[U64, msgspec.Meta(description="Dropped: sink kept failing.")] = 0
+    dropped_invalid: Annotated[U64, msgspec.Meta(description="Dropped: not a valid event.")] = 0
+    dropped_shutdown: Annotated[U64, msgspec.Meta(description="Dropped: still queued at shutdown.")] = 0
+    dropped_sampled_out: Annotated[U64, msgspec.Meta(description="Not kept by the sample rate.")] = 0
+    queue_depth: Annotated[U64, msgspec.Meta(description="Events waiting when this was taken.")] = 0
+    batches: Annotated[U64, msgspec.Meta(description="Batches exported.")] = 0
+    export_errors: Annotated[U64, msgspec.Meta(description="Failed export attempts.")] = 0
+
+    @property
+    def dropped(self) -> int:
+        """Events lost for any reason (sampling is a choice, not a loss, and is not counted)."""
+        return (
+            self.dropped_queue_full
+            + self.dropped_export_failed
+            + self.dropped_invalid
+            + self.dropped_shutdown
+        )
+
+
+class Rejection(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One input row that failed validation, kept with the reason instead of being lost."""
+
+    received_ns: TimeNs
+    origin: Annotated[Text, msgspec.Meta(description="File, endpoint or sink the row came from.")]
+    row: Annotated[U64, msgspec.Meta(description="1-based row (line, record) within the origin.")]
+    field: Annotated[Label, msgspec.Meta(description="Field at fault, '' when the row itself is.")]
+    reason: Annotated[Text, msgspec.Meta(description="What is wrong, in words.")]
+    raw: Annotated[Text, msgspec.Meta(description="The row as received (JSON text).")] = ""
+
+    def message(self) -> str:
+        where = f"{self.origin} row {self.row}"
+        return f"{where}: {self.field}: {self.reason}" if self.field else f"{where}: {self.reason}"

@@ -1,0 +1,129 @@
+"""The batch wire format: what the emitter sends to the collector and writes to spool files.
+
+A batch is one msgpack document (msgspec-encoded `Batch`), versioned by `WIRE_VERSION` and
+named by `CONTENT_TYPE`. Spool files are the same documents framed for append-only files: a
+file header, then per frame its length and CRC32, so a torn final frame after a crash is
+detected and skipped without losing the frames before it.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import msgspec
+
+from kvtrace.schema.events import Event
+from kvtrace.schema.records import EmitterStats
+
+WIRE_VERSION = 1
+CONTENT_TYPE = "application/vnd.kvtrace.batch.v1+msgpack"
+SPOOL_MAGIC = b"KVTSPOOL"
+SPOOL_HEADER = SPOOL_MAGIC + struct.pack(">H", WIRE_VERSION)
+SPOOL_SUFFIX = ".kvspool"
+_FRAME = struct.Struct(">II")  # payload length, crc32 of the payload
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class Batch(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Events from one emitter, numbered per source so the receiver can see missing batches."""
+
+    wire_version: int = WIRE_VERSION
+    source_id: int
+    batch_seq: int
+    sent_ns: int
+    events: list[Event] = []
+    stats: EmitterStats | None = None
+
+
+class RawBatch(msgspec.Struct, kw_only=True):
+    """A batch whose events are left undecoded, so each row can be validated on its own."""
+
+    wire_version: int
+    source_id: int
+    batch_seq: int
+    sent_ns: int
+    events: list[msgspec.Raw] = []
+    stats: EmitterStats | None = None
+
+
+class WireError(ValueError):
+    """A batch or spool file that cannot be read at all (not a single bad row)."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_raw_decoder = msgspec.msgpack.Decoder(RawBatch)
+
+
+def encode_batch(batch: Batch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> RawBatch:
+    """Decode the envelope; events stay raw for per-row validation."""
+    try:
+        batch = _raw_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"not a kvtrace batch: {exc}") from None
+    if batch.wire_version != WIRE_VERSION:
+        raise WireError(f"wire version {batch.wire_version} not supported (this reader knows {WIRE_VERSION})")
+    return batch
+
+
+def decode_raw_event(raw: msgspec.Raw) -> object:
+    """A batch row as plain builtins, for validation."""
+    return msgspec.msgpack.decode(raw)
+
+
+def frame(payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolScan:
+    """Frames read from one spool file and whether its tail was torn."""
+
+    payloads: list[bytes]
+    torn_tail_bytes: int
+
+
+def is_spool(head: bytes) -> bool:
+    return head.startswith(SPOOL_MAGIC)
+
+
+def read_spool(stream: BinaryIO, name: str = "spool") -> SpoolScan:
+    """Every intact frame; a torn or corrupt tail (a crash mid-write) ends the scan.
+
+    A corrupt frame in the middle also ends it, since frame boundaries past it cannot be
+    trusted; the count of unread bytes says how much was lost.
+    """
+    header = stream.read(len(SPOOL_HEADER))
+    if not header.startswith(SPOOL_MAGIC):
+        raise WireError(f"{name}: not a kvtrace spool file (bad magic)")
+    (version,) = struct.unpack(">H", header[len(SPOOL_MAGIC) :])
+    if version != WIRE_VERSION:
+        raise WireError(f"{name}: spool version {version} not supported (this reader knows {WIRE_VERSION})")
+    payloads: list[bytes] = []
+    while True:
+        head = stream.read(_FRAME.size)
+        if not head:
+            return SpoolScan(payloads, 0)
+        torn = len(head)
+        if len(head) == _FRAME.size:
+            length, crc = _FRAME.unpack(head)
+            if length <= MAX_FRAME_BYTES:
+                payload = stream.read(length)
+                if len(payload) == length and zlib.crc32(payload) == crc:
+                    payloads.append(payload)
+                    continue
+                torn += len(payload)
+        rest = stream.read()
+        return SpoolScan(payloads, torn + len(rest))
+
+
+def iter_spool_batches(stream: BinaryIO, name: str = "spool") -> Iterator[RawBatch]:
+    for payload in read_spool(stream, name).payloads:
+        yield decode_batch(payload)
