@@ -1,0 +1,209 @@
+"""Pure evaluation of one lookup against the cache state: logical, recoverable, resident.
+
+For each group the request's blocks are classified once (present? usable? on device?), then
+candidate boundaries are scanned from the top with O(1) checks per group using prefix sums,
+so a lookup costs O(blocks), not O(blocks^2), even for 100k-token prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from kvtrace.analysis.recipes import GroupSpec, Recipe
+from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, ObjectState, identity_of
+from kvtrace.analysis.verdicts import MISSING_REASON, GapReason
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, Reason, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Choices a deployment makes about what counts as reusable."""
+
+    shared_tenants: frozenset[str] = frozenset()  # namespaces every tenant may reuse
+    keep_one_token: bool = True  # engines compute at least the last prompt token
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCheck:
+    present: bool
+    usable: bool
+    resident: bool
+    reason: GapReason
+    detail: str
+    restore_tier: Tier  # lowest-latency tier holding a usable copy when not resident
+    restore_bytes: int
+
+
+_MISSING = BlockCheck(False, False, False, GapReason.NONE, "", Tier.NONE, 0)
+
+
+def check_object(
+    obj: ObjectState | None, component: ComponentKind, request: Event, policy: Policy
+) -> BlockCheck:
+    """Is this block usable by this request now? The first failing rule names the reason."""
+    if obj is None or not obj.copies:
+        return BlockCheck(False, False, False, MISSING_REASON[component], "", Tier.NONE, 0)
+    reason, detail = GapReason.NONE, ""
+    if obj.invalidated is not Reason.NONE:
+        reason = GapReason.SPECULATIVE_ROLLBACK if obj.invalidated is Reason.ROLLBACK else GapReason.INVALIDATED
+        detail = obj.invalidated.value
+    elif not obj.committed:
+        reason = GapReason.UNCOMMITTED
+    elif obj.tenant != request.tenant and obj.tenant not in policy.shared_tenants:
+        reason, detail = GapReason.TENANT_MISMATCH, f"{obj.tenant!r} != {request.tenant!r}"
+    else:
+        wanted = identity_of(request)
+        for name, have, want in zip(IDENTITY_FIELDS, obj.identity, wanted, strict=True):
+            if have and want and have != want:
+                if component is ComponentKind.INDEXER and name == "epoch":
+                    reason = GapReason.INDEXER_OUT_OF_SYNC
+                else:
+                    reason = GapReason.IDENTITY_MISMATCH
+                detail = f"{name}: {have} != {want}"
+                break
+        else:
+            if obj.lease_expiry_ns and obj.lease_expiry_ns <= request.ts_ns:
+                reason = GapReason.LEASE_EXPIRED
+            elif obj.corrupt:
+                reason = GapReason.CHECKSUM_MISMATCH
+    if reason is not GapReason.NONE:
+        return BlockCheck(True, False, False, reason, detail, Tier.NONE, 0)
+    committed = [t for t, c in obj.copies.items() if c.committed]
+    if Tier.DEVICE in committed:
+        return BlockCheck(True, True, True, GapReason.NONE, "", Tier.DEVICE, 0)
+    best = min(committed, key=_TIER_RANK.__getitem__)
+    return BlockCheck(True, True, False, GapReason.NOT_RESIDENT, best.value, best, obj.copies[best].nbytes)
+
+
+_TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3, Tier.NONE: 4}
+
+
+def needed_blocks(group: GroupSpec, p: int) -> range:
+    """Block indices of `group` that must be usable to resume at boundary p (p % block == 0)."""
+    b = group.block_size
+    c = group.component
+    if p <= 0:
+        return range(0)
+    if c is ComponentKind.SLIDING_WINDOW:
+        return range(max(0, p - group.window) // b, p // b)
+    if c is ComponentKind.MAMBA:
+        return range(p // b - 1, p // b)
+    if c is ComponentKind.UNCOMPRESSED_TAIL:
+        return range((p // group.ratio) * group.ratio // b, p // b)
+    return range(0, p // b)  # full attention, compressed, indexer, cross attention
+
+
+class _GroupView:
+    """One group's blocks for one request, with prefix sums for O(1) range checks."""
+
+    __slots__ = ("group", "checks", "_present", "_usable", "_resident")
+
+    def __init__(self, group: GroupSpec, checks: list[BlockCheck]) -> None:
+        self.group = group
+        self.checks = checks
+        self._present = [0, *accumulate(int(c.present) for c in checks)]
+        self._usable = [0, *accumulate(int(c.usable) for c in checks)]
+        self._resident = [0, *accumulate(int(c.resident) for c in checks)]
+
+    def _all(self, sums: list[int], blocks: range) -> bool:
+        if not blocks:
+            return True
+        if blocks.stop > len(self.checks):
+            return False
+        return sums[blocks.stop] - sums[blocks.start] == len(blocks)
+
+    def present_at(self, p: int) -> bool:
+        return self._all(self._present, needed_blocks(self.group, p))
+
+    def usable_at(self, p: int) -> bool:
+        return self._all(self._usable, needed_blocks(self.group, p))
+
+    def resident_at(self, p: int) -> bool:
+        return self._all(self._resident, needed_blocks(self.group, p))
+
+    def first_failure(self, p: int) -> tuple[GapReason, str] | None:
+        for i in needed_blocks(self.group, p):
+            if i >= len(self.checks):
+                return MISSING_REASON[self.group.component], "block beyond the request's key chain"
+            check = self.checks[i]
+            if not check.usable:
+                return check.reason, check.detail
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    logical: int
+    recoverable: int
+    resident: int
+    reason: GapReason
+    reason_group: int
+    reason_detail: str
+    group_logical: tuple[int, ...]
+    restore_bytes: dict[Tier, int]
+
+
+def evaluate(state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy()) -> Evaluation:
+    """The three hit numbers for one lookup event, and why recoverable stops where it does."""
+    chains = lookup.group_block_keys
+    views = []
+    for g in recipe.groups:
+        keys = chains[g.group_id] if g.group_id < len(chains) else []
+        checks = [
+            check_object(state.get(lookup.instance, g.group_id, k), g.component, lookup, policy)
+            if k
+            else _MISSING
+            for k in keys
+        ]
+        views.append(_GroupView(g, checks))
+    cap = lookup.prompt_tokens - 1 if policy.keep_one_token else lookup.prompt_tokens
+    cap = max(cap, 0)
+
+    group_logical = []
+    for v in views:
+        b = v.group.block_size
+        p = min(cap, len(v.checks) * b) // b * b
+        while p > 0 and not v.present_at(p):
+            p -= b
+        group_logical.append(p)
+    logical = max(group_logical, default=0)
+
+    step = recipe.alignment
+    top = logical // step * step
+    recoverable = top
+    while recoverable > 0 and not all(v.usable_at(recoverable) for v in views):
+        recoverable -= step
+    resident = recoverable
+    while resident > 0 and not all(v.resident_at(resident) for v in views):
+        resident -= step
+
+    reason, group_id, detail = GapReason.NONE, -1, ""
+    if recoverable < top:
+        boundary = recoverable + step
+        for v in views:
+            failure = v.first_failure(boundary)
+            if failure is not None:
+                (reason, detail), group_id = failure, v.group.group_id
+                break
+    elif top < logical:
+        reason, detail = GapReason.MISALIGNED, f"logical {logical} is not a multiple of {step}"
+
+    restore: dict[Tier, int] = {}
+    if resident < recoverable:
+        for v in views:
+            for i in needed_blocks(v.group, recoverable):
+                check = v.checks[i]
+                if not check.resident:
+                    restore[check.restore_tier] = restore.get(check.restore_tier, 0) + check.restore_bytes
+    return Evaluation(
+        logical=logical,
+        recoverable=recoverable,
+        resident=resident,
+        reason=reason,
+        reason_group=group_id,
+        reason_detail=detail,
+        group_logical=tuple(group_logical),
+        restore_bytes=restore,
+    )

@@ -1,0 +1,136 @@
+"""Model state recipes: what state a model needs to resume at a token boundary.
+
+A recipe lists a model's cache groups, each with the component it holds, its block size and
+the rule that makes it complete at a boundary p. Recipes are data (msgspec Structs, loadable
+from JSON or TOML); the engine shims derive them from the engine's own KV-cache config.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from functools import cached_property
+from pathlib import Path
+
+import msgspec
+
+from kvtrace.schema.kinds import ComponentKind
+
+
+class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One cache group.
+
+    `window` is the sliding window in tokens (SLIDING_WINDOW). `ratio` is, for an
+    UNCOMPRESSED_TAIL group, the block size of the compressed group it completes: compressed
+    blocks cover [0, floor(p/ratio)*ratio) and the tail covers the rest up to p. `indexes` is,
+    for an INDEXER group, the group id of the KV it indexes.
+    """
+
+    group_id: int
+    component: ComponentKind
+    block_size: int
+    window: int = 0
+    ratio: int = 0
+    indexes: int = -1
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot describe a real model; the message names the group and field."""
+
+
+class Recipe(msgspec.Struct, frozen=True, kw_only=True, dict=True):
+    name: str
+    groups: tuple[GroupSpec, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise RecipeError(f"recipe {self.name!r}: no groups")
+        for i, g in enumerate(self.groups):
+            where = f"recipe {self.name!r} group {i}"
+            if g.group_id != i:
+                raise RecipeError(f"{where}: group_id {g.group_id} must equal its position {i}")
+            if g.block_size <= 0:
+                raise RecipeError(f"{where}: block_size must be > 0")
+            if g.component is ComponentKind.SLIDING_WINDOW and g.window <= 0:
+                raise RecipeError(f"{where}: a sliding_window group needs window > 0")
+            if g.component is ComponentKind.UNCOMPRESSED_TAIL:
+                if g.ratio <= 0 or g.ratio % g.block_size:
+                    raise RecipeError(f"{where}: a tail group needs ratio > 0, a multiple of its block_size")
+            if g.component is ComponentKind.INDEXER and not 0 <= g.indexes < len(self.groups):
+                raise RecipeError(f"{where}: an indexer group needs `indexes` naming a KV group")
+            if g.component in (ComponentKind.NONE, ComponentKind.OTHER):
+                raise RecipeError(f"{where}: component {g.component.value!r} has no completeness rule")
+
+    @cached_property
+    def alignment(self) -> int:
+        """Boundaries must be multiples of every group's block size."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+
+def dense(block_size: int = 16) -> Recipe:
+    return Recipe(
+        name="dense",
+        description="Full attention in every layer (Llama-style).",
+        groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=block_size),),
+    )
+
+
+BUILTIN: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        dense(),
+        Recipe(
+            name="sliding-window-hybrid",
+            description="Gemma-style interleave of full-attention and sliding-window (W=512) layers.",
+            groups=(
+                GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=16),
+                GroupSpec(group_id=1, component=ComponentKind.SLIDING_WINDOW, block_size=16, window=512),
+            ),
+        ),
+        Recipe(
+            name="mamba-hybrid",
+            description="Jamba / Nemotron-H style: attention layers plus Mamba state checkpointed per 64 tokens.",
+            groups=(
+                GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=16),
+                GroupSpec(group_id=1, component=ComponentKind.MAMBA, block_size=64),
+            ),
+        ),
+        Recipe(
+            name="sparse-indexer",
+            description="DeepSeek-V3.2 style: MLA KV plus a lightning-indexer key cache in sync with it.",
+            groups=(
+                GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=64),
+                GroupSpec(group_id=1, component=ComponentKind.INDEXER, block_size=64, indexes=0),
+            ),
+        ),
+        Recipe(
+            name="compressed-hybrid",
+            description=(
+                "DeepSeek-V4 style: compressed KV blocks of 64 tokens plus an uncompressed tail, "
+                "a 128-token sliding window and an indexer."
+            ),
+            groups=(
+                GroupSpec(group_id=0, component=ComponentKind.COMPRESSED, block_size=64),
+                GroupSpec(group_id=1, component=ComponentKind.UNCOMPRESSED_TAIL, block_size=16, ratio=64),
+                GroupSpec(group_id=2, component=ComponentKind.SLIDING_WINDOW, block_size=16, window=128),
+                GroupSpec(group_id=3, component=ComponentKind.INDEXER, block_size=64, indexes=0),
+            ),
+        ),
+    )
+}
+
+
+def load_recipe(source: str) -> Recipe:
+    """A built-in recipe by name, or one read from a .json / .toml file."""
+    if source in BUILTIN:
+        return BUILTIN[source]
+    path = Path(source)
+    if not path.is_file():
+        raise RecipeError(f"no built-in recipe or file named {source!r} (built-in: {', '.join(BUILTIN)})")
+    try:
+        if path.suffix == ".toml":
+            return msgspec.convert(tomllib.loads(path.read_text()), Recipe)
+        return msgspec.json.decode(path.read_bytes(), type=Recipe)
+    except (msgspec.ValidationError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{path}: {exc}") from None

@@ -1,0 +1,169 @@
+"""The streaming reconstructor: one pass over events in time order, one result per lookup.
+
+Memory is bounded by live objects plus lookups still waiting for their adopt (capped), not by
+the length of the trace, so the same code runs offline over a file and inside the collector
+over a live stream.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, needed_blocks
+from kvtrace.analysis.recipes import Recipe
+from kvtrace.analysis.state import CacheState
+from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.events import Event, adopted_tokens
+from kvtrace.schema.kinds import EventKind, Tier
+
+
+class UnknownModel(KeyError):
+    """A lookup for a model no recipe was given for."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    lookup: Event
+    recipe: Recipe
+    at_lookup: Evaluation
+
+
+class Reconstructor:
+    """Feed events in (ts_ns, source_id, seq) order; collect LookupResults as they complete."""
+
+    def __init__(
+        self,
+        recipes: Recipe | Mapping[str, Recipe],
+        policy: Policy = Policy(),
+        max_pending: int = 100_000,
+    ) -> None:
+        self._default = recipes if isinstance(recipes, Recipe) else None
+        self._recipes = {} if isinstance(recipes, Recipe) else dict(recipes)
+        self.policy = policy
+        self.state = CacheState()
+        self.max_pending = max_pending
+        self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
+        self.events_seen = 0
+        self.unmatched_adopts = 0
+        self.pending_overflow = 0
+
+    def recipe_for(self, model: str) -> Recipe:
+        if self._default is not None:
+            return self._default
+        try:
+            return self._recipes[model]
+        except KeyError:
+            raise UnknownModel(f"no recipe for model {model!r} (have: {', '.join(self._recipes)})") from None
+
+    def feed(self, event: Event) -> list[LookupResult]:
+        self.events_seen += 1
+        kind = event.kind
+        if kind is EventKind.LOOKUP:
+            return self._on_lookup(event)
+        if kind is EventKind.ADOPT:
+            pending = self._pending.pop((event.instance, event.request_id), None)
+            if pending is None:
+                self.unmatched_adopts += 1
+                return []
+            return [self._result(pending, event)]
+        self.state.apply(event)
+        return []
+
+    def _on_lookup(self, event: Event) -> list[LookupResult]:
+        out = []
+        key = (event.instance, event.request_id)
+        if (previous := self._pending.pop(key, None)) is not None:
+            out.append(self._result(previous, None))  # looked up again (preempted): close the first
+        recipe = self.recipe_for(event.model)
+        self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy))
+        if len(self._pending) > self.max_pending:
+            _, oldest = self._pending.popitem(last=False)
+            self.pending_overflow += 1
+            out.append(self._result(oldest, None))
+        return out
+
+    def finish(self) -> list[LookupResult]:
+        """Close every lookup still waiting for its adopt."""
+        out = [self._result(p, None) for p in self._pending.values()]
+        self._pending.clear()
+        return out
+
+    def run(self, events: Iterable[Event]) -> Iterator[LookupResult]:
+        for event in events:
+            yield from self.feed(event)
+        yield from self.finish()
+
+    # -- results -------------------------------------------------------------------------------
+    def _result(self, pending: _Pending, adopt: Event | None) -> LookupResult:
+        lookup, ev = pending.lookup, pending.at_lookup
+        recoverable, resident, reason = ev.recoverable, ev.resident, ev.reason
+        group, detail = ev.reason_group, ev.reason_detail
+        adopted = recomputed = 0
+        cross = False
+        if adopt is not None:
+            adopted = adopted_tokens(adopt)
+            recomputed = adopt.recomputed_tokens
+            at_use = evaluate(
+                self.state, pending.recipe, msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns), self.policy
+            )
+            if at_use.recoverable < recoverable:
+                recoverable = at_use.recoverable
+                resident = min(resident, at_use.resident)
+                reason, group, detail = GapReason.CHANGED_BEFORE_USE, at_use.reason_group, at_use.reason.value
+            cross = self._cross_tenant(pending, adopted)
+        if recoverable == 0:
+            verdict = Verdict.MISS
+        elif resident == recoverable:
+            verdict = Verdict.HIT
+        else:
+            verdict = Verdict.PARTIAL
+        restore = ev.restore_bytes
+        return LookupResult(
+            ts_ns=lookup.ts_ns,
+            instance=lookup.instance,
+            request_id=lookup.request_id,
+            model=lookup.model,
+            tenant=lookup.tenant,
+            prompt_tokens=lookup.prompt_tokens,
+            reported_hit_tokens=lookup.reported_hit_tokens,
+            logical_hit_tokens=ev.logical,
+            recoverable_hit_tokens=recoverable,
+            resident_hit_tokens=resident,
+            adopted_tokens=adopted,
+            recomputed_tokens=recomputed,
+            adopt_seen=adopt is not None,
+            verdict=verdict,
+            reason=reason,
+            reason_group=group,
+            reason_detail=detail,
+            unsafe_reuse=adopted > recoverable,
+            missed_reuse=adopt is not None and recoverable > adopted,
+            cross_tenant=cross,
+            restore_host_bytes=restore.get(Tier.HOST, 0),
+            restore_disk_bytes=restore.get(Tier.DISK, 0),
+            restore_remote_bytes=restore.get(Tier.REMOTE, 0),
+            group_logical_tokens=list(ev.group_logical),
+        )
+
+    def _cross_tenant(self, pending: _Pending, adopted: int) -> bool:
+        """Did the adopted prefix include state committed under another tenant namespace?"""
+        lookup = pending.lookup
+        for g in pending.recipe.groups:
+            chain = lookup.group_block_keys[g.group_id] if g.group_id < len(lookup.group_block_keys) else []
+            for i in needed_blocks(g, adopted // g.block_size * g.block_size):
+                if i < len(chain):
+                    obj = self.state.get(lookup.instance, g.group_id, chain[i])
+                    if obj is not None and obj.tenant != lookup.tenant:
+                        return True
+        return False
+
+
+def reconstruct(
+    events: Iterable[Event], recipes: Recipe | Mapping[str, Recipe], policy: Policy = Policy()
+) -> list[LookupResult]:
+    """Every lookup's result, for events already in stream order."""
+    return list(Reconstructor(recipes, policy).run(events))

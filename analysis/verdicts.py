@@ -1,0 +1,79 @@
+"""What the analysis says about one lookup: three hit numbers, a verdict and the gap's reason."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+from kvtrace.schema.kinds import ComponentKind
+
+
+class Verdict(StrEnum):
+    """As inference engineers use the words."""
+
+    HIT = "HIT"  # recoverable with no restore action
+    PARTIAL = "PARTIAL"  # recoverable only after restoring from a lower tier
+    MISS = "MISS"  # nothing recoverable
+
+
+class GapReason(StrEnum):
+    """Why the recoverable boundary stops where it does (closed taxonomy)."""
+
+    NONE = ""  # recoverable reaches the logical hit
+    MISSING_BLOCK = "missing_block"
+    WINDOW_OUT_OF_RANGE = "window_out_of_range"
+    NO_CHECKPOINT = "no_checkpoint_at_boundary"
+    MISSING_TAIL = "missing_tail"
+    INDEXER_OUT_OF_SYNC = "indexer_out_of_sync"
+    NOT_RESIDENT = "not_resident"  # recoverable only by fetching: separates resident from recoverable
+    LEASE_EXPIRED = "lease_expired"
+    IDENTITY_MISMATCH = "identity_mismatch"
+    TENANT_MISMATCH = "tenant_mismatch"
+    MISALIGNED = "misaligned_boundary"
+    UNCOMMITTED = "uncommitted"
+    INVALIDATED = "invalidated"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    CHANGED_BEFORE_USE = "changed_before_use"
+    SPECULATIVE_ROLLBACK = "speculative_rollback"
+
+
+MISSING_REASON: dict[ComponentKind, GapReason] = {
+    ComponentKind.FULL_ATTENTION: GapReason.MISSING_BLOCK,
+    ComponentKind.COMPRESSED: GapReason.MISSING_BLOCK,
+    ComponentKind.CROSS_ATTENTION: GapReason.MISSING_BLOCK,
+    ComponentKind.SLIDING_WINDOW: GapReason.WINDOW_OUT_OF_RANGE,
+    ComponentKind.MAMBA: GapReason.NO_CHECKPOINT,
+    ComponentKind.UNCOMPRESSED_TAIL: GapReason.MISSING_TAIL,
+    ComponentKind.INDEXER: GapReason.INDEXER_OUT_OF_SYNC,
+}
+"""The reason a missing object of each component gives."""
+
+
+class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """One row per lookup: the same columns from the streaming, ClickHouse and DuckDB paths."""
+
+    ts_ns: int
+    instance: str
+    request_id: str
+    model: str
+    tenant: str
+    prompt_tokens: int
+    reported_hit_tokens: int
+    logical_hit_tokens: int
+    recoverable_hit_tokens: int
+    resident_hit_tokens: int
+    adopted_tokens: int = 0
+    recomputed_tokens: int = 0
+    adopt_seen: bool = False
+    verdict: Verdict = Verdict.MISS
+    reason: GapReason = GapReason.NONE
+    reason_group: int = -1
+    reason_detail: str = ""  # e.g. which identity field differed
+    unsafe_reuse: bool = False  # adopted > recoverable: a correctness alarm
+    missed_reuse: bool = False  # recoverable > adopted: compute thrown away
+    cross_tenant: bool = False  # reused state committed under another tenant namespace
+    restore_host_bytes: int = 0
+    restore_disk_bytes: int = 0
+    restore_remote_bytes: int = 0
+    group_logical_tokens: list[int] = []
