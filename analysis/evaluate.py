@@ -98,12 +98,11 @@ def needed_blocks(group: GroupSpec, p: int) -> range:
 class _GroupView:
     """One group's blocks for one request, with prefix sums for O(1) range checks."""
 
-    __slots__ = ("group", "checks", "_present", "_usable", "_resident")
+    __slots__ = ("group", "checks", "_usable", "_resident")
 
     def __init__(self, group: GroupSpec, checks: list[BlockCheck]) -> None:
         self.group = group
         self.checks = checks
-        self._present = [0, *accumulate(int(c.present) for c in checks)]
         self._usable = [0, *accumulate(int(c.usable) for c in checks)]
         self._resident = [0, *accumulate(int(c.resident) for c in checks)]
 
@@ -113,9 +112,6 @@ class _GroupView:
         if blocks.stop > len(self.checks):
             return False
         return sums[blocks.stop] - sums[blocks.start] == len(blocks)
-
-    def present_at(self, p: int) -> bool:
-        return self._all(self._present, needed_blocks(self.group, p))
 
     def usable_at(self, p: int) -> bool:
         return self._all(self._usable, needed_blocks(self.group, p))
@@ -145,8 +141,14 @@ class Evaluation:
     restore_bytes: dict[Tier, int]
 
 
-def evaluate(state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy()) -> Evaluation:
-    """The three hit numbers for one lookup event, and why recoverable stops where it does."""
+def evaluate(
+    state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0
+) -> Evaluation:
+    """The three hit numbers for one lookup event, and why recoverable stops where it does.
+
+    The reason explains the first boundary above recoverable, up to the logical hit or, when
+    re-checking at adopt time, up to `explain_up_to` (what was recoverable at lookup).
+    """
     chains = lookup.group_block_keys
     views = []
     for g in recipe.groups:
@@ -161,13 +163,12 @@ def evaluate(state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = 
     cap = lookup.prompt_tokens - 1 if policy.keep_one_token else lookup.prompt_tokens
     cap = max(cap, 0)
 
+    # What a hash lookup reports: the longest run of found keys from the start of any group's
+    # chain, whatever the state of those objects and whatever the other groups hold.
     group_logical = []
     for v in views:
-        b = v.group.block_size
-        p = min(cap, len(v.checks) * b) // b * b
-        while p > 0 and not v.present_at(p):
-            p -= b
-        group_logical.append(p)
+        found = next((i for i, c in enumerate(v.checks) if not c.present), len(v.checks))
+        group_logical.append(min(found * v.group.block_size, cap))
     logical = max(group_logical, default=0)
 
     step = recipe.alignment
@@ -180,7 +181,7 @@ def evaluate(state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = 
         resident -= step
 
     reason, group_id, detail = GapReason.NONE, -1, ""
-    if recoverable < top:
+    if recoverable < max(top, explain_up_to // step * step):
         boundary = recoverable + step
         for v in views:
             failure = v.first_failure(boundary)

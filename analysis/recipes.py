@@ -64,8 +64,19 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     @cached_property
     def alignment(self) -> int:
-        """Boundaries must be multiples of every group's block size."""
-        return math.lcm(*(g.block_size for g in self.groups))
+        """Boundaries must be multiples of every group's block size.
+
+        A compressed group completed by an uncompressed tail is the exception: the tail covers
+        the tokens after its last block, so it does not constrain the boundary.
+        """
+        completed = {g.ratio for g in self.groups if g.component is ComponentKind.UNCOMPRESSED_TAIL}
+        return math.lcm(
+            *(
+                g.block_size
+                for g in self.groups
+                if not (g.component is ComponentKind.COMPRESSED and g.block_size in completed)
+            )
+        )
 
 
 def dense(block_size: int = 16) -> Recipe:
@@ -114,7 +125,7 @@ BUILTIN: dict[str, Recipe] = {
                 GroupSpec(group_id=0, component=ComponentKind.COMPRESSED, block_size=64),
                 GroupSpec(group_id=1, component=ComponentKind.UNCOMPRESSED_TAIL, block_size=16, ratio=64),
                 GroupSpec(group_id=2, component=ComponentKind.SLIDING_WINDOW, block_size=16, window=128),
-                GroupSpec(group_id=3, component=ComponentKind.INDEXER, block_size=64, indexes=0),
+                GroupSpec(group_id=3, component=ComponentKind.INDEXER, block_size=16, indexes=0),
             ),
         ),
     )

@@ -108,7 +108,11 @@ class Reconstructor:
             adopted = adopted_tokens(adopt)
             recomputed = adopt.recomputed_tokens
             at_use = evaluate(
-                self.state, pending.recipe, msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns), self.policy
+                self.state,
+                pending.recipe,
+                msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
+                self.policy,
+                explain_up_to=recoverable,
             )
             if at_use.recoverable < recoverable:
                 recoverable = at_use.recoverable
