@@ -303,3 +303,25 @@ def test_recipes_validate_and_load(tmp_path) -> None:  # type: ignore[no-untyped
     toml = tmp_path / "r.toml"
     toml.write_text('name = "y"\n[[groups]]\ngroup_id = 0\ncomponent = "full_attention"\nblock_size = 32\n')
     assert load_recipe(str(toml)).alignment == 32
+
+
+def test_funnel_and_reasons_frames() -> None:
+    from kvtrace.analysis.funnel import funnel, reasons, restore_bytes, results_frame
+
+    s = Scenario(BUILTIN["mamba-hybrid"])
+    s.commit_all(skip={(1, 15)})
+    s.ev(kind=EventKind.LOOKUP, request_id="b", prompt_tokens=PROMPT, group_block_keys=s.chains())
+    s.ev(kind=EventKind.ADOPT, request_id="b", reused_tiers=[Tier.DEVICE], reused_tokens=[1024])
+    s.ev(kind=EventKind.LOOKUP, request_id="c", prompt_tokens=PROMPT, group_block_keys=[[1], [2]])
+    s.ev(kind=EventKind.ADOPT, request_id="c", recomputed_tokens=PROMPT)
+    frame = results_frame(reconstruct(s.events, s.recipe))
+    f = funnel(frame).row(0, named=True)
+    assert f["lookups"] == 2 and f["prompt_tokens"] == 2 * PROMPT
+    assert f["logical_token_rate"] == pytest.approx(1024 / (2 * PROMPT))
+    assert f["recoverable_token_rate"] == pytest.approx(960 / (2 * PROMPT))
+    assert f["recoverable_request_rate"] == 0.5 and f["unsafe_reuse"] == 1
+    by_model = funnel(frame, by=["model"], bucket_ns=10**9)
+    assert by_model.height == 1
+    r = reasons(frame).row(0, named=True)
+    assert r["reason"] == GapReason.NO_CHECKPOINT.value and r["tokens_lost"] == 64
+    assert restore_bytes(frame).row(0) == (0, 0, 0)

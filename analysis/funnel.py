@@ -1,0 +1,75 @@
+"""Hit funnels and gap reasons over per-lookup results, as polars DataFrames."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+import polars as pl
+
+from kvtrace.analysis.verdicts import LookupResult
+
+DIMENSIONS = ("model", "instance", "tenant")
+
+
+def results_frame(results: Iterable[LookupResult]) -> pl.DataFrame:
+    """One row per lookup; enum columns hold their string values."""
+    rows = [msgspec.structs.asdict(r) for r in results]
+    if not rows:
+        return pl.DataFrame(schema={f: pl.Utf8 for f in LookupResult.__struct_fields__})
+    frame = pl.DataFrame(rows)
+    return frame.with_columns(pl.col("verdict").cast(pl.Utf8), pl.col("reason").cast(pl.Utf8))
+
+
+def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> pl.DataFrame:
+    """Logical, recoverable, resident and adopted hit rates, token- and request-weighted.
+
+    Token rates divide by prompt tokens; request rates are the share of lookups with a
+    non-zero hit of each kind. `bucket_ns` > 0 adds a time bucket to the grouping.
+    """
+    keys = list(by)
+    if bucket_ns:
+        frame = frame.with_columns((pl.col("ts_ns") // bucket_ns * bucket_ns).alias("bucket_ns"))
+        keys.append("bucket_ns")
+    prompt = pl.col("prompt_tokens").sum()
+    aggs = [
+        pl.len().alias("lookups"),
+        prompt.alias("prompt_tokens"),
+        *(
+            (pl.col(f"{name}_hit_tokens").sum() / prompt).alias(f"{name}_token_rate")
+            for name in ("logical", "recoverable", "resident")
+        ),
+        (pl.col("adopted_tokens").sum() / prompt).alias("adopted_token_rate"),
+        *(
+            (pl.col(f"{name}_hit_tokens") > 0).mean().alias(f"{name}_request_rate")
+            for name in ("logical", "recoverable", "resident")
+        ),
+        (pl.col("adopted_tokens") > 0).mean().alias("adopted_request_rate"),
+        ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
+        pl.col("unsafe_reuse").sum().alias("unsafe_reuse"),
+        pl.col("missed_reuse").sum().alias("missed_reuse"),
+        pl.col("cross_tenant").sum().alias("cross_tenant"),
+    ]
+    if not keys:
+        return frame.select(aggs)
+    return frame.group_by(keys).agg(aggs).sort(keys)
+
+
+def reasons(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
+    """Tokens lost between logical and recoverable, per reason (largest first)."""
+    keys = [*by, "reason"]
+    return (
+        frame.filter(pl.col("reason") != "")
+        .group_by(keys)
+        .agg(
+            pl.len().alias("lookups"),
+            (pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum().alias("tokens_lost"),
+        )
+        .sort("tokens_lost", descending=True)
+    )
+
+
+def restore_bytes(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
+    """Bytes that restore actions would move, per source tier."""
+    cols = [pl.col(f"restore_{t}_bytes").sum() for t in ("host", "disk", "remote")]
+    return frame.select(cols) if not by else frame.group_by(list(by)).agg(cols).sort(list(by))
