@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from urllib.parse import quote
 
 from kvtrace.collector.store import Store, default_dsn, parse_dsn
 from kvtrace.instrumentation.emitter import BatchEmitter
@@ -55,22 +56,22 @@ def _simulate(emitter: BatchEmitter, prompts: list[list[int]]) -> None:
             cache.move_to_end(keys[hit])
             hit += 1
         prompt = len(keys) * BLOCK
-        emitter.emit(Event(kind=EventKind.LOOKUP, ts_ns=0, source_id=0, seq=0, request_id=rid,
+        emitter.emit(Event(kind=EventKind.LOOKUP, request_id=rid,
                            prompt_tokens=prompt, group_block_keys=[keys], group_hit_tokens=[hit * BLOCK],
                            reported_hit_tokens=hit * BLOCK, **ident))
         for j in range(hit, len(keys)):
             parent = keys[j - 1] if j else 0
             common = dict(component=ComponentKind.FULL_ATTENTION, block_key=keys[j], parent_key=parent,
                           token_start=j * BLOCK, token_end=(j + 1) * BLOCK, tier=Tier.DEVICE, nbytes=BLOCK * 4096)
-            emitter.emit(Event(kind=EventKind.CREATE, ts_ns=0, source_id=0, seq=0, **common, **ident))
-            emitter.emit(Event(kind=EventKind.COMMIT, ts_ns=0, source_id=0, seq=0, **common, **ident))
+            emitter.emit(Event(kind=EventKind.CREATE, **common, **ident))
+            emitter.emit(Event(kind=EventKind.COMMIT, **common, **ident))
             cache[keys[j]] = parent
             while len(cache) > CAPACITY_BLOCKS:
                 victim, _ = cache.popitem(last=False)
-                emitter.emit(Event(kind=EventKind.EVICT, ts_ns=0, source_id=0, seq=0, block_key=victim,
+                emitter.emit(Event(kind=EventKind.EVICT, block_key=victim,
                                    component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE,
                                    reason=Reason.CAPACITY, **ident))
-        emitter.emit(Event(kind=EventKind.ADOPT, ts_ns=0, source_id=0, seq=0, request_id=rid,
+        emitter.emit(Event(kind=EventKind.ADOPT, request_id=rid,
                            reused_tiers=[Tier.DEVICE] if hit else [], reused_tokens=[hit * BLOCK] if hit else [],
                            recomputed_tokens=prompt - hit * BLOCK, **ident))
 
@@ -78,7 +79,7 @@ def _simulate(emitter: BatchEmitter, prompts: list[list[int]]) -> None:
 def run_demo(dsn: str | None = None, requests: int = 200) -> int:
     base = parse_dsn(dsn or default_dsn())
     demo_dsn = f"chdb://{base.path}?database={DEMO_DATABASE}" if base.embedded else \
-        f"{base.scheme}://{base.username}:{base.password}@{base.host}:{base.port}/{DEMO_DATABASE}"
+        f"{base.scheme}://{quote(base.username, safe='')}:{quote(base.password, safe='')}@{base.host}:{base.port}/{DEMO_DATABASE}"
     started = time.monotonic()
     with Store(demo_dsn) as store:
         print(f"[1/3] store {store.dsn}: resetting the demo database")

@@ -135,6 +135,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 failed = True
                 continue
+            except Exception as exc:  # noqa: BLE001 - one unloadable file must not stop the rest
+                print(f"error: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                failed = True
+                continue
             torn = f", {report.torn_bytes} torn bytes at the end" if report.torn_bytes else ""
             print(f"{path}: {report.format.value}, {report.stored} stored, {report.rejected} quarantined{torn}")
             for r in report.first_rejections:

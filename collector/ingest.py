@@ -32,13 +32,19 @@ class FileFormat(StrEnum):
 
 
 def detect_format(path: Path) -> FileFormat:
-    """By content, not name: Parquet and spool files carry magic bytes; the rest is JSONL."""
+    """By content, not name: Parquet and spool files carry magic bytes; the rest is JSONL.
+
+    JSON text never holds a NUL byte, so a file that does (gzip, an unknown binary) is refused
+    whole instead of being quarantined line by line as garbage.
+    """
     with open(path, "rb") as f:
-        head = f.read(len(SPOOL_MAGIC))
+        head = f.read(4096)
     if head.startswith(b"PAR1"):
         return FileFormat.PARQUET
     if head.startswith(SPOOL_MAGIC):
         return FileFormat.SPOOL
+    if b"\x00" in head:
+        raise WireError(f"{path}: not JSONL, Parquet or a kvtrace spool file (binary content)")
     return FileFormat.JSONL
 
 
@@ -93,9 +99,9 @@ def _spool_chunks(path: Path, report: FileReport) -> Iterator[Chunk]:
     for payload in scan.payloads:
         batch = decode_batch(payload)
         origin = f"{path}#source={batch.source_id:016x},batch={batch.batch_seq}"
-        good, bad = validate_rows(
-            batch.events, origin, first_row=1, decode=lambda raw: event_from_builtins(decode_raw_event(raw))
-        )
+        # Rows are decoded to builtins first, so a quarantined row keeps its content as JSON.
+        rows = [decode_raw_event(raw) for raw in batch.events]
+        good, bad = validate_rows(rows, origin, first_row=1, decode=event_from_builtins)
         yield Chunk(good, bad, [batch.stats] if batch.stats is not None else [])
 
 
@@ -114,8 +120,8 @@ def ingest_file(
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such file")
-    report = FileReport(path=str(p), format=detect_format(p))
     try:
+        report = FileReport(path=str(p), format=detect_format(p))
         for chunk in read_file(p, report):
             report.rows += len(chunk.events) + len(chunk.rejections)
             report.stored += store.insert_events(chunk.events)
@@ -127,7 +133,9 @@ def ingest_file(
                 report.first_rejections += chunk.rejections[:room]
             if on_chunk:
                 on_chunk(report)
-    except (WireError, msgspec.DecodeError, OSError) as exc:
+    except WireError as exc:
+        raise WireError(str(exc) if str(exc).startswith(str(p)) else f"{p}: {exc}") from exc
+    except (msgspec.DecodeError, OSError) as exc:
         raise WireError(f"{p}: {exc}") from exc
     except Exception as exc:
         if type(exc).__module__.startswith("pyarrow"):

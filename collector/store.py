@@ -228,7 +228,7 @@ class Store:
                 for table in TABLES:
                     name = f"{table.name}_local" if cluster else table.name
                     self.client.command(
-                        f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER {cluster}' if cluster else ''} MODIFY TTL "
+                        f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER `{cluster}`' if cluster else ''} MODIFY TTL "
                         f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {ttl_days} DAY"
                     )
             if stored != SCHEMA_VERSION:
@@ -251,10 +251,14 @@ class Store:
             )
 
     # -- writes ------------------------------------------------------------------------------
+    # A backfill (an old trace, a long export) legitimately spans many daily partitions; the
+    # server's default cap of 100 per insert would reject it, and only throws the rows away.
+    INSERT_SETTINGS = {"max_partitions_per_insert_block": 10000}
+
     def insert_arrow(self, table: str, data: pa.Table) -> int:
         if data.num_rows:
             with self._lock:
-                self.client.insert_arrow(f"{self.db}.{table}", data)
+                self.client.insert_arrow(f"{self.db}.{table}", data, settings=self.INSERT_SETTINGS)
         return data.num_rows
 
     def insert_events(self, events: Sequence[Event]) -> int:

@@ -100,14 +100,18 @@ class EmitterSettings:
             sink = (
                 SinkKind.COLLECTOR if url else SinkKind.STORE if dsn else SinkKind.OTLP if otlp else SinkKind.SPOOL
             )
+        # BatchConfig is a slots dataclass: its class attributes are descriptors, not defaults.
+        defaults = BatchConfig()
+        batch_vars = ("KVTRACE_MAX_QUEUE_SIZE", "KVTRACE_MAX_EXPORT_BATCH_SIZE", "KVTRACE_SCHEDULE_DELAY_MILLIS")
         try:
             batch = BatchConfig(
-                max_queue_size=integer("KVTRACE_MAX_QUEUE_SIZE", BatchConfig.max_queue_size),
-                max_export_batch_size=integer("KVTRACE_MAX_EXPORT_BATCH_SIZE", BatchConfig.max_export_batch_size),
-                schedule_delay_millis=integer("KVTRACE_SCHEDULE_DELAY_MILLIS", BatchConfig.schedule_delay_millis),
+                max_queue_size=integer("KVTRACE_MAX_QUEUE_SIZE", defaults.max_queue_size),
+                max_export_batch_size=integer("KVTRACE_MAX_EXPORT_BATCH_SIZE", defaults.max_export_batch_size),
+                schedule_delay_millis=integer("KVTRACE_SCHEDULE_DELAY_MILLIS", defaults.schedule_delay_millis),
             )
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            named = ", ".join(f"{n}={env[n]!r}" for n in batch_vars if env.get(n)) or "batch settings"
+            raise ConfigError(f"{named}: {exc}") from None
         settings = cls(
             enabled=flag("KVTRACE_ENABLED"),
             sink=sink,
@@ -162,7 +166,7 @@ def configure(settings: EmitterSettings | None = None, engine: str = "") -> Emit
     """Install the process-wide emitter the settings describe (the no-op when disabled)."""
     settings = settings or EmitterSettings.from_env()
     if not settings.enabled:
-        set_emitter(None)
+        set_emitter(None).shutdown()  # as below: the emitter replaced is flushed and closed
         from kvtrace.instrumentation.api import get_emitter
 
         return get_emitter()

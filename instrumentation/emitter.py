@@ -106,6 +106,7 @@ class BatchEmitter:
         self._stopping = False
         self._deadline: float | None = None
         self._batch_seq = 0
+        self._markers = 0  # flush markers in the queue: not events, so not counted as queued
         self._drained = 0
         self._exported = 0
         self._batches = 0
@@ -126,6 +127,7 @@ class BatchEmitter:
         """A forked child gets a fresh identity and queue, and its own worker thread."""
         self._lock = threading.Lock()
         self._init_state()
+        self._stopping = self._shutdown_done  # a shut-down emitter stays shut: no worker, no queue
         if not self._shutdown_done:
             self._start_worker()
 
@@ -137,6 +139,10 @@ class BatchEmitter:
         when it is then dropped, so downstream sees the drop as a gap in `seq`.
         """
         try:
+            if not isinstance(event, Event):
+                # Not an event: refuse it here, where it costs one count, rather than let it
+                # fail the encoding of a whole batch of good events in the worker.
+                raise TypeError(f"not an Event: {type(event).__name__}")
             event.source_id = self.source_id
             event.seq = next(self._seq)
             if not event.ts_ns:
@@ -179,10 +185,12 @@ class BatchEmitter:
         while queue and len(batch) < limit:
             item = queue.popleft()
             if isinstance(item, _FlushMarker):
+                with self._lock:
+                    self._markers -= 1
                 markers.append(item)
                 break
             batch.append(item)
-        self._drained += len(batch)
+            self._drained += 1  # per item: stats() never misses a whole batch in transit
         return batch, markers
 
     def _run(self) -> None:
@@ -232,13 +240,14 @@ class BatchEmitter:
                 self._export_errors += 1
             if result.status is ExportStatus.FAILURE or attempt + 1 == self._config.max_export_attempts:
                 break
-            wait = max(result.retry_after_s, backoff * (2**attempt))
+            # Jitter spreads our own backoff; a server's Retry-After is a floor, never shortened.
+            wait = max(result.retry_after_s, backoff * (2**attempt) * (0.5 + random.random() / 2))
             wait = min(wait, self._config.max_retry_wait_millis / 1000)
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
                 if wait <= 0:
                     break
-            time.sleep(wait * (0.5 + random.random() / 2))
+            time.sleep(wait)
         with self._lock:
             self._dropped_export_failed += len(events)
         self._log_error(f"dropped {len(events)} events after export failed: {result.detail}")
@@ -254,13 +263,15 @@ class BatchEmitter:
     def stats(self) -> EmitterStats:
         """Counters so far; `emitted` counts every event handed to emit()."""
         with self._lock:
-            depth = len(self._queue)
+            depth = len(self._queue) - self._markers
             return EmitterStats(
                 ts_ns=time.time_ns(),
                 source_id=self.source_id,
                 instance=self._instance,
                 engine=self._engine,
-                emitted=self._drained + depth + self._dropped_queue_full + self._emit_errors,
+                emitted=(
+                    self._drained + depth + self._dropped_queue_full + self._emit_errors + self._dropped_shutdown
+                ),
                 exported=self._exported,
                 dropped_queue_full=self._dropped_queue_full,
                 dropped_export_failed=self._dropped_export_failed,
@@ -277,7 +288,9 @@ class BatchEmitter:
         if self._shutdown_done or not self._worker.is_alive():
             return not self._queue
         marker = _FlushMarker()
-        self._queue.append(marker)
+        with self._lock:
+            self._markers += 1
+            self._queue.append(marker)
         self._wake.set()
         return marker.done.wait(timeout_millis / 1000)
 
@@ -296,16 +309,18 @@ class BatchEmitter:
         self._stopping = True
         self._wake.set()
         self._worker.join(timeout)  # a stalled sink leaves the worker behind; we move on
-        leftover = sum(1 for item in list(self._queue) if isinstance(item, Event))
-        self._queue.clear()
         with self._lock:
+            leftover = sum(1 for item in list(self._queue) if isinstance(item, Event))
+            self._queue.clear()
+            self._markers = 0
             self._dropped_shutdown += leftover
         self._send_final_stats(deadline)
         try:
             self._sink.shutdown()
         except Exception as exc:  # noqa: BLE001
             self._log_error(f"sink shutdown failed: {exc}")
-        return leftover == 0 and self._dropped_export_failed == 0
+        # A worker still inside the sink holds a batch that has not been delivered.
+        return leftover == 0 and self._dropped_export_failed == 0 and not self._worker.is_alive()
 
     def _send_final_stats(self, deadline: float) -> None:
         if self._worker.is_alive() or time.monotonic() > deadline:

@@ -132,7 +132,8 @@ def _engine(table: TableSpec, opts: DdlOptions) -> str:
 
 
 def _on_cluster(opts: DdlOptions) -> str:
-    return f" ON CLUSTER {opts.cluster}" if opts.cluster else ""
+    # Quoted: cluster names may hold '-', which a bare identifier cannot.
+    return f" ON CLUSTER `{opts.cluster}`" if opts.cluster else ""
 
 
 def create_table(table: TableSpec, opts: DdlOptions) -> str:
@@ -159,7 +160,7 @@ def create_distributed(table: TableSpec, opts: DdlOptions) -> str:
     return (
         f"CREATE TABLE IF NOT EXISTS {opts.database}.{table.name}{_on_cluster(opts)}\n"
         f"AS {opts.database}.{table.name}_local\n"
-        f"ENGINE = Distributed({opts.cluster}, {opts.database}, {table.name}_local, {table.shard_key})"
+        f"ENGINE = Distributed('{opts.cluster}', {opts.database}, {table.name}_local, {table.shard_key})"
     )
 
 

@@ -39,15 +39,30 @@ def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
+_ENVELOPE = msgspec.field(default_factory=int)
+
+
 class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One lifecycle fact about KV-cache state or a request's use of it."""
 
     # -- envelope ---------------------------------------------------------------------------
     kind: Annotated[EventKind, _doc("What happened.")]
-    ts_ns: Annotated[TimeNs, Sorted(), _doc("Wall-clock time of the fact, ns since the Unix epoch.")]
-    source_id: Annotated[Hash64, _doc("Random id of the emitting process; with seq, the event id.")]
-    seq: Annotated[U64, Sorted(), _doc("Dense per-source sequence number; gaps mean lost events.")]
-    schema_version: Annotated[U16, _doc("Schema version the event was written with.")] = SCHEMA_VERSION
+    # The emitter stamps these three; shims leave them 0. On the wire they are required.
+    # A default_factory (unlike a plain default) is never dropped by omit_defaults, so they are
+    # always encoded, seq 0 included: the first event of every emitter has seq 0.
+    ts_ns: Annotated[TimeNs, Sorted(), _doc("Wall-clock time of the fact, ns since the Unix epoch.")] = (
+        _ENVELOPE
+    )
+    source_id: Annotated[Hash64, _doc("Random id of the emitting process; with seq, the event id.")] = (
+        _ENVELOPE
+    )
+    seq: Annotated[U64, Sorted(), _doc("Dense per-source sequence number; gaps mean lost events.")] = (
+        _ENVELOPE
+    )
+    # Always encoded too: a row that omitted its version would be read as the reader's own.
+    schema_version: Annotated[U16, _doc("Schema version the event was written with.")] = msgspec.field(
+        default_factory=lambda: SCHEMA_VERSION
+    )
 
     # -- where ------------------------------------------------------------------------------
     engine: Annotated[Label, _doc("Engine that emitted it: vllm, sglang, lmcache, sim, ...")] = ""
@@ -103,6 +118,10 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     reused_tokens: Annotated[list[U32], _doc("Tokens adopted from each of reused_tiers (adopt).")] = []
     recomputed_tokens: Annotated[U32, _doc("Prompt tokens computed afresh (adopt).")] = 0
 
+
+WIRE_REQUIRED: tuple[str, ...] = ("kind", "ts_ns", "source_id", "seq")
+"""Fields a stored or transmitted event must carry explicitly: without its id an event could
+not be de-duplicated, and without its time it could not be ordered."""
 
 FIELD_NAMES: tuple[str, ...] = Event.__struct_fields__
 """Column order everywhere: Struct field order, the DDL, Arrow and Parquet."""

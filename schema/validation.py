@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from kvtrace.schema.events import REQUIRED_BY_KIND, SCHEMA_VERSION, Event
+from kvtrace.schema.events import REQUIRED_BY_KIND, SCHEMA_VERSION, WIRE_REQUIRED, Event
 from kvtrace.schema.fields import field_specs
 from kvtrace.schema.kinds import EVICT_REASONS, INVALIDATE_REASONS, EventKind
 from kvtrace.schema.records import Rejection
@@ -94,6 +94,8 @@ def problems(event: Event) -> list[Problem]:
             out.append(Problem(where, f"out of range [{low}, {high}]"))
     if event.ts_ns <= 0:
         out.append(Problem("ts_ns", "must be a positive Unix time in nanoseconds"))
+    if event.source_id == 0:
+        out.append(Problem("source_id", "must be non-zero (the emitter draws a random one)"))
     if event.token_end < event.token_start:
         out.append(
             Problem("token_end", f"token_end {event.token_end} < token_start {event.token_start}")
@@ -136,7 +138,8 @@ def ensure_valid(event: Event) -> Event:
 
 def _upgrade(row: dict[str, Any]) -> dict[str, Any]:
     version = row.get("schema_version", SCHEMA_VERSION)
-    if isinstance(version, int):
+    # Only real versions are walked up; 0, negatives and bools are left for validation to reject.
+    if type(version) is int and version >= 1:
         while version < SCHEMA_VERSION:
             if version in UPGRADES:
                 row = UPGRADES[version](row)
@@ -152,6 +155,9 @@ def event_from_builtins(row: Any) -> Event:
     """
     if not isinstance(row, dict):
         raise InvalidEvent("", f"expected an object, got {type(row).__name__}")
+    for name in WIRE_REQUIRED:
+        if name not in row:
+            raise InvalidEvent(name, f"missing required field `{name}`")
     if row.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
         row = _upgrade(dict(row))
     try:

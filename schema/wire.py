@@ -28,8 +28,11 @@ _FRAME = struct.Struct(">II")  # payload length, crc32 of the payload
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
-class Batch(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Events from one emitter, numbered per source so the receiver can see missing batches."""
+class Batch(msgspec.Struct, kw_only=True):
+    """Events from one emitter, numbered per source so the receiver can see missing batches.
+
+    Every field is encoded, defaults included: the receiver requires `wire_version`.
+    """
 
     wire_version: int = WIRE_VERSION
     source_id: int
@@ -103,6 +106,8 @@ def read_spool(stream: BinaryIO, name: str = "spool") -> SpoolScan:
     header = stream.read(len(SPOOL_HEADER))
     if not header.startswith(SPOOL_MAGIC):
         raise WireError(f"{name}: not a kvtrace spool file (bad magic)")
+    if len(header) < len(SPOOL_HEADER):
+        raise WireError(f"{name}: truncated spool header ({len(header)} of {len(SPOOL_HEADER)} bytes)")
     (version,) = struct.unpack(">H", header[len(SPOOL_MAGIC) :])
     if version != WIRE_VERSION:
         raise WireError(f"{name}: spool version {version} not supported (this reader knows {WIRE_VERSION})")

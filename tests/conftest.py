@@ -1,0 +1,42 @@
+"""Shared fixtures: one embedded ClickHouse engine per test session, a database per test.
+
+chDB hosts one engine directory per process, so every test shares the session's engine and
+isolates itself with its own database.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="kvtrace-tests-"))
+# Set before any kvtrace import reads it: the default DSN then points at the session engine.
+os.environ["KVTRACE_HOME"] = str(_SESSION_HOME)
+os.environ.pop("KVTRACE_DSN", None)
+
+from kvtrace.collector.store import Store  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def chdb_path() -> Path:
+    return _SESSION_HOME / "chdb"
+
+
+@pytest.fixture
+def store_dsn(chdb_path: Path) -> str:
+    return f"chdb://{chdb_path}?database=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(store_dsn: str) -> Iterator[Store]:
+    """A fresh, initialized kvtrace database on the session's embedded engine."""
+    s = Store(store_dsn)
+    s.init()
+    yield s
+    s.client.command(f"DROP DATABASE IF EXISTS {s.db}")
+    s.close()

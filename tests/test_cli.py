@@ -1,0 +1,229 @@
+"""The `kvtrace` command, run in-process against the session's embedded ClickHouse."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgspec
+import pyarrow.parquet as pq
+import pytest
+from strategies import STORE_TS_BASE
+
+from kvtrace.cli.demo import DEMO_DATABASE
+from kvtrace.cli.main import main
+from kvtrace.collector.store import Store, default_dsn
+from kvtrace.schema.arrow import from_arrow
+from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event
+from kvtrace.schema.kinds import EventKind, Reason
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _events(n: int) -> list[Event]:
+    return [
+        Event(kind=EventKind.INVALIDATE, ts_ns=STORE_TS_BASE + i, source_id=5, seq=i, reason=Reason.RESET,
+              instance=f"i{i % 2}")
+        for i in range(n)
+    ]
+
+
+def test_db_init_twice_then_status(capsys, store_dsn):
+    code, out, _ = run(capsys, "--dsn", store_dsn, "db", "init")
+    assert code == 0
+    assert f"schema version {SCHEMA_VERSION}" in out
+    assert f"applied: schema_version None -> {SCHEMA_VERSION}" in out
+
+    code, out, _ = run(capsys, "--dsn", store_dsn, "db", "init")
+    assert code == 0
+    assert "already up to date" in out and "applied" not in out
+
+    with Store(store_dsn) as s:
+        s.insert_events(_events(7))
+    code, out, _ = run(capsys, "--dsn", store_dsn, "db", "status")
+    assert code == 0
+    assert "schema version" in out
+    assert f"schema version:  {SCHEMA_VERSION} (this kvtrace: {SCHEMA_VERSION})" in out
+    assert re.search(r"events\s+7 rows", out), out
+    assert re.search(r"quarantine\s+0 rows", out), out
+    assert "event sources:   1" in out
+    with Store(store_dsn) as s:
+        s.client.command(f"DROP DATABASE IF EXISTS {s.db}")
+
+
+def test_db_status_before_init(capsys, store_dsn):
+    code, out, _ = run(capsys, "--dsn", store_dsn, "db", "status")
+    assert code == 1
+    assert "kvtrace db init" in out
+
+
+def test_db_init_with_ttl(capsys, store):
+    code, out, _ = run(capsys, "--dsn", str(store.dsn), "db", "init", "--ttl-days", "30")
+    assert code == 0
+    ddl = store.scalar(
+        "SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = 'events'",
+        {"db": store.db},
+    )
+    assert "toIntervalDay(30)" in ddl
+
+
+def test_ingest_mixed_file_reports_line_and_field(capsys, store, tmp_path):
+    good = _events(3)
+    lines = [msgspec.json.encode(e).decode() for e in good]
+    no_component = {"kind": "create", "ts_ns": 1, "source_id": 1, "seq": 1, "block_key": 2, "tier": "host"}
+    lines.insert(1, json.dumps(no_component))
+    lines.insert(3, "")
+    lines.insert(4, '{"kind": "lookup", "ts_ns": 1, "source_id": 1, "seq": 2, "prompt_tokens": "many"}')
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "ingest", str(path))
+
+    assert code == 1
+    assert f"{path}: jsonl, 3 stored, 2 quarantined" in out
+    assert f"{path} row 2: component: required for a create event" in err
+    assert f"{path} row 5: prompt_tokens: " in err
+    assert [e for t in store.iter_event_batches() for e in from_arrow(t)] == good
+    assert store.scalar(f"SELECT count() FROM {store.db}.quarantine") == 2
+
+
+def test_ingest_clean_file_and_missing_file(capsys, store, tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in _events(4)))
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "ingest", str(path))
+    assert (code, err) == (0, "")
+    assert "4 stored, 0 quarantined" in out
+
+    missing = tmp_path / "missing.jsonl"
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "ingest", str(missing), str(path))
+    assert code == 1
+    assert f"error: {missing}: no such file" in err
+    assert f"{path}: jsonl, 4 stored" in out  # the other file is still loaded
+    assert store.count_events() == 4
+
+
+def test_ingest_initializes_a_fresh_store(capsys, store_dsn, tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in _events(2)))
+    code, _, _ = run(capsys, "--dsn", store_dsn, "ingest", str(path))
+    assert code == 0
+    with Store(store_dsn) as s:
+        assert s.count_events() == 2
+        s.client.command(f"DROP DATABASE IF EXISTS {s.db}")
+
+
+def test_export_parquet_and_jsonl(capsys, store, tmp_path):
+    events = _events(10)
+    store.insert_events(events)
+    out_path = tmp_path / "x.parquet"
+    code, out, _ = run(capsys, "--dsn", str(store.dsn), "export", "-o", str(out_path))
+    assert code == 0
+    assert f"wrote 10 events to {out_path}" in out
+    table = pq.read_table(out_path)
+    assert table.num_rows == 10 and tuple(table.column_names) == FIELD_NAMES
+    assert from_arrow(table) == events
+
+    jl = tmp_path / "x.jsonl"
+    code, out, _ = run(capsys, "--dsn", str(store.dsn), "export", "-o", str(jl), "--format", "jsonl",
+                       "--instance", "i1", "--since", str(STORE_TS_BASE + 2))
+    assert code == 0
+    want = [e for e in events if e.instance == "i1" and e.ts_ns >= STORE_TS_BASE + 2]
+    assert f"wrote {len(want)} events" in out
+    assert [msgspec.json.decode(line, type=Event) for line in jl.read_bytes().splitlines()] == want
+
+
+def test_export_from_an_uninitialized_store_fails_clearly(capsys, store_dsn, tmp_path):
+    code, _, err = run(capsys, "--dsn", store_dsn, "export", "-o", str(tmp_path / "x.parquet"))
+    assert code == 2
+    assert "kvtrace db init" in err
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_bad_dsn_is_reported_not_raised(capsys):
+    code, _, err = run(capsys, "--dsn", "postgres://x", "db", "status")
+    assert code == 2
+    assert err.startswith("error: DSN 'postgres://x': scheme must be")
+
+
+@pytest.mark.parametrize("fmt", ["json", "batch-json"])
+def test_schema_json(capsys, fmt):
+    code, out, _ = run(capsys, "schema", "--format", fmt)
+    assert code == 0
+    schema = json.loads(out)
+    assert tuple(schema["$defs"]["Event"]["properties"]) == FIELD_NAMES
+    assert sorted(schema["$defs"]["Event"]["required"]) == sorted(["kind", "ts_ns", "source_id", "seq"])
+
+
+def test_schema_ddl_and_arrow(capsys):
+    code, out, _ = run(capsys, "schema", "--format", "ddl")
+    assert code == 0
+    assert "CREATE TABLE IF NOT EXISTS kvtrace.events" in out and "ReplacingMergeTree()" in out
+    assert out.rstrip().endswith(";")
+    code, out, _ = run(capsys, "schema", "--format", "arrow")
+    assert code == 0
+    for name in FIELD_NAMES:
+        assert re.search(rf"^{name}: ", out, re.MULTILINE), name
+
+
+def test_db_ddl_for_a_cluster(capsys, store):
+    code, out, _ = run(capsys, "db", "ddl", "--cluster", "c1", "--database", "kvc", "--ttl-days", "3")
+    assert code == 0
+    statements = [s.strip() for s in out.strip().rstrip(";").split(";\n\n")]
+    assert len(statements) == 8
+    for stmt in statements:
+        text = store.client.query("SELECT formatQuery({q:String})", parameters={"q": stmt}).result_rows[0][0]
+        assert "ON CLUSTER c1" in text
+    assert "ReplicatedReplacingMergeTree" in out and "Distributed('c1', kvc, events_local" in out
+    assert "INTERVAL 3 DAY" in out
+
+
+def test_bad_arguments_exit_with_usage(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["db", "init", "--ttl-days", "-1"])
+    assert err.value.code == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export"])  # -o is required
+
+
+def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path):
+    assert default_dsn() == f"chdb://{chdb_path}"  # conftest points the default at the session engine
+    code, out, _ = run(capsys, "demo", "--requests", "30")
+    assert code == 0
+    m = re.search(r"events stored\s+(\d+)", out)
+    assert m, out
+    first = int(m.group(1))
+    assert first > 0
+    assert "requests          30" in out
+    assert "dropped 0" in out
+
+    with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
+        assert s.count_events() == first
+        sql = f"SELECT kind, count() FROM {DEMO_DATABASE}.events FINAL GROUP BY kind"
+        kinds = dict(s.client.query(sql).result_rows)
+        assert kinds["lookup"] == kinds["adopt"] == 30
+        # the stored events are valid: no lookup reports more hit than its prompt
+        bad = f"SELECT countIf(reported_hit_tokens > prompt_tokens) FROM {DEMO_DATABASE}.events"
+        assert s.scalar(bad) == 0
+
+    code, out, _ = run(capsys, "demo", "--requests", "30")
+    assert code == 0
+    assert int(re.search(r"events stored\s+(\d+)", out).group(1)) == first
+    with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
+        assert s.count_events() == first
+        assert s.scalar(f"SELECT uniqExact(source_id) FROM {DEMO_DATABASE}.events") == 1
+
+
+def test_help_mentions_every_command(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--help"])
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "db", "ingest", "export", "schema"):
+        assert command in out
+    assert Path(default_dsn().removeprefix("chdb://")).is_absolute()
