@@ -201,6 +201,10 @@ def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path):
     assert first > 0
     assert "requests          30" in out
     assert "dropped 0" in out
+    # the demo's engine only adopts what it can recover: the reconstruction agrees
+    logical = float(re.search(r"logical hit rate\s+([\d.]+)%", out).group(1))
+    recoverable = float(re.search(r"recoverable rate\s+([\d.]+)%", out).group(1))
+    assert recoverable == logical and "unsafe reuse      0 lookups" in out
 
     with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
         assert s.count_events() == first
