@@ -8,6 +8,7 @@ so a lookup costs O(blocks), not O(blocks^2), even for 100k-token prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from itertools import accumulate
 
 from kvtrace.analysis.recipes import GroupSpec, Recipe
@@ -36,26 +37,61 @@ class BlockCheck:
     restore_bytes: int
 
 
-_MISSING = BlockCheck(False, False, False, GapReason.NONE, "", Tier.NONE, 0)
+def _missing(component: ComponentKind) -> BlockCheck:
+    return BlockCheck(False, False, False, MISSING_REASON[component], "", Tier.NONE, 0)
+
+
+class CopyStatus(IntEnum):
+    """How close one copy is to usable; the best copy of a block names its reason."""
+
+    INVALIDATED = 1
+    UNCOMMITTED = 2
+    CORRUPT = 3
+    OK = 4
 
 
 def check_object(
-    obj: ObjectState | None, component: ComponentKind, request: Event, policy: Policy
+    state: CacheState, instance: str, obj: ObjectState | None, component: ComponentKind, request: Event, policy: Policy
 ) -> BlockCheck:
-    """Is this block usable by this request now? The first failing rule names the reason."""
+    """Is this block usable by this request now? The first failing rule names the reason.
+
+    Copy rules first (a block is usable through any good copy), then object rules on its last
+    commit: tenant, identity, lease.
+    """
     if obj is None or not obj.copies:
-        return BlockCheck(False, False, False, MISSING_REASON[component], "", Tier.NONE, 0)
+        return _missing(component)
+    commit = obj.commit
+    good: list[Tier] = []
+    best = CopyStatus.INVALIDATED
+    invalidated_by = (0, Reason.NONE)
+    for tier, copy in obj.copies.items():
+        inv = state.invalidation(instance, obj, tier)
+        if inv[0] > copy.ord:
+            status = CopyStatus.INVALIDATED
+            invalidated_by = max(invalidated_by, inv, key=lambda x: x[0])
+        elif not copy.committed:
+            status = CopyStatus.UNCOMMITTED
+        elif commit is not None and commit.checksum and copy.checksum and copy.checksum != commit.checksum:
+            status = CopyStatus.CORRUPT
+        else:
+            status = CopyStatus.OK
+            good.append(tier)
+        best = max(best, status)
     reason, detail = GapReason.NONE, ""
-    if obj.invalidated is not Reason.NONE:
-        reason = GapReason.SPECULATIVE_ROLLBACK if obj.invalidated is Reason.ROLLBACK else GapReason.INVALIDATED
-        detail = obj.invalidated.value
-    elif not obj.committed:
+    if best is CopyStatus.INVALIDATED:
+        why = invalidated_by[1]
+        reason = GapReason.SPECULATIVE_ROLLBACK if why is Reason.ROLLBACK else GapReason.INVALIDATED
+        detail = why.value
+    elif best is CopyStatus.UNCOMMITTED:
         reason = GapReason.UNCOMMITTED
-    elif obj.tenant != request.tenant and obj.tenant not in policy.shared_tenants:
-        reason, detail = GapReason.TENANT_MISMATCH, f"{obj.tenant!r} != {request.tenant!r}"
+    elif best is CopyStatus.CORRUPT:
+        reason = GapReason.CHECKSUM_MISMATCH
+    elif commit is None:
+        reason, detail = GapReason.UNCOMMITTED, "no commit seen"
+    elif commit.tenant != request.tenant and commit.tenant not in policy.shared_tenants:
+        reason, detail = GapReason.TENANT_MISMATCH, f"tenant: {commit.tenant} != {request.tenant}"
     else:
-        wanted = identity_of(request)
-        for name, have, want in zip(IDENTITY_FIELDS, obj.identity, wanted, strict=True):
+        for name, have, want in zip(IDENTITY_FIELDS, commit.identity, identity_of(request), strict=True):
             if have and want and have != want:
                 if component is ComponentKind.INDEXER and name == "epoch":
                     reason = GapReason.INDEXER_OUT_OF_SYNC
@@ -66,15 +102,13 @@ def check_object(
         else:
             if obj.lease_expiry_ns and obj.lease_expiry_ns <= request.ts_ns:
                 reason = GapReason.LEASE_EXPIRED
-            elif obj.corrupt:
-                reason = GapReason.CHECKSUM_MISMATCH
     if reason is not GapReason.NONE:
         return BlockCheck(True, False, False, reason, detail, Tier.NONE, 0)
-    committed = [t for t, c in obj.copies.items() if c.committed]
-    if Tier.DEVICE in committed:
+    if Tier.DEVICE in good:
         return BlockCheck(True, True, True, GapReason.NONE, "", Tier.DEVICE, 0)
-    best = min(committed, key=_TIER_RANK.__getitem__)
-    return BlockCheck(True, True, False, GapReason.NOT_RESIDENT, best.value, best, obj.copies[best].nbytes)
+    source = min(good, key=_TIER_RANK.__getitem__)
+    nbytes = obj.copies[source].nbytes or (commit.nbytes if commit is not None else 0)
+    return BlockCheck(True, True, False, GapReason.NOT_RESIDENT, source.value, source, nbytes)
 
 
 _TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3, Tier.NONE: 4}
@@ -154,9 +188,9 @@ def evaluate(
     for g in recipe.groups:
         keys = chains[g.group_id] if g.group_id < len(chains) else []
         checks = [
-            check_object(state.get(lookup.instance, g.group_id, k), g.component, lookup, policy)
+            check_object(state, lookup.instance, state.get(lookup.instance, g.group_id, k), g.component, lookup, policy)
             if k
-            else _MISSING
+            else _missing(g.component)
             for k in keys
         ]
         views.append(_GroupView(g, checks))

@@ -70,7 +70,7 @@ class Reconstructor:
                 self.unmatched_adopts += 1
                 return []
             return [self._result(pending, event)]
-        self.state.apply(event)
+        self.state.apply(event, self.events_seen)
         return []
 
     def _on_lookup(self, event: Event) -> list[LookupResult]:
@@ -128,6 +128,8 @@ class Reconstructor:
         restore = ev.restore_bytes
         return LookupResult(
             ts_ns=lookup.ts_ns,
+            source_id=lookup.source_id,
+            seq=lookup.seq,
             instance=lookup.instance,
             request_id=lookup.request_id,
             model=lookup.model,

@@ -1,9 +1,21 @@
-"""The state of every cached object, rebuilt by applying lifecycle events in order.
+"""The state of every cached object, rebuilt by applying lifecycle events in stream order.
 
 An object is one block of one cache group on one instance: (instance, group_id, block_key).
-Its residency is tracked per tier from the last event that touched that tier, which is also
-how the SQL paths compute it (an as-of join per tier), so the three paths agree by design.
-Memory is bounded by live objects: an object with no copy left is forgotten.
+The rules are chosen so that each fact is "the last event of some kind before the lookup",
+which is exactly what an as-of join computes; that is how the ClickHouse and DuckDB paths
+reproduce this state without replaying it (see `analysis.sql`):
+
+- each tier's copy is the last create / commit / transfer-in / evict on that tier; a copy is
+  committed when written by a commit or a transfer (engines move only published blocks);
+- identity, tenant and the reference checksum come from the object's last commit; the lease
+  from its last commit or leased transfer;
+- a copy is invalidated when an invalidation (of the object, or a bulk one matching it) came
+  after the copy was written: a copy written later holds fresh state;
+- a copy whose checksum differs from the committed one is corrupt, the others are not;
+- an object that loses its last copy is forgotten, and its history with it (so memory is
+  bounded by live objects); the SQL paths number these lives ("generations") to match.
+
+`ord` is the event's position in the stream, which totally orders events.
 """
 
 from __future__ import annotations
@@ -18,98 +30,108 @@ ObjectKey = tuple[str, int, int]  # instance, group_id, block_key
 IDENTITY_FIELDS = ("model", "model_revision", "adapter", "transform", "kv_dtype", "layout", "epoch")
 """Fields that must match between the request and the state it reuses (tenant is separate)."""
 
+_WRITES = frozenset({EventKind.CREATE, EventKind.COMMIT, EventKind.OFFLOAD, EventKind.LOAD})
+_TRANSFERS = frozenset({EventKind.OFFLOAD, EventKind.LOAD})
+
 
 @dataclass(slots=True)
 class Copy:
-    """One tier's copy: committed (published) or still being written."""
+    """One tier's copy, as its last write left it."""
 
     committed: bool
     nbytes: int
     checksum: int
+    ord: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """What the object's last commit published."""
+
+    identity: tuple[object, ...]
+    tenant: str
+    checksum: int
+    nbytes: int
 
 
 @dataclass(slots=True)
 class ObjectState:
     copies: dict[Tier, Copy] = field(default_factory=dict)
-    token_start: int = 0
-    token_end: int = 0
-    identity: tuple[object, ...] = ()
-    tenant: str = ""
+    commit: Commit | None = None
     lease_expiry_ns: int = 0
-    checksum: int = 0  # checksum at commit; copies that disagree mark the object corrupt
-    corrupt: bool = False
-    invalidated: Reason = Reason.NONE
-    committed_ns: int = 0
+    invalidated_ord: int = 0
+    invalidated_reason: Reason = Reason.NONE
 
     @property
-    def committed(self) -> bool:
-        return any(c.committed for c in self.copies.values())
+    def tenant(self) -> str:
+        return self.commit.tenant if self.commit is not None else ""
+
+    @property
+    def adapter(self) -> str:
+        return str(self.commit.identity[2]) if self.commit is not None else ""
 
 
 def identity_of(event: Event) -> tuple[object, ...]:
     return tuple(getattr(event, name) for name in IDENTITY_FIELDS)
 
 
+BulkKey = tuple[Tier, str, str]  # tier, tenant, adapter ("" / NONE: any)
+
+
 @dataclass(slots=True)
 class CacheState:
-    """Every live object, and bulk invalidations that apply to objects committed before them."""
+    """Every live object, and the latest bulk invalidation of each scope per instance.
+
+    Bulk invalidations are kept by scope (tier, tenant, adapter) rather than applied to every
+    object at once: an invalidation is an O(1) update, and the few scopes bound the memory.
+    """
 
     objects: dict[ObjectKey, ObjectState] = field(default_factory=dict)
+    bulk: dict[str, dict[BulkKey, tuple[int, Reason]]] = field(default_factory=dict)
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event, ord: int) -> None:
         kind = event.kind
         if kind is EventKind.LOOKUP or kind is EventKind.ADOPT:
             return
         if kind is EventKind.INVALIDATE and event.block_key == 0:
-            self._invalidate_all(event)
+            scopes = self.bulk.setdefault(event.instance, {})
+            scopes[(event.tier, event.tenant, event.adapter)] = (ord, event.reason)
             return
         key = (event.instance, event.group_id, event.block_key)
         obj = self.objects.get(key)
-        if kind is EventKind.CREATE or kind is EventKind.COMMIT:
-            if obj is None or obj.invalidated is not Reason.NONE and kind is EventKind.CREATE:
-                obj = ObjectState()
-                self.objects[key] = obj
-            committed = kind is EventKind.COMMIT
-            obj.copies[event.tier] = Copy(committed, event.nbytes, event.checksum)
-            obj.token_start, obj.token_end = event.token_start, event.token_end
-            if committed:
-                obj.identity = identity_of(event)
-                obj.tenant = event.tenant
+        if kind in _WRITES:
+            if obj is None:
+                obj = self.objects[key] = ObjectState()
+            transfer = kind in _TRANSFERS
+            tier = event.dst_tier if transfer else event.tier
+            obj.copies[tier] = Copy(kind is not EventKind.CREATE, event.nbytes, event.checksum, ord)
+            if kind is EventKind.COMMIT:
+                obj.commit = Commit(identity_of(event), event.tenant, event.checksum, event.nbytes)
                 obj.lease_expiry_ns = event.lease_expiry_ns
-                obj.checksum = event.checksum
-                obj.corrupt = False
-                obj.invalidated = Reason.NONE
-                obj.committed_ns = event.ts_ns
-            return
-        if obj is None:
-            return  # a transfer or eviction of something we never saw created
-        if kind is EventKind.OFFLOAD or kind is EventKind.LOAD:
-            src = obj.copies.get(event.src_tier)
-            committed = src.committed if src is not None else obj.committed
-            obj.copies[event.dst_tier] = Copy(committed, event.nbytes or (src.nbytes if src else 0), event.checksum)
-            if event.checksum and obj.checksum and event.checksum != obj.checksum:
-                obj.corrupt = True
-            if event.lease_expiry_ns:
+            elif transfer and event.lease_expiry_ns:
                 obj.lease_expiry_ns = event.lease_expiry_ns
+        elif obj is None:
+            return  # an eviction or invalidation of something not held anywhere
         elif kind is EventKind.EVICT:
             obj.copies.pop(event.tier, None)
             if not obj.copies:
                 del self.objects[key]
         elif kind is EventKind.INVALIDATE:
-            obj.invalidated = event.reason
+            obj.invalidated_ord, obj.invalidated_reason = ord, event.reason
 
-    def _invalidate_all(self, event: Event) -> None:
-        """A bulk invalidation: every object on the instance (or tier) matching its identity."""
-        for (instance, _, _), obj in self.objects.items():
-            if instance != event.instance:
-                continue
-            if event.tier is not Tier.NONE and event.tier not in obj.copies:
-                continue
-            if event.tenant and obj.tenant != event.tenant:
-                continue
-            if event.adapter and obj.identity and obj.identity[2] != event.adapter:
-                continue
-            obj.invalidated = event.reason
+    def invalidation(self, instance: str, obj: ObjectState, tier: Tier) -> tuple[int, Reason]:
+        """The latest invalidation that applies to the object's copy on `tier`: (ord, reason)."""
+        best = (obj.invalidated_ord, obj.invalidated_reason)
+        scopes = self.bulk.get(instance)
+        if scopes:
+            tenant, adapter = obj.tenant, obj.adapter
+            for t in {Tier.NONE, tier}:
+                for n in {"", tenant}:
+                    for a in {"", adapter}:
+                        hit = scopes.get((t, n, a))
+                        if hit is not None and hit[0] > best[0]:
+                            best = hit
+        return best
 
     def get(self, instance: str, group_id: int, block_key: int) -> ObjectState | None:
         return self.objects.get((instance, group_id, block_key))

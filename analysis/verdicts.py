@@ -54,6 +54,8 @@ class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     """One row per lookup: the same columns from the streaming, ClickHouse and DuckDB paths."""
 
     ts_ns: int
+    source_id: int  # with seq, the lookup event's id
+    seq: int
     instance: str
     request_id: str
     model: str

@@ -64,8 +64,7 @@ class Scenario:
         if adopt is not None:
             self.ev(kind=EventKind.ADOPT, request_id="b", reused_tiers=[Tier.DEVICE], reused_tokens=[adopt],
                     recomputed_tokens=PROMPT - adopt, **kw)
-        (result,) = reconstruct(self.events, self.recipe)
-        return result
+        return max(reconstruct(self.events, self.recipe), key=lambda r: r.seq)  # this lookup's
 
 
 def block_of(recipe: Recipe, group_id: int, token: int) -> int:
@@ -245,6 +244,12 @@ def test_checksum_mismatch_on_load() -> None:
          reason=Reason.CAPACITY)
     s.ev(kind=EventKind.LOAD, component=ComponentKind.FULL_ATTENTION, block_key=key, src_tier=Tier.HOST,
          dst_tier=Tier.DEVICE, checksum=43)
+    # The host copy still matches the commit: the block is recoverable, by reloading it.
+    before = s.lookup_adopt(adopt=480)
+    assert before.recoverable_hit_tokens == 1024 and before.resident_hit_tokens == 480
+    assert before.verdict is Verdict.PARTIAL and before.restore_host_bytes == 16_000
+    s.ev(kind=EventKind.EVICT, component=ComponentKind.FULL_ATTENTION, block_key=key, tier=Tier.HOST,
+         reason=Reason.CAPACITY)
     r = s.lookup_adopt(adopt=480)
     assert r.recoverable_hit_tokens == 480 and r.reason is GapReason.CHECKSUM_MISMATCH
 
