@@ -271,15 +271,23 @@ class Store:
         return self.insert_arrow(EMITTER_STATS.name, to_arrow(stats, EmitterStats))
 
     # -- reads -------------------------------------------------------------------------------
-    def query_arrow(self, sql: str, parameters: dict[str, Any] | None = None) -> pa.Table:
+    def query_arrow(
+        self, sql: str, parameters: dict[str, Any] | None = None, settings: dict[str, Any] | None = None
+    ) -> pa.Table:
         with self._lock:
-            return self.client.query_arrow(sql, parameters=parameters or {})
+            return self.client.query_arrow(sql, parameters=parameters or {}, settings=settings)
 
-    def query_polars(self, sql: str, parameters: dict[str, Any] | None = None) -> pl.DataFrame:
-        out = pl.from_arrow(self.query_arrow(sql, parameters))
+    def query_polars(
+        self, sql: str, parameters: dict[str, Any] | None = None, settings: dict[str, Any] | None = None
+    ) -> pl.DataFrame:
+        out = pl.from_arrow(self.query_arrow(sql, parameters, settings))
         if not isinstance(out, pl.DataFrame):
             raise StoreError("query did not return a table")
         return out
+
+    def command(self, sql: str, settings: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self.client.command(sql, settings=settings)
 
     def scalar(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
         with self._lock:

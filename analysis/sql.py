@@ -1,0 +1,576 @@
+"""Per-lookup results in SQL: the same answers as the streaming reconstructor, set-at-a-time.
+
+The streaming path replays state; SQL cannot, so the state rules (`analysis.state`) are
+written as "the last event of some kind before this point", which is an as-of join:
+
+1. number every event in stream order (`ord`) and give each object event its *generation*:
+   how many times the object had lost its last copy before it (the streaming path forgets an
+   object then, so history from an earlier life must not count);
+2. pair each lookup with the adopt that follows it for the same request, giving one
+   evaluation point at the lookup and one at the adopt;
+3. explode each point into the request's blocks per cache group, and as-of join every block
+   to its last write on each tier, its last commit and lease (same generation) and its last
+   invalidation, plus the bulk invalidations that match it;
+4. classify each block (missing, unusable for a reason, usable, resident), then scan the
+   candidate boundaries of each point with running "last bad block" indices, which makes every
+   group's completeness rule one comparison: the needed blocks [start, p/b) are all usable iff
+   the last unusable block below p/b is before start.
+
+Every step is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a CTE at each
+reference. The statements are written once over a small `Dialect` for the few functions that
+differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered lists).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.reconstruct import UnknownModel
+from kvtrace.analysis.recipes import Recipe
+from kvtrace.analysis.state import IDENTITY_FIELDS
+from kvtrace.analysis.verdicts import MISSING_REASON, GapReason, LookupResult
+from kvtrace.schema.kinds import ComponentKind, Reason, TIER_ORDER
+
+# -- dialects -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """The spelling of the few operations ClickHouse and DuckDB write differently."""
+
+    name: str
+    database: str = ""  # ClickHouse database for scratch tables
+
+    @property
+    def clickhouse(self) -> bool:
+        return self.name == "clickhouse"
+
+    def table(self, name: str) -> str:
+        return f"{self.database}.{name}" if self.clickhouse else name
+
+    def create_as(self, name: str, select: str) -> str:
+        if self.clickhouse:
+            return f"CREATE TABLE {self.table(name)} ENGINE = Memory AS {select}"
+        return f"CREATE TEMP TABLE {name} AS {select}"
+
+    def create(self, name: str, columns: str) -> str:
+        suffix = " ENGINE = Memory" if self.clickhouse else ""
+        temp = "" if self.clickhouse else "TEMP "
+        return f"CREATE {temp}TABLE {self.table(name)} ({columns}){suffix}"
+
+    def drop(self, name: str) -> str:
+        return f"DROP TABLE IF EXISTS {self.table(name)}"
+
+    def idiv(self, a: str, b: str) -> str:
+        return f"intDiv({a}, {b})" if self.clickhouse else f"(({a}) // ({b}))"
+
+    def list_len(self, x: str) -> str:
+        return f"length({x})" if self.clickhouse else f"coalesce(len({x}), 0)"
+
+    def list_sum(self, x: str) -> str:
+        return f"arraySum({x})" if self.clickhouse else f"coalesce(list_sum({x}), 0)"
+
+    def series(self, start: str, stop: str, step: str) -> str:
+        """One row per value of range(start, stop, step), as a select-list expression."""
+        if self.clickhouse:
+            return f"arrayJoin(range({start}, {stop}, {step}))"
+        return f"unnest(range({start}, {stop}, {step}))"
+
+    def ordered_list(self, value: str, order: str) -> str:
+        if self.clickhouse:
+            return f"arrayMap(t -> t.2, arraySort(groupArray(({order}, {value}))))"
+        return f"list({value} ORDER BY {order})"
+
+    def explode_chain(self, select: str, source: str) -> str:
+        """`select` plus `key` and 0-based `i` for every element of `chain` in `source`."""
+        if self.clickhouse:
+            return f"SELECT {select}, key, toInt64(i1) - 1 AS i FROM {source} ARRAY JOIN chain AS key, arrayEnumerate(chain) AS i1"
+        return f"SELECT {select}, unnest(chain) AS key, unnest(range(len)) AS i FROM {source}"
+
+    def quote(self, text: str) -> str:
+        if self.clickhouse:
+            return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return "'" + text.replace("'", "''") + "'"
+
+
+CLICKHOUSE_SETTINGS = {"join_use_nulls": 1, "allow_experimental_analyzer": 1}
+
+# -- the statements -------------------------------------------------------------------------------
+
+_IDENTITY_STR = [f for f in IDENTITY_FIELDS if f != "epoch"]
+_MISSING_CASE = "CASE comp " + " ".join(
+    f"WHEN '{c.value}' THEN '{r.value}'" for c, r in MISSING_REASON.items()
+) + " ELSE 'missing_block' END"
+_BEYOND = "block beyond the request's key chain"
+
+
+def _start(d: Dialect, p: str) -> str:
+    """First needed block index at boundary p (> 0) for the row's group: `needed_blocks`."""
+    return (
+        f"(CASE comp WHEN 'sliding_window' THEN {d.idiv(f'greatest({p} - win, 0)', 'b')} "
+        f"WHEN 'mamba' THEN {d.idiv(p, 'b')} - 1 "
+        f"WHEN 'uncompressed_tail' THEN {d.idiv(d.idiv(p, 'greatest(ratio, 1)') + ' * ratio', 'b')} "
+        "ELSE 0 END)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Names of the scratch tables of one run, unique so runs never collide."""
+
+    prefix: str
+
+    def __getattr__(self, name: str) -> str:  # plan.ev -> kvt_1a2b_ev
+        return f"{self.prefix}_{name}"
+
+
+def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
+    ids = ", ".join(_IDENTITY_STR)
+    ev = (
+        "SELECT CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, "
+        "kind, ts_ns, source_id, seq, instance, tenant, request_id, "
+        f"{ids}, epoch, CAST(group_id AS BIGINT) AS group_id, block_key, tier, src_tier, dst_tier, "
+        "nbytes, checksum, lease_expiry_ns, reason, CAST(prompt_tokens AS BIGINT) AS prompt_tokens, "
+        f"group_block_keys, CAST(reported_hit_tokens AS BIGINT) AS reported_hit_tokens, "
+        f"CAST({d.list_sum('reused_tokens')} AS BIGINT) AS adopted, "
+        "CAST(recomputed_tokens AS BIGINT) AS recomputed "
+        f"FROM {source}"
+    )
+    obj = "PARTITION BY instance, group_id, block_key"
+    writes = (
+        "SELECT *, coalesce(sum(CASE WHEN copies = 0 THEN 1 ELSE 0 END) OVER "
+        f"({obj} ORDER BY ord ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS gen FROM ("
+        f" SELECT *, sum(delta) OVER ({obj} ORDER BY ord ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS copies"
+        " FROM ("
+        "  SELECT *, present - coalesce(sum(present) OVER "
+        f"({obj}, wtier ORDER BY ord ROWS BETWEEN 1 PRECEDING AND 1 PRECEDING), 0) AS delta FROM ("
+        f"   SELECT ord, instance, group_id, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
+        "    CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
+        "    CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
+        f"   FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))))"
+    )
+    req = "PARTITION BY instance, request_id ORDER BY ord ROWS BETWEEN 1 FOLLOWING AND 1 FOLLOWING"
+    lookups = (
+        "SELECT * FROM ("
+        " SELECT *,"
+        f"  coalesce(max(kind) OVER ({req}), '') AS next_kind,"
+        f"  coalesce(max(ord) OVER ({req}), 0) AS next_ord,"
+        f"  coalesce(max(ts_ns) OVER ({req}), 0) AS next_ts,"
+        f"  coalesce(max(adopted) OVER ({req}), 0) AS next_adopted,"
+        f"  coalesce(max(recomputed) OVER ({req}), 0) AS next_recomputed"
+        f" FROM {d.table(t.ev)} WHERE kind IN ('lookup', 'adopt'))"
+        " WHERE kind = 'lookup'"
+    )
+    return [(t.ev, ev), (t.w, writes), (t.lk, lookups)]
+
+
+def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
+    keep = 1 if policy.keep_one_token else 0
+    ids = ", ".join(f"l.{f} AS r_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    points = []
+    for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"), (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):
+        points.append(
+            f"SELECT l.ord AS lid, {phase} AS phase, {at_ord} AS at_ord, {at_ts} AS at_ts, l.instance AS instance,"
+            f" l.tenant AS tenant, {ids}, l.next_adopted AS adopted,"
+            " r.g AS g, r.comp AS comp, r.b AS b, r.win AS win, r.ratio AS ratio, r.align AS align, r.ngroups AS ngroups,"
+            f" greatest(l.prompt_tokens - {keep}, 0) AS cap, l.group_block_keys[r.g + 1] AS chain,"
+            f" CAST({d.list_len('l.group_block_keys[r.g + 1]')} AS BIGINT) AS len"
+            f" FROM {d.table(t.lk)} l JOIN {d.table(t.rc)} r ON r.model = l.model WHERE {cond}"
+        )
+    pg = " UNION ALL ".join(points)
+    cols = "lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(
+        f"r_{f}" for f in (*_IDENTITY_STR, "epoch")
+    ) + ", g, comp, b, win, ratio, len"
+    pb = d.explode_chain(cols, d.table(t.pg))
+
+    # Last write on each tier: 4 as-of joins, then the current generation.
+    tier_cols, tier_joins = [], []
+    for tier in TIER_ORDER:
+        x = tier.value[:3]
+        tier_cols.append(
+            f"coalesce({x}.{x}_ord, 0) AS {x}_ord, coalesce({x}.{x}_kind, '') AS {x}_kind,"
+            f" coalesce({x}.{x}_nb, 0) AS {x}_nb, coalesce({x}.{x}_ck, 0) AS {x}_ck, coalesce({x}.{x}_gen, -1) AS {x}_gen"
+        )
+        tier_joins.append(
+            f" ASOF LEFT JOIN (SELECT instance AS {x}_i, group_id AS {x}_g, block_key AS {x}_k, ord AS {x}_ord,"
+            f" kind AS {x}_kind, nbytes AS {x}_nb, checksum AS {x}_ck, gen AS {x}_gen"
+            f" FROM {d.table(t.w)} WHERE wtier = '{tier.value}') {x}"
+            f" ON {x}.{x}_i = p.instance AND {x}.{x}_g = p.g AND {x}.{x}_k = p.key AND p.at_ord > {x}.{x}_ord"
+        )
+    pt = f"SELECT p.*, {', '.join(tier_cols)} FROM {d.table(t.pb)} p{''.join(tier_joins)}"
+
+    # Last commit, lease and object invalidation; commit and lease count only in this life.
+    gen = "greatest(dev_gen, hos_gen, dis_gen, rem_gen)"
+    c_ids = ", ".join(f"c.{f} AS c_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    po = (
+        f"SELECT p.*, {gen} AS gen,"
+        f" coalesce(c.c_ord, 0) AS c_ord, coalesce(c.c_gen, -1) AS c_gen, coalesce(c.c_tenant, '') AS c_tenant0,"
+        f" coalesce(c.c_ck, 0) AS c_ck0, coalesce(c.c_nb, 0) AS c_nb0, {c_ids},"
+        " coalesce(le.le_gen, -1) AS le_gen, coalesce(le.le_ns, 0) AS le_ns0,"
+        " coalesce(o.o_ord, 0) AS o_ord"
+        f" FROM {d.table(t.pt)} p"
+        " ASOF LEFT JOIN (SELECT instance AS c_i, group_id AS c_g, block_key AS c_k, ord AS c_ord, gen AS c_gen,"
+        f" tenant AS c_tenant, checksum AS c_ck, nbytes AS c_nb, {', '.join(f'{f}' for f in (*_IDENTITY_STR, 'epoch'))}"
+        f" FROM {d.table(t.w)} WHERE kind = 'commit') c"
+        " ON c.c_i = p.instance AND c.c_g = p.g AND c.c_k = p.key AND p.at_ord > c.c_ord"
+        " ASOF LEFT JOIN (SELECT instance AS le_i, group_id AS le_g, block_key AS le_k, ord AS le_ord, gen AS le_gen,"
+        f" lease_expiry_ns AS le_ns FROM {d.table(t.w)}"
+        " WHERE kind = 'commit' OR (kind IN ('offload', 'load') AND lease_expiry_ns <> 0)) le"
+        " ON le.le_i = p.instance AND le.le_g = p.g AND le.le_k = p.key AND p.at_ord > le.le_ord"
+        " ASOF LEFT JOIN (SELECT instance AS o_i, group_id AS o_g, block_key AS o_k, ord AS o_ord"
+        f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key <> 0) o"
+        " ON o.o_i = p.instance AND o.o_g = p.g AND o.o_k = p.key AND p.at_ord > o.o_ord"
+    )
+    # The commit's facts, when it belongs to the object's current life.
+    live = "c_gen = gen AND c_ord > 0"
+    pc = (
+        f"SELECT *, CASE WHEN {live} THEN 1 ELSE 0 END AS c_ok,"
+        f" CASE WHEN {live} THEN c_tenant0 ELSE '' END AS c_tenant,"
+        f" CASE WHEN {live} THEN c_adapter ELSE '' END AS c_adp,"
+        f" CASE WHEN {live} THEN c_ck0 ELSE 0 END AS c_ck,"
+        f" CASE WHEN {live} THEN c_nb0 ELSE 0 END AS c_nb,"
+        " CASE WHEN le_gen = gen THEN le_ns0 ELSE 0 END AS lease"
+        f" FROM {d.table(t.po)}"
+    )
+    # Bulk invalidations matching each block's copies (scope: instance, tier, tenant, adapter).
+    bulk_cols = ", ".join(
+        f"max(CASE WHEN bi.tier IN ('', '{tier.value}') THEN bi.ord ELSE 0 END) AS bulk_{tier.value[:3]}"
+        for tier in TIER_ORDER
+    )
+    bk = (
+        f"SELECT p.lid AS lid, p.phase AS phase, p.g AS g, p.i AS i, {bulk_cols}"
+        f" FROM {d.table(t.pc)} p JOIN (SELECT instance AS bi_i, ord, tier, tenant AS bi_tenant, adapter AS bi_adapter"
+        f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key = 0) bi ON bi.bi_i = p.instance"
+        " WHERE bi.ord < p.at_ord AND (bi.bi_tenant = '' OR bi.bi_tenant = p.c_tenant)"
+        " AND (bi.bi_adapter = '' OR bi.bi_adapter = p.c_adp)"
+        " GROUP BY p.lid, p.phase, p.g, p.i"
+    )
+    return [(t.pg, pg), (t.pb, pb), (t.pt, pt), (t.po, po), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+
+
+def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
+    status, inv_pick = [], []
+    for tier in TIER_ORDER:
+        x = tier.value[:3]
+        inv = f"greatest(p.o_ord, coalesce(bk.bulk_{x}, 0))"
+        status.append(
+            f"CASE WHEN p.{x}_ord = 0 OR p.{x}_kind = 'evict' THEN 0"
+            f" WHEN {inv} > p.{x}_ord THEN 1"
+            f" WHEN p.{x}_kind = 'create' THEN 2"
+            f" WHEN p.c_ck <> 0 AND p.{x}_ck <> 0 AND p.{x}_ck <> p.c_ck THEN 3 ELSE 4 END AS st_{x}"
+        )
+        inv_pick.append(f"CASE WHEN p.{x}_ord > 0 AND p.{x}_kind <> 'evict' AND {inv} > p.{x}_ord THEN {inv} ELSE 0 END")
+    ps = (
+        f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
+        f" FROM {d.table(t.pc)} p LEFT JOIN {d.table(t.bk)} bk"
+        " ON bk.lid = p.lid AND bk.phase = p.phase AND bk.g = p.g AND bk.i = p.i"
+    )
+    shared = (
+        f"p.c_tenant NOT IN ({', '.join(d.quote(s) for s in sorted(policy.shared_tenants))})"
+        if policy.shared_tenants
+        else "1 = 1"
+    )
+    code = [
+        f"WHEN best = 0 THEN {_MISSING_CASE}",
+        f"WHEN best = 1 THEN CASE WHEN coalesce(ir.reason, '') = '{Reason.ROLLBACK.value}' THEN"
+        f" '{GapReason.SPECULATIVE_ROLLBACK.value}' ELSE '{GapReason.INVALIDATED.value}' END",
+        f"WHEN best = 2 THEN '{GapReason.UNCOMMITTED.value}'",
+        f"WHEN best = 3 THEN '{GapReason.CHECKSUM_MISMATCH.value}'",
+        f"WHEN p.c_ok = 0 THEN '{GapReason.UNCOMMITTED.value}'",
+        f"WHEN p.c_tenant <> p.tenant AND {shared} THEN '{GapReason.TENANT_MISMATCH.value}'",
+    ]
+    detail = [
+        "WHEN best = 0 THEN ''",
+        "WHEN best = 1 THEN coalesce(ir.reason, '')",
+        "WHEN best IN (2, 3) THEN ''",
+        "WHEN p.c_ok = 0 THEN 'no commit seen'",
+        f"WHEN p.c_tenant <> p.tenant AND {shared} THEN 'tenant: ' || p.c_tenant || ' != ' || p.tenant",
+    ]
+    for f in IDENTITY_FIELDS:
+        have, want = f"p.c_{f}", f"p.r_{f}"
+        if f == "epoch":
+            differs = f"{have} <> 0 AND {want} <> 0 AND {have} <> {want}"
+            reason = (
+                f"CASE WHEN comp = '{ComponentKind.INDEXER.value}' THEN '{GapReason.INDEXER_OUT_OF_SYNC.value}'"
+                f" ELSE '{GapReason.IDENTITY_MISMATCH.value}' END"
+            )
+            shown = f"CAST({have} AS VARCHAR) || ' != ' || CAST({want} AS VARCHAR)"
+        else:
+            differs = f"{have} <> '' AND {want} <> '' AND {have} <> {want}"
+            reason = f"'{GapReason.IDENTITY_MISMATCH.value}'"
+            shown = f"{have} || ' != ' || {want}"
+        code.append(f"WHEN {differs} THEN {reason}")
+        detail.append(f"WHEN {differs} THEN '{f}: ' || {shown}")
+    code.append(f"WHEN p.lease <> 0 AND p.lease <= p.at_ts THEN '{GapReason.LEASE_EXPIRED.value}'")
+    detail.append("WHEN 1 = 1 THEN ''")
+    restore_tier = "CASE WHEN st_dev = 4 THEN 'device' WHEN st_hos = 4 THEN 'host' WHEN st_dis = 4 THEN 'disk' ELSE 'remote' END"
+    restore_nb = (
+        "CASE WHEN st_hos = 4 THEN hos_nb WHEN st_dis = 4 THEN dis_nb ELSE rem_nb END"
+    )
+    bst = (
+        "SELECT lid, phase, g, i, comp, b, win, ratio, len, tenant, c_tenant, present, usable,"
+        " CASE WHEN usable = 1 AND st_dev = 4 THEN 1 ELSE 0 END AS resident, code, detail,"
+        f" {restore_tier} AS restore_tier,"
+        f" CASE WHEN {restore_nb} <> 0 THEN {restore_nb} ELSE c_nb END AS restore_nb FROM ("
+        "  SELECT *, CASE WHEN code = '' THEN 1 ELSE 0 END AS usable FROM ("
+        "   SELECT p.*, CASE WHEN best > 0 THEN 1 ELSE 0 END AS present,"
+        f"    CASE {' '.join(code)} ELSE '' END AS code, CASE {' '.join(detail)} END AS detail FROM ("
+        "     SELECT *, greatest(st_dev, st_hos, st_dis, st_rem) AS best FROM " + d.table(t.ps) + ") p"
+        f"   LEFT JOIN (SELECT ord AS ir_ord, reason FROM {d.table(t.ev)} WHERE kind = 'invalidate') ir"
+        "   ON ir.ir_ord = p.inv_ord))"
+    )
+    grp = "PARTITION BY lid, phase, g ORDER BY i"
+    pw = (
+        "SELECT *,"
+        f" max(CASE WHEN usable = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lb,"
+        f" max(CASE WHEN resident = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lr,"
+        f" min(CASE WHEN usable = 1 THEN len ELSE i END) OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb"
+        f" FROM {d.table(t.bs)}"
+    )
+    return [(t.ps, ps), (t.bs, bst), (t.pw, pw)]
+
+
+def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
+    gs = (
+        "SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.comp AS comp, g.b AS b, g.win AS win, g.ratio AS ratio,"
+        " g.align AS align, g.ngroups AS ngroups, g.len AS len, g.cap AS cap, g.adopted AS adopted, g.tenant AS tenant,"
+        " least(coalesce(f.found, g.len) * g.b, g.cap) AS glog"
+        f" FROM {d.table(t.pg)} g LEFT JOIN (SELECT lid, phase, g, min(CASE WHEN present = 1 THEN len ELSE i END) AS found"
+        f" FROM {d.table(t.bs)} GROUP BY lid, phase, g) f ON f.lid = g.lid AND f.phase = g.phase AND f.g = g.g"
+    )
+    pts = (
+        "SELECT lid, phase, max(glog) AS logical, any_value(align) AS align, any_value(ngroups) AS ngroups,"
+        f" {d.ordered_list('glog', 'g')} AS group_logical"
+        f" FROM {d.table(t.gs)} GROUP BY lid, phase"
+    )
+    if d.clickhouse:
+        pts = pts.replace("any_value(", "any(")
+    top = d.idiv("logical", "align") + " * align"
+    cand = (
+        "SELECT c.lid AS lid, c.phase AS phase, c.p AS p,"
+        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lb, -1) < c.st) THEN 1 ELSE 0 END) AS ok,"
+        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lr, -1) < c.st) THEN 1 ELSE 0 END) AS rok,"
+        " any_value(c.ngroups) AS ngroups FROM ("
+        f"  SELECT g.*, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j, {_start(d, 'cp.p')} AS st FROM {d.table(t.gs)} g JOIN ("
+        f"   SELECT lid, phase, {d.series('align', f'{top} + 1', 'align')} AS p FROM {d.table(t.pp)}) cp"
+        "   ON cp.lid = g.lid AND cp.phase = g.phase) c"
+        f" LEFT JOIN {d.table(t.pw)} w ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
+        " GROUP BY c.lid, c.phase, c.p"
+    )
+    if d.clickhouse:
+        cand = cand.replace("any_value(", "any(")
+    rec = (
+        "SELECT p.lid AS lid, p.phase AS phase, p.logical AS logical, p.align AS align, p.group_logical AS group_logical,"
+        f" {d.idiv('p.logical', 'p.align')} * p.align AS top,"
+        " coalesce(r.rec, 0) AS rec, coalesce(r.res, 0) AS res"
+        f" FROM {d.table(t.pp)} p LEFT JOIN (SELECT lid, phase,"
+        " max(CASE WHEN ok = ngroups THEN p ELSE 0 END) AS rec, max(CASE WHEN rok = ngroups THEN p ELSE 0 END) AS res"
+        f" FROM {d.table(t.cd)} GROUP BY lid, phase) r ON r.lid = p.lid AND r.phase = p.phase"
+    )
+    # Why the next boundary up fails: the first group (in recipe order) with an unusable block.
+    fail = (
+        "SELECT x.lid AS lid, x.phase AS phase, x.g AS g,"
+        " CASE WHEN x.fi < x.len THEN bb.code ELSE x.missing END AS code,"
+        f" CASE WHEN x.fi < x.len THEN bb.detail ELSE {d.quote(_BEYOND)} END AS detail,"
+        " row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM ("
+        "  SELECT q.*, CASE WHEN q.st >= q.j THEN -1"
+        "   WHEN q.st < q.len AND coalesce(s.nb, q.len) < least(q.j, q.len) THEN s.nb"
+        "   WHEN q.j > q.len THEN q.len ELSE -1 END AS fi FROM ("
+        f"   SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, {_MISSING_CASE} AS missing,"
+        f"    {d.idiv('r.rec + r.align', 'g.b')} AS j, {_start(d, 'r.rec + r.align')} AS st"
+        f"   FROM {d.table(t.gs)} g JOIN {d.table(t.rb)} r ON r.lid = g.lid AND r.phase = g.phase) q"
+        f"  LEFT JOIN {d.table(t.pw)} s ON s.lid = q.lid AND s.phase = q.phase AND s.g = q.g AND s.i = q.st) x"
+        f" LEFT JOIN {d.table(t.pw)} bb ON bb.lid = x.lid AND bb.phase = x.phase AND bb.g = x.g AND bb.i = x.fi"
+        " WHERE x.fi >= 0"
+    )
+    # Bytes to restore at the recoverable boundary (lookup time), per source tier.
+    restore = (
+        "SELECT w.lid AS lid,"
+        + ", ".join(
+            f" sum(CASE WHEN w.resident = 0 AND w.restore_tier = '{tier}' THEN w.restore_nb ELSE 0 END) AS r_{tier}"
+            for tier in ("host", "disk", "remote")
+        )
+        + f" FROM {d.table(t.pw)} w JOIN (SELECT g.lid AS lid, g.g AS g,"
+        f"  {d.idiv('r.rec', 'g.b')} AS j, {_start(d, 'r.rec')} AS st"
+        f"  FROM {d.table(t.gs)} g JOIN {d.table(t.rb)} r ON r.lid = g.lid AND r.phase = g.phase"
+        "  WHERE g.phase = 0 AND r.rec > 0) n ON n.lid = w.lid AND n.g = w.g"
+        " WHERE w.phase = 0 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
+    )
+    # Did the adopted prefix include state committed under another tenant namespace?
+    cross = (
+        "SELECT w.lid AS lid, max(CASE WHEN w.present = 1 AND w.c_tenant <> w.tenant THEN 1 ELSE 0 END) AS cross"
+        f" FROM {d.table(t.pw)} w JOIN (SELECT lid, g, {d.idiv('pa', 'b')} AS j, {_start(d, 'pa')} AS st FROM ("
+        f"  SELECT g.*, {d.idiv('g.adopted', 'g.b')} * g.b AS pa FROM {d.table(t.gs)} g WHERE g.phase = 1)"
+        "  WHERE pa > 0) n ON n.lid = w.lid AND n.g = w.g"
+        " WHERE w.phase = 1 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
+    )
+    return [(t.gs, gs), (t.pp, pts), (t.cd, cand), (t.rb, rec), (t.fl, fail), (t.rs, restore), (t.cx, cross)]
+
+
+def _final(d: Dialect, t: _Plan) -> str:
+    changed = "(a.lid IS NOT NULL AND a.rec < l.rec)"
+    rec = f"CASE WHEN {changed} THEN a.rec ELSE l.rec END"
+    res = f"CASE WHEN {changed} THEN least(l.res, a.res) ELSE l.res END"
+    adopted = "CASE WHEN k.next_kind = 'adopt' THEN k.next_adopted ELSE 0 END"
+    seen = "k.next_kind = 'adopt'"
+    lookup_reason = (
+        f"CASE WHEN l.rec < l.top THEN coalesce(lf.code, '') WHEN l.top < l.logical THEN '{GapReason.MISALIGNED.value}' ELSE '' END"
+    )
+    lookup_group = "CASE WHEN l.rec < l.top THEN coalesce(lf.g, -1) ELSE -1 END"
+    lookup_detail = (
+        "CASE WHEN l.rec < l.top THEN coalesce(lf.detail, '') WHEN l.top < l.logical THEN"
+        " 'logical ' || CAST(l.logical AS VARCHAR) || ' is not a multiple of ' || CAST(l.align AS VARCHAR) ELSE '' END"
+    )
+    return (
+        "SELECT k.ts_ns AS ts_ns, k.source_id AS source_id, k.seq AS seq, k.instance AS instance,"
+        " k.request_id AS request_id, k.model AS model, k.tenant AS tenant, k.prompt_tokens AS prompt_tokens,"
+        " k.reported_hit_tokens AS reported_hit_tokens, l.logical AS logical_hit_tokens,"
+        f" {rec} AS recoverable_hit_tokens, {res} AS resident_hit_tokens, {adopted} AS adopted_tokens,"
+        f" CASE WHEN {seen} THEN k.next_recomputed ELSE 0 END AS recomputed_tokens,"
+        f" CASE WHEN {seen} THEN 1 ELSE 0 END AS adopt_seen,"
+        f" CASE WHEN {rec} = 0 THEN 'MISS' WHEN {res} = {rec} THEN 'HIT' ELSE 'PARTIAL' END AS verdict,"
+        f" CASE WHEN {changed} THEN '{GapReason.CHANGED_BEFORE_USE.value}' ELSE {lookup_reason} END AS reason,"
+        f" CASE WHEN {changed} THEN coalesce(af.g, -1) ELSE {lookup_group} END AS reason_group,"
+        f" CASE WHEN {changed} THEN coalesce(af.code, '') ELSE {lookup_detail} END AS reason_detail,"
+        f" CASE WHEN {adopted} > {rec} THEN 1 ELSE 0 END AS unsafe_reuse,"
+        f" CASE WHEN {seen} AND {rec} > {adopted} THEN 1 ELSE 0 END AS missed_reuse,"
+        " coalesce(cx.cross, 0) AS cross_tenant,"
+        " coalesce(rs.r_host, 0) AS restore_host_bytes, coalesce(rs.r_disk, 0) AS restore_disk_bytes,"
+        " coalesce(rs.r_remote, 0) AS restore_remote_bytes, l.group_logical AS group_logical_tokens"
+        f" FROM {d.table(t.lk)} k"
+        f" JOIN {d.table(t.rb)} l ON l.lid = k.ord AND l.phase = 0"
+        f" LEFT JOIN {d.table(t.rb)} a ON a.lid = k.ord AND a.phase = 1"
+        f" LEFT JOIN (SELECT * FROM {d.table(t.fl)} WHERE phase = 0 AND rank = 1) lf ON lf.lid = k.ord"
+        f" LEFT JOIN (SELECT * FROM {d.table(t.fl)} WHERE phase = 1 AND rank = 1) af ON af.lid = k.ord"
+        f" LEFT JOIN {d.table(t.rs)} rs ON rs.lid = k.ord"
+        f" LEFT JOIN {d.table(t.cx)} cx ON cx.lid = k.ord"
+        " ORDER BY k.ord"
+    )
+
+
+_RECIPE_COLUMNS = "model VARCHAR, g BIGINT, comp VARCHAR, b BIGINT, win BIGINT, ratio BIGINT, align BIGINT, ngroups BIGINT"
+
+
+def _recipe_rows(d: Dialect, recipes: Mapping[str, Recipe]) -> str:
+    rows = []
+    for model, r in recipes.items():
+        for grp in r.groups:
+            rows.append(
+                f"({d.quote(model)}, {grp.group_id}, {d.quote(grp.component.value)}, {grp.block_size},"
+                f" {grp.window}, {grp.ratio}, {r.alignment}, {len(r.groups)})"
+            )
+    return ", ".join(rows)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+Executor = Callable[[str], None]
+Reader = Callable[[str], Any]
+
+
+def _run(
+    d: Dialect,
+    source: str,
+    recipes: Recipe | Mapping[str, Recipe],
+    policy: Policy,
+    execute: Executor,
+    read: Reader,
+    keep_tables: bool = False,
+) -> pl.DataFrame:
+    t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
+    created: list[str] = []
+
+    def step(name: str, select: str) -> None:
+        execute(d.create_as(name, select))
+        created.append(name)
+
+    try:
+        for name, select in _steps_events(d, t, source):
+            step(name, select)
+        models = [str(m) for m in read(f"SELECT DISTINCT model FROM {d.table(t.lk)}")["model"].to_list()]
+        chosen = _recipes_for(models, recipes)
+        execute(d.create(t.rc, _RECIPE_COLUMNS))
+        created.append(t.rc)
+        if chosen:
+            execute(f"INSERT INTO {d.table(t.rc)} VALUES {_recipe_rows(d, chosen)}")
+        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
+            step(name, select)
+        return conform_results(read(_final(d, t)))
+    finally:
+        if not keep_tables:
+            for name in reversed(created):
+                execute(d.drop(name))
+
+
+def _recipes_for(models: Iterable[str], recipes: Recipe | Mapping[str, Recipe]) -> dict[str, Recipe]:
+    if isinstance(recipes, Recipe):
+        return {m: recipes for m in models}
+    missing = sorted(set(models) - set(recipes))
+    if missing:
+        raise UnknownModel(f"no recipe for model {missing[0]!r} (have: {', '.join(recipes)})")
+    return {m: recipes[m] for m in models}
+
+
+def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
+    """The LookupResult columns with one dtype each, whichever path computed them."""
+    ints = {"ts_ns": pl.Int64, "source_id": pl.UInt64, "seq": pl.UInt64}
+    out = []
+    for name, typ in LookupResult.__annotations__.items():
+        if name in ints:
+            dtype: Any = ints[name]
+        elif typ in ("int",):
+            dtype = pl.Int64
+        elif typ == "bool":
+            dtype = pl.Boolean
+        elif typ == "list[int]":
+            dtype = pl.List(pl.Int64)
+        else:
+            dtype = pl.Utf8
+        col = pl.col(name)
+        out.append((col.cast(pl.Int64) != 0).alias(name) if dtype == pl.Boolean and frame[name].dtype != pl.Boolean else col.cast(dtype))
+    return frame.select(out)
+
+
+def clickhouse_results(
+    store: Any, recipes: Recipe | Mapping[str, Recipe], policy: Policy = Policy(), where: str = "1"
+) -> pl.DataFrame:
+    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events."""
+    d = Dialect("clickhouse", store.db)
+    source = f"(SELECT * FROM {store.db}.events FINAL WHERE {where})"
+
+    def execute(sql: str) -> None:
+        store.command(sql, settings=CLICKHOUSE_SETTINGS)
+
+    def read(sql: str) -> pl.DataFrame:
+        return store.query_polars(sql, settings=CLICKHOUSE_SETTINGS)
+
+    return _run(d, source, recipes, policy, execute, read)
+
+
+def duckdb_results(
+    parquet: str | Path | Iterable[str | Path],
+    recipes: Recipe | Mapping[str, Recipe],
+    policy: Policy = Policy(),
+    connection: Any = None,
+) -> pl.DataFrame:
+    """Per-lookup results computed by DuckDB over Parquet exports of the events."""
+    import duckdb
+
+    paths = [str(parquet)] if isinstance(parquet, (str, Path)) else [str(p) for p in parquet]
+    con = connection if connection is not None else duckdb.connect()
+    d = Dialect("duckdb")
+    listed = ", ".join(d.quote(p) for p in paths)
+    source = f"read_parquet([{listed}])"
+    try:
+        return _run(d, source, recipes, policy, lambda sql: con.execute(sql), lambda sql: con.sql(sql).pl())
+    finally:
+        if connection is None:
+            con.close()

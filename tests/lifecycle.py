@@ -1,0 +1,161 @@
+"""Randomized but meaningful lifecycle streams for the three-paths equivalence tests.
+
+Plain random events would almost never touch the same object twice, so the analysis would
+only ever see misses. These streams draw operations over a small universe instead: a few
+prompts sharing prefixes, small block sizes, two tenants, two revisions, four tiers, so that
+lookups meet committed, tentative, moved, evicted, invalidated, corrupt, expired and foreign
+state, in every interleaving hypothesis can find. Timestamps tie often (two sources), to
+exercise the (ts_ns, source_id, seq) order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvtrace.analysis.recipes import GroupSpec, Recipe
+from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier
+
+SMALL = Recipe(
+    name="small-hybrid",
+    description="Every completeness rule at once, with tiny blocks.",
+    groups=(
+        GroupSpec(group_id=0, component=ComponentKind.COMPRESSED, block_size=4),
+        GroupSpec(group_id=1, component=ComponentKind.UNCOMPRESSED_TAIL, block_size=2, ratio=4),
+        GroupSpec(group_id=2, component=ComponentKind.SLIDING_WINDOW, block_size=2, window=4),
+        GroupSpec(group_id=3, component=ComponentKind.INDEXER, block_size=2, indexes=0),
+        GroupSpec(group_id=4, component=ComponentKind.MAMBA, block_size=4),
+    ),
+)
+DENSE = Recipe(
+    name="small-dense",
+    groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=2),),
+)
+RECIPES = {"hybrid": SMALL, "dense": DENSE}
+
+PROMPT_TOKENS = 16
+SHARED = (16, 8, 4)  # prompt p shares its first SHARED[p] tokens with prompt 0
+TIERS = [Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE]
+
+
+def chain(recipe: Recipe, group_id: int, prompt: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    b = recipe.groups[group_id].block_size
+    return [
+        (group_id + 1) * 1000 + (0 if (i + 1) * b <= SHARED[prompt] else prompt) * 100 + i + 1
+        for i in range(tokens // b)
+    ]
+
+
+_identity = st.fixed_dictionaries(
+    {
+        "model_revision": st.sampled_from(["r1"] * 30 + ["r2"]),
+        "adapter": st.sampled_from([""] * 30 + ["lora-a"]),
+        "tenant": st.sampled_from(["t1"] * 12 + ["t2"]),
+        "epoch": st.sampled_from([1] * 30 + [0, 2]),
+    }
+)
+_where = st.fixed_dictionaries(
+    {"instance": st.sampled_from(["i0"] * 4 + ["i1"]), "model": st.sampled_from(["hybrid"] * 3 + ["dense"])}
+)
+
+
+@st.composite
+def _object(draw: Any) -> dict[str, Any]:
+    where = draw(_where)
+    recipe = RECIPES[where["model"]]
+    g = draw(st.integers(0, len(recipe.groups) - 1))
+    keys = chain(recipe, g, draw(st.sampled_from([0, 0, 1, 2])))
+    # Mostly late blocks: a fault there leaves a recoverable prefix before it to reason about.
+    i = draw(st.integers(len(keys) // 2, len(keys) - 1) | st.integers(0, len(keys) - 1))
+    b = recipe.groups[g].block_size
+    return dict(
+        where, group_id=g, component=recipe.groups[g].component, block_key=keys[i], token_start=i * b,
+        token_end=(i + 1) * b,
+    )
+
+
+@st.composite
+def _operation(draw: Any, op: str = "") -> list[dict[str, Any]]:
+    """One engine action: a few events sharing a timestamp step."""
+    op = op or draw(st.sampled_from(["fill"] * 3 + ["write", "invalidate", "bulk"] + ["transfer", "evict"] * 3
+                                    + ["lookup", "adopt"] * 4))
+    checksum = draw(st.sampled_from([0] + [7] * 8 + [8]))
+    lease = draw(st.sampled_from([0] * 12 + [30, 300]))
+    if op == "fill":  # a request computed and committed a prefix of a prompt
+        where, ident = draw(_where), draw(_identity)
+        recipe = RECIPES[where["model"]]
+        prompt, upto = draw(st.integers(0, 2)), draw(st.integers(1, PROMPT_TOKENS))
+        tier = draw(st.sampled_from([Tier.DEVICE, Tier.DEVICE, Tier.HOST]))
+        # Now and then one block is skipped (never written) or left uncommitted.
+        flaw = draw(st.sampled_from([None] * 6 + ["skip", "tentative"]))
+        flawed = (draw(st.integers(0, len(recipe.groups) - 1)), draw(st.integers(2, PROMPT_TOKENS // 2)))
+        out = []
+        for g in recipe.groups:
+            for i, key in enumerate(chain(recipe, g.group_id, prompt, upto)):
+                if flaw == "skip" and (g.group_id, i) == flawed:
+                    continue
+                common = dict(where, **ident, group_id=g.group_id, component=g.component, block_key=key, tier=tier,
+                              nbytes=100 * g.block_size, checksum=checksum, lease_expiry_ns=lease,
+                              token_start=i * g.block_size, token_end=(i + 1) * g.block_size)
+                out.append(dict(common, kind=EventKind.CREATE))
+                if not (flaw == "tentative" and (g.group_id, i) == flawed):
+                    out.append(dict(common, kind=EventKind.COMMIT))
+        return out
+    obj = draw(_object())
+    if op == "write":
+        kind = draw(st.sampled_from([EventKind.CREATE, EventKind.COMMIT]))
+        return [dict(obj, **draw(_identity), kind=kind, tier=draw(st.sampled_from(TIERS)), nbytes=64,
+                     checksum=checksum, lease_expiry_ns=lease)]
+    if op == "transfer":
+        src, dst = draw(st.sampled_from(TIERS)), draw(st.sampled_from(TIERS))
+        kind = EventKind.OFFLOAD if TIERS.index(dst) > TIERS.index(src) else EventKind.LOAD
+        return [dict(obj, kind=kind, src_tier=src, dst_tier=dst, nbytes=draw(st.sampled_from([0, 50])),
+                     checksum=checksum, lease_expiry_ns=lease)]
+    if op == "evict":
+        return [dict(obj, kind=EventKind.EVICT, tier=draw(st.sampled_from(TIERS)), reason=Reason.CAPACITY)]
+    if op == "invalidate":
+        reason = draw(st.sampled_from([Reason.ROLLBACK, Reason.CORRUPTION, Reason.EXPLICIT]))
+        return [dict(obj, kind=EventKind.INVALIDATE, reason=reason)]
+    where = draw(_where)
+    if op == "bulk":
+        return [dict(instance=where["instance"], kind=EventKind.INVALIDATE,
+                     reason=draw(st.sampled_from([Reason.WEIGHT_UPDATE, Reason.TENANT_PURGE, Reason.RESET])),
+                     tier=draw(st.sampled_from([Tier.NONE, Tier.NONE, Tier.DEVICE, Tier.HOST])),
+                     tenant=draw(st.sampled_from(["", "t1", "t2"])), adapter=draw(st.sampled_from(["", "lora-a"])))]
+    request = draw(st.sampled_from(["q0", "q1", "q2"]))
+    if op == "lookup":
+        recipe = RECIPES[where["model"]]
+        prompt = draw(st.integers(0, 2))
+        tokens = draw(st.sampled_from([PROMPT_TOKENS, PROMPT_TOKENS, 9, 13]))
+        chains = [chain(recipe, g.group_id, prompt, tokens) for g in recipe.groups]
+        return [dict(where, **draw(_identity), kind=EventKind.LOOKUP, request_id=request, prompt_tokens=tokens,
+                     group_block_keys=chains)]
+    reused = draw(st.integers(0, PROMPT_TOKENS))
+    return [dict(where, kind=EventKind.ADOPT, request_id=request, reused_tiers=[Tier.DEVICE],
+                 reused_tokens=[reused], recomputed_tokens=PROMPT_TOKENS - reused)]
+
+
+BASE_NS = 1_750_000_000 * 10**9
+
+
+@st.composite
+def lifecycle_streams(draw: Any, max_ops: int = 40) -> list[Event]:
+    """Events in stream order, (ts_ns, source_id, seq) unique and sorted."""
+    # A warm cache first (a few requests' prefixes), then anything.
+    ops = draw(st.lists(_operation("fill"), min_size=1, max_size=3))
+    ops += draw(st.lists(_operation(), min_size=6, max_size=max_ops))
+    ops += draw(st.lists(st.one_of(_operation("lookup"), _operation("adopt")), min_size=2, max_size=6))
+    events, seqs, ts = [], {1: 0, 2: 0}, BASE_NS
+    for op in ops:
+        ts += draw(st.sampled_from([0, 1, 10, 40]))
+        for fields in op:
+            source = draw(st.sampled_from([1, 2]))
+            seqs[source] += 1
+            events.append(Event(ts_ns=ts, source_id=source, seq=seqs[source], **fields))
+    # A lease is an absolute time: shift drawn leases (small numbers) onto the stream's clock.
+    for e in events:
+        if e.lease_expiry_ns:
+            e.lease_expiry_ns += BASE_NS
+    events.sort(key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    return events

@@ -1,0 +1,91 @@
+"""The streaming reconstructor, ClickHouse SQL and DuckDB SQL give identical per-lookup results.
+
+Events go through the real store (embedded ClickHouse) and a real Parquet export, so the
+test also covers de-duplication, ordering and type round trips on the way to each path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from lifecycle import RECIPES, lifecycle_streams
+from polars.testing import assert_frame_equal
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.funnel import results_frame
+from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
+from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
+from kvtrace.collector.export import export_events
+from kvtrace.collector.store import Store
+from kvtrace.schema import Event, EventKind
+
+SORT = ["ts_ns", "source_id", "seq"]
+
+
+def streaming(events: list[Event], policy: Policy = Policy()) -> pl.DataFrame:
+    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    return conform_results(results_frame(Reconstructor(RECIPES, policy).run(ordered))).sort(SORT)
+
+
+def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy = Policy()) -> list[pl.DataFrame]:
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    parquet = folder / "events.parquet"
+    export_events(store, parquet)
+    return [
+        streaming(events, policy),
+        clickhouse_results(store, RECIPES, policy).sort(SORT),
+        duckdb_results(parquet, RECIPES, policy).sort(SORT),
+    ]
+
+
+def assert_same(frames: list[pl.DataFrame]) -> None:
+    py, ch, dd = frames
+    assert_frame_equal(ch, py, check_exact=True)
+    assert_frame_equal(dd, py, check_exact=True)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(events=lifecycle_streams())
+def test_three_paths_agree_on_random_lifecycles(store: Store, tmp_path: Path, events: list[Event]) -> None:
+    assert_same(three_paths(store, tmp_path, events))
+
+
+def test_shared_tenant_policy_agrees(store: Store, tmp_path: Path) -> None:
+    from hypothesis import find
+
+    events = find(
+        lifecycle_streams(max_ops=30),
+        lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2 and len({e.tenant for e in evs}) >= 2,
+        settings=settings(database=None, max_examples=500),
+    )
+    assert_same(three_paths(store, tmp_path, events, Policy(shared_tenants=frozenset({"t2"}), keep_one_token=False)))
+
+
+def test_unknown_model_is_named_by_every_path(store: Store, tmp_path: Path) -> None:
+    lookup = Event(kind=EventKind.LOOKUP, ts_ns=1_750_000_000 * 10**9, source_id=1, seq=1, instance="i0",
+                   model="mystery", request_id="r", prompt_tokens=8)
+    store.insert_events([lookup])
+    with pytest.raises(UnknownModel, match="mystery"):
+        list(Reconstructor(RECIPES).run([lookup]))
+    with pytest.raises(UnknownModel, match="mystery"):
+        clickhouse_results(store, RECIPES)
+    parquet = tmp_path / "e.parquet"
+    export_events(store, parquet)
+    with pytest.raises(UnknownModel, match="mystery"):
+        duckdb_results(parquet, RECIPES)
+
+
+def test_scratch_tables_are_dropped(store: Store, tmp_path: Path) -> None:
+    before = set(store.query_polars(f"SELECT name FROM system.tables WHERE database = '{store.db}'")["name"])
+    store.insert_events([])
+    clickhouse_results(store, RECIPES)
+    after = set(store.query_polars(f"SELECT name FROM system.tables WHERE database = '{store.db}'")["name"])
+    assert after == before
