@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from itertools import accumulate
 
-from kvtrace.analysis.recipes import GroupSpec, Recipe
+from kvtrace.schema.recipes import GroupSpec, Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, ObjectState, identity_of
 from kvtrace.analysis.verdicts import MISSING_REASON, GapReason
 from kvtrace.schema.events import Event
@@ -92,7 +92,8 @@ def check_object(
         reason, detail = GapReason.TENANT_MISMATCH, f"tenant: {commit.tenant} != {request.tenant}"
     else:
         for name, have, want in zip(IDENTITY_FIELDS, commit.identity, identity_of(request), strict=True):
-            if have and want and have != want:
+            # Empty means "not reported", except for the adapter, where it means the base model.
+            if have != want and (name == "adapter" or (have and want)):
                 if component is ComponentKind.INDEXER and name == "epoch":
                     reason = GapReason.INDEXER_OUT_OF_SYNC
                 else:
@@ -115,18 +116,8 @@ _TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3, Tier.N
 
 
 def needed_blocks(group: GroupSpec, p: int) -> range:
-    """Block indices of `group` that must be usable to resume at boundary p (p % block == 0)."""
-    b = group.block_size
-    c = group.component
-    if p <= 0:
-        return range(0)
-    if c is ComponentKind.SLIDING_WINDOW:
-        return range(max(0, p - group.window) // b, p // b)
-    if c is ComponentKind.MAMBA:
-        return range(p // b - 1, p // b)
-    if c is ComponentKind.UNCOMPRESSED_TAIL:
-        return range((p // group.ratio) * group.ratio // b, p // b)
-    return range(0, p // b)  # full attention, compressed, indexer, cross attention
+    """Block indices of `group` that must be usable to resume at boundary p."""
+    return group.needed(p)
 
 
 class _GroupView:
@@ -180,8 +171,8 @@ def evaluate(
 ) -> Evaluation:
     """The three hit numbers for one lookup event, and why recoverable stops where it does.
 
-    The reason explains the first boundary above recoverable, up to the logical hit or, when
-    re-checking at adopt time, up to `explain_up_to` (what was recoverable at lookup).
+    The reason explains why the aligned logical hit (or, when re-checking at adopt time,
+    `explain_up_to`: what was recoverable at lookup) is not recoverable.
     """
     chains = lookup.group_block_keys
     views = []
@@ -214,11 +205,13 @@ def evaluate(
     while resident > 0 and not all(v.resident_at(resident) for v in views):
         resident -= step
 
+    # The reason is the first failing group at the boundary the request wanted: the aligned
+    # logical hit (what the hash promised) or, re-checking at adopt, what was recoverable then.
     reason, group_id, detail = GapReason.NONE, -1, ""
-    if recoverable < max(top, explain_up_to // step * step):
-        boundary = recoverable + step
+    target = explain_up_to // step * step if explain_up_to else top
+    if recoverable < target:
         for v in views:
-            failure = v.first_failure(boundary)
+            failure = v.first_failure(target)
             if failure is not None:
                 (reason, detail), group_id = failure, v.group.group_id
                 break

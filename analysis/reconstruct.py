@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, needed_blocks
-from kvtrace.analysis.recipes import Recipe
+from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import CacheState
 from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema.events import Event, adopted_tokens

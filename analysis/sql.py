@@ -33,7 +33,7 @@ import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.reconstruct import UnknownModel
-from kvtrace.analysis.recipes import Recipe
+from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.analysis.verdicts import MISSING_REASON, GapReason, LookupResult
 from kvtrace.schema.kinds import ComponentKind, Reason, TIER_ORDER
@@ -302,6 +302,10 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
                 f" ELSE '{GapReason.IDENTITY_MISMATCH.value}' END"
             )
             shown = f"CAST({have} AS VARCHAR) || ' != ' || CAST({want} AS VARCHAR)"
+        elif f == "adapter":  # empty is the base model, a value like any other
+            differs = f"{have} <> {want}"
+            reason = f"'{GapReason.IDENTITY_MISMATCH.value}'"
+            shown = f"{have} || ' != ' || {want}"
         else:
             differs = f"{have} <> '' AND {want} <> '' AND {have} <> {want}"
             reason = f"'{GapReason.IDENTITY_MISMATCH.value}'"
@@ -374,7 +378,8 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         " max(CASE WHEN ok = ngroups THEN p ELSE 0 END) AS rec, max(CASE WHEN rok = ngroups THEN p ELSE 0 END) AS res"
         f" FROM {d.table(t.cd)} GROUP BY lid, phase) r ON r.lid = p.lid AND r.phase = p.phase"
     )
-    # Why the next boundary up fails: the first group (in recipe order) with an unusable block.
+    # Why the wanted boundary fails (the aligned logical hit; at adopt, what was recoverable at
+    # lookup): the first group, in recipe order, with an unusable block there.
     fail = (
         "SELECT x.lid AS lid, x.phase AS phase, x.g AS g,"
         " CASE WHEN x.fi < x.len THEN bb.code ELSE x.missing END AS code,"
@@ -384,8 +389,11 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         "   WHEN q.st < q.len AND coalesce(s.nb, q.len) < least(q.j, q.len) THEN s.nb"
         "   WHEN q.j > q.len THEN q.len ELSE -1 END AS fi FROM ("
         f"   SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, {_MISSING_CASE} AS missing,"
-        f"    {d.idiv('r.rec + r.align', 'g.b')} AS j, {_start(d, 'r.rec + r.align')} AS st"
-        f"   FROM {d.table(t.gs)} g JOIN {d.table(t.rb)} r ON r.lid = g.lid AND r.phase = g.phase) q"
+        f"    {d.idiv('r.q', 'g.b')} AS j, {_start(d, 'r.q')} AS st"
+        f"   FROM {d.table(t.gs)} g JOIN (SELECT r.lid AS lid, r.phase AS phase,"
+        "     CASE WHEN r.phase = 0 THEN r.top ELSE r0.rec END AS q"
+        f"     FROM {d.table(t.rb)} r JOIN {d.table(t.rb)} r0 ON r0.lid = r.lid AND r0.phase = 0) r"
+        "    ON r.lid = g.lid AND r.phase = g.phase WHERE r.q > 0) q"
         f"  LEFT JOIN {d.table(t.pw)} s ON s.lid = q.lid AND s.phase = q.phase AND s.g = q.g AND s.i = q.st) x"
         f" LEFT JOIN {d.table(t.pw)} bb ON bb.lid = x.lid AND bb.phase = x.phase AND bb.g = x.g AND bb.i = x.fi"
         " WHERE x.fi >= 0"

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from kvtrace.analysis.funnel import funnel, results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.analysis.recipes import dense
+from kvtrace.schema.recipes import dense
 from kvtrace.collector.store import Store, default_dsn, parse_dsn
 from kvtrace.instrumentation.emitter import BatchEmitter
 from kvtrace.instrumentation.sinks.store import StoreSink

@@ -14,7 +14,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvtrace.analysis.recipes import GroupSpec, Recipe
+from kvtrace.schema.recipes import GroupSpec, Recipe
 from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier
 
 SMALL = Recipe(

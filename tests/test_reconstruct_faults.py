@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.analysis.recipes import BUILTIN, Recipe, RecipeError, load_recipe
+from kvtrace.schema.recipes import BUILTIN, Recipe, RecipeError, load_recipe
 from kvtrace.analysis.reconstruct import Reconstructor, reconstruct
 from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier

@@ -1,5 +1,8 @@
 """Model state recipes: what state a model needs to resume at a token boundary.
 
+They live with the schema because both sides use them: shims derive them from an engine's
+KV-cache config and the analysis checks completeness against them.
+
 A recipe lists a model's cache groups, each with the component it holds, its block size and
 the rule that makes it complete at a boundary p. Recipes are data (msgspec Structs, loadable
 from JSON or TOML); the engine shims derive them from the engine's own KV-cache config.
@@ -32,6 +35,23 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
     window: int = 0
     ratio: int = 0
     indexes: int = -1
+
+    def needed(self, p: int) -> range:
+        """Indices of this group's blocks that must be usable to resume at token boundary p.
+
+        This is the completeness rule of each component kind, in one place: the analysis
+        checks it, and the reference simulator's engine uses it to decide what it can reuse.
+        """
+        if p <= 0:
+            return range(0)
+        b, c = self.block_size, self.component
+        if c is ComponentKind.SLIDING_WINDOW:  # the blocks covering the last `window` tokens
+            return range(max(0, p - self.window) // b, p // b)
+        if c is ComponentKind.MAMBA:  # one checkpoint, exactly at p
+            return range(p // b - 1, p // b)
+        if c is ComponentKind.UNCOMPRESSED_TAIL:  # the tokens after the last compressed block
+            return range((p // self.ratio) * self.ratio // b, p // b)
+        return range(0, p // b)  # full attention, compressed, indexer, cross attention
 
 
 class RecipeError(ValueError):

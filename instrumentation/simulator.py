@@ -1,0 +1,482 @@
+"""A reference engine: a hybrid, multi-tier prefix cache that emits kvtrace events.
+
+It serves requests like a real engine does (hash lookup, load from lower tiers, adopt, compute
+and commit the rest, evict and write back under capacity pressure) through the real emitter,
+so everything downstream sees exactly what an instrumented engine would send.
+
+It also keeps its own ground truth: for every block it knows whether the state really is valid
+for a given request (identity, tenant, lease, checksum, invalidation, commit), independently of
+the events. Faults are injected one at a time (`inject`, or the engine-behaviour knobs of
+`SimConfig`), and `truth_recoverable` says what a correct engine could have reused, which is
+what the analysis must reconstruct from the events alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvtrace.instrumentation.api import Emitter
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.recipes import GroupSpec, Recipe
+
+_MASK = (1 << 64) - 1
+STORE_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+
+class Fault(StrEnum):
+    """One fault class each; `inject` applies the state faults at a token boundary."""
+
+    DROP_TAIL = "drop_tail"  # the uncompressed tail after the last compressed block is gone
+    WINDOW_OUT_OF_RANGE = "window_out_of_range"  # the sliding window's blocks were freed
+    SKIP_CHECKPOINT = "skip_checkpoint"  # no recurrent-state checkpoint at the boundary
+    DESYNC_INDEXER = "desync_indexer"  # indexer rewritten for another KV generation
+    UNFETCHED_DISK = "unfetched_disk"  # the prefix now lives on disk only
+    EXPIRE_LEASE = "expire_lease"  # the state's lease ran out
+    CHANGE_ADAPTER = "change_adapter"  # rewritten under the same hashes by another adapter
+    CHANGE_REVISION = "change_revision"  # rewritten by other weights
+    SWITCH_TENANT = "switch_tenant"  # rewritten by another tenant (no cache salt)
+    MISALIGN = "misalign"  # only the first group reaches past the boundary, by one block
+    UNCOMMITTED = "uncommitted"  # a block is being rewritten: tentative
+    INVALIDATE = "invalidate"  # explicitly invalidated
+    ROLLBACK = "rollback"  # speculative tokens rejected
+    CORRUPT_CHECKSUM = "corrupt_checksum"  # the only copy left has other bytes than committed
+
+
+class AdoptPolicy(StrEnum):
+    """What the simulated engine reuses after its lookup."""
+
+    COMPLETE = "complete"  # the longest aligned boundary where every group is present
+    LOGICAL = "logical"  # whatever the hash lookup matched (a buggy engine)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    recipe: Recipe
+    instance: str = "sim-0"
+    model: str = "sim-model"
+    model_revision: str = "rev-1"
+    kv_dtype: str = "bfloat16"
+    layout: str = "NHD"
+    epoch: int = 1
+    bytes_per_token: int = 2048  # per group, per cached token
+    capacity_bytes: tuple[int, int, int] = (1 << 30, 4 << 30, 16 << 30)  # device, host, disk; 0 = no tier
+    fetch_tiers: tuple[Tier, ...] = (Tier.HOST, Tier.DISK)  # tiers the engine loads back from
+    load_bytes_per_s: tuple[float, float] = (20e9, 2e9)  # host, disk
+    lease_ns: int = 0  # 0 = committed state never expires
+    free_outside_window: bool = True  # free sliding-window blocks once the window has passed
+    checkpoint_every: int = 0  # Mamba checkpoint interval in tokens; 0 = the group's block size
+    adopt: AdoptPolicy = AdoptPolicy.COMPLETE
+    evict_before_adopt: bool = False  # another request evicts a needed block between lookup and adopt
+    start_ns: int = 1_750_000_000 * 10**9
+    step_ns: int = 1_000  # virtual time per event
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    request_id: str
+    tokens: Sequence[int]
+    tenant: str = ""
+    adapter: str = ""
+    arrival_ns: int = 0  # trace time; 0 = as soon as the previous request is done
+
+
+@dataclass(frozen=True, slots=True)
+class SimOutcome:
+    request_id: str
+    prompt_tokens: int
+    lookup_hit_tokens: int  # what the engine's lookup reported
+    adopted_tokens: int
+    recomputed_tokens: int
+    loaded_bytes: dict[Tier, int]
+
+
+@dataclass(slots=True)
+class _Block:
+    group: GroupSpec
+    key: int
+    index: int
+    nbytes: int
+    checksum: int
+    tiers: dict[Tier, int] = field(default_factory=dict)  # tier -> checksum of that copy
+    committed: bool = False
+    tenant: str = ""
+    adapter: str = ""
+    revision: str = ""
+    epoch: int = 0
+    lease_expiry_ns: int = 0
+    invalidated: bool = False
+
+
+def block_keys(recipe: Recipe, tokens: Sequence[int]) -> list[list[int]]:
+    """Prefix-chained keys of every full block, per group: equal prefixes give equal keys."""
+    out = []
+    for g in recipe.groups:
+        b, parent, keys = g.block_size, g.group_id, []
+        for start in range(0, len(tokens) - b + 1, b):
+            parent = (hash((parent, tuple(tokens[start : start + b]))) & _MASK) or 1
+            keys.append(parent)
+        out.append(keys)
+    return out
+
+
+class CacheSimulator:
+    """Serves requests one at a time against a simulated multi-tier cache."""
+
+    def __init__(self, config: SimConfig, emitter: Emitter) -> None:
+        self.config = config
+        self.recipe = config.recipe
+        self._emitter = emitter
+        self.now_ns = config.start_ns
+        self.blocks: dict[tuple[int, int], _Block] = {}
+        self._lru: dict[Tier, OrderedDict[tuple[int, int], None]] = {t: OrderedDict() for t in STORE_TIERS}
+        self._used: dict[Tier, int] = dict.fromkeys(STORE_TIERS, 0)
+        self._capacity = dict(zip(STORE_TIERS, config.capacity_bytes, strict=True))
+        self.bytes_written: dict[Tier, int] = dict.fromkeys(STORE_TIERS, 0)
+        self.events = 0
+
+    # -- emitting ------------------------------------------------------------------------------
+    def _emit(self, kind: EventKind, block: _Block | None = None, **fields: object) -> None:
+        self.now_ns += self.config.step_ns
+        c = self.config
+        event = Event(
+            kind=kind,
+            ts_ns=self.now_ns,
+            engine="sim",
+            instance=c.instance,
+            model=c.model,
+            model_revision=c.model_revision,
+            kv_dtype=c.kv_dtype,
+            layout=c.layout,
+            epoch=c.epoch,
+        )
+        if block is not None:
+            g = block.group
+            event.component = g.component
+            event.group_id = g.group_id
+            event.block_size = g.block_size
+            event.block_key = block.key
+            event.token_start = block.index * g.block_size
+            event.token_end = event.token_start + g.block_size
+            event.nbytes = block.nbytes
+        for name, value in fields.items():
+            setattr(event, name, value)
+        self.events += 1
+        self._emitter.emit(event)
+
+    # -- tiers ---------------------------------------------------------------------------------
+    def _place(self, block: _Block, tier: Tier, checksum: int) -> None:
+        if tier not in block.tiers:
+            self._used[tier] += block.nbytes
+            self.bytes_written[tier] += block.nbytes
+        block.tiers[tier] = checksum
+        self._lru[tier][(block.group.group_id, block.key)] = None
+        self._lru[tier].move_to_end((block.group.group_id, block.key))
+
+    def _remove(self, block: _Block, tier: Tier, reason: Reason) -> None:
+        if tier not in block.tiers:
+            return
+        del block.tiers[tier]
+        self._used[tier] -= block.nbytes
+        self._lru[tier].pop((block.group.group_id, block.key), None)
+        self._emit(EventKind.EVICT, block, tier=tier, reason=reason)
+        if not block.tiers:
+            del self.blocks[(block.group.group_id, block.key)]
+
+    def _move(self, block: _Block, src: Tier, dst: Tier, checksum: int | None = None) -> None:
+        kind = EventKind.OFFLOAD if STORE_TIERS.index(dst) > STORE_TIERS.index(src) else EventKind.LOAD
+        value = block.tiers[src] if checksum is None else checksum
+        self._place(block, dst, value)
+        self._emit(kind, block, src_tier=src, dst_tier=dst, checksum=value, duration_ns=self._transfer_ns(block, src, dst))
+
+    def _transfer_ns(self, block: _Block, src: Tier, dst: Tier) -> int:
+        slow = max(STORE_TIERS.index(src), STORE_TIERS.index(dst))
+        rate = self.config.load_bytes_per_s[min(slow, 2) - 1] if slow else 1e12
+        return int(block.nbytes / rate * 1e9)
+
+    def _enforce_capacity(self) -> None:
+        """Evict least-recently used blocks, writing them back one tier down while there is one."""
+        for level, tier in enumerate(STORE_TIERS):
+            while self._used[tier] > self._capacity[tier] and self._lru[tier]:
+                key = next(iter(self._lru[tier]))
+                block = self.blocks[key]
+                lower = next((t for t in STORE_TIERS[level + 1 :] if self._capacity[t] > 0), None)
+                if lower is not None and lower not in block.tiers and block.committed:
+                    self._move(block, tier, lower)
+                self._remove(block, tier, Reason.CAPACITY)
+
+    # -- the engine's own view -------------------------------------------------------------------
+    def _present(self, group: GroupSpec, key: int) -> _Block | None:
+        return self.blocks.get((group.group_id, key))
+
+    def _complete_at(self, chains: list[list[int]], p: int) -> bool:
+        for g in self.recipe.groups:
+            chain = chains[g.group_id]
+            for i in g.needed(p):
+                if i >= len(chain) or self._present(g, chain[i]) is None:
+                    return False
+        return True
+
+    def _engine_hit(self, chains: list[list[int]], prompt: int) -> tuple[int, list[int]]:
+        """What the engine's lookup finds: per-group hash runs, and the hit it will act on."""
+        cap = max(prompt - 1, 0)
+        runs = []
+        for g in self.recipe.groups:
+            n = 0
+            for key in chains[g.group_id]:
+                if self._present(g, key) is None:
+                    break
+                n += 1
+            runs.append(min(n * g.block_size, cap))
+        logical = max(runs, default=0)
+        if self.config.adopt is AdoptPolicy.LOGICAL:
+            return logical, runs
+        step = self.recipe.alignment
+        p = logical // step * step
+        while p > 0 and not self._complete_at(chains, p):
+            p -= step
+        return p, runs
+
+    # -- serving -------------------------------------------------------------------------------
+    def serve(self, request: SimRequest) -> SimOutcome:
+        c = self.config
+        self.now_ns = max(self.now_ns, request.arrival_ns)
+        tokens = request.tokens
+        chains = block_keys(self.recipe, tokens)
+        ident = dict(tenant=request.tenant, adapter=request.adapter, request_id=request.request_id)
+        hit, runs = self._engine_hit(chains, len(tokens))
+        self._emit(EventKind.LOOKUP, prompt_tokens=len(tokens), group_block_keys=chains, group_hit_tokens=runs,
+                   reported_hit_tokens=hit, **ident)
+        if c.evict_before_adopt and hit:
+            g = self.recipe.groups[0]
+            victim = self._present(g, chains[0][(hit - 1) // g.block_size])
+            if victim is not None:
+                for tier in list(victim.tiers):
+                    self._remove(victim, tier, Reason.CAPACITY)
+        adopted, loaded = self._fetch(chains, hit)
+        reused_tiers = [Tier.DEVICE, *(t for t in loaded if loaded[t])]
+        by_tier = self._tokens_by_tier(chains, adopted, loaded)
+        self._emit(EventKind.ADOPT, reused_tiers=reused_tiers if adopted else [],
+                   reused_tokens=[by_tier.get(t, 0) for t in reused_tiers] if adopted else [],
+                   recomputed_tokens=len(tokens) - adopted, **ident)
+        self._compute(chains, adopted, len(tokens), request)
+        self._enforce_capacity()
+        return SimOutcome(request.request_id, len(tokens), hit, adopted, len(tokens) - adopted, loaded)
+
+    def _fetch(self, chains: list[list[int]], hit: int) -> tuple[int, dict[Tier, int]]:
+        """Load what the hit needs onto the device; stop at the first block it cannot get."""
+        loaded: dict[Tier, int] = {Tier.HOST: 0, Tier.DISK: 0}
+        step = self.recipe.alignment if self.config.adopt is AdoptPolicy.COMPLETE else 1
+        p = hit
+        while p > 0:
+            missing = [
+                (g, chains[g.group_id][i])
+                for g in self.recipe.groups
+                for i in g.needed(p)
+                if i >= len(chains[g.group_id]) or self._present(g, chains[g.group_id][i]) is None
+                or not self._fetchable(self._present(g, chains[g.group_id][i]))  # type: ignore[arg-type]
+            ]
+            if not missing or self.config.adopt is AdoptPolicy.LOGICAL:
+                break
+            p -= step
+        for g in self.recipe.groups:
+            for i in g.needed(p):
+                chain = chains[g.group_id]
+                block = self._present(g, chain[i]) if i < len(chain) else None
+                if block is None:
+                    continue
+                if Tier.DEVICE not in block.tiers:
+                    src = next((t for t in self.config.fetch_tiers if t in block.tiers), None)
+                    if src is None:
+                        continue
+                    self._move(block, src, Tier.DEVICE)
+                    loaded[src] += block.nbytes
+                self._lru[Tier.DEVICE].move_to_end((g.group_id, block.key), last=True)
+        return p, loaded
+
+    def _fetchable(self, block: _Block) -> bool:
+        return Tier.DEVICE in block.tiers or any(t in block.tiers for t in self.config.fetch_tiers)
+
+    def _tokens_by_tier(self, chains: list[list[int]], adopted: int, loaded: dict[Tier, int]) -> dict[Tier, int]:
+        total = sum(loaded.values())
+        if not total:
+            return {Tier.DEVICE: adopted}
+        out = {t: adopted * n // total for t, n in loaded.items() if n}
+        out[Tier.DEVICE] = adopted - sum(out.values())
+        return out
+
+    def _compute(self, chains: list[list[int]], adopted: int, prompt: int, request: SimRequest) -> None:
+        """Prefill [adopted, prompt): write and commit each group's blocks by its kind's rule."""
+        for g in self.recipe.groups:
+            chain = chains[g.group_id]
+            b = g.block_size
+            first = adopted // b
+            for i in range(first, len(chain)):
+                end = (i + 1) * b
+                if g.component is ComponentKind.MAMBA:
+                    every = self.config.checkpoint_every or b
+                    if end % every and i != len(chain) - 1:
+                        continue
+                if g.component is ComponentKind.UNCOMPRESSED_TAIL and end <= prompt // g.ratio * g.ratio:
+                    continue  # covered by a compressed block
+                self._write(g, chain[i], i, request)
+            if g.component is ComponentKind.SLIDING_WINDOW and self.config.free_outside_window:
+                keep = set(g.needed(len(chain) * b))
+                for i in range(0, len(chain)):
+                    block = self._present(g, chain[i])
+                    if i not in keep and block is not None and Tier.DEVICE in block.tiers:
+                        self._remove(block, Tier.DEVICE, Reason.POLICY)
+
+    def _write(self, g: GroupSpec, key: int, index: int, request: SimRequest, commit: bool = True) -> _Block:
+        c = self.config
+        block = self.blocks.get((g.group_id, key))
+        if block is None:
+            nbytes = c.bytes_per_token * g.block_size
+            block = self.blocks[(g.group_id, key)] = _Block(g, key, index, nbytes, checksum=(key * 0x9E3779B1) & _MASK or 1)
+        elif Tier.DEVICE in block.tiers and block.committed and not block.invalidated:
+            self._lru[Tier.DEVICE].move_to_end((g.group_id, key))
+            return block  # already cached: the engine reuses it
+        block.invalidated = False
+        block.committed = False
+        self._place(block, Tier.DEVICE, block.checksum)
+        common = dict(tier=Tier.DEVICE, checksum=block.checksum, tenant=request.tenant, adapter=request.adapter)
+        self._emit(EventKind.CREATE, block, **common)
+        if commit:
+            self._commit(block, request.tenant, request.adapter)
+        return block
+
+    def _commit(self, block: _Block, tenant: str, adapter: str, **overrides: object) -> None:
+        c = self.config
+        block.committed = True
+        block.invalidated = False
+        block.tenant, block.adapter = tenant, adapter
+        block.revision = str(overrides.get("model_revision", c.model_revision))
+        block.epoch = int(overrides.get("epoch", c.epoch))  # type: ignore[call-overload]
+        block.lease_expiry_ns = int(overrides.get("lease_expiry_ns", self.now_ns + c.lease_ns if c.lease_ns else 0))  # type: ignore[call-overload]
+        fields = dict(tier=Tier.DEVICE, checksum=block.checksum, tenant=tenant, adapter=adapter,
+                      lease_expiry_ns=block.lease_expiry_ns)
+        fields.update(overrides)
+        self._emit(EventKind.COMMIT, block, **fields)
+
+    # -- ground truth ---------------------------------------------------------------------------
+    def _valid_for(self, block: _Block | None, request: SimRequest, at_ns: int) -> bool:
+        c = self.config
+        if block is None or not block.tiers or not block.committed or block.invalidated:
+            return False
+        if not any(ck == block.checksum for ck in block.tiers.values()):
+            return False
+        if block.tenant != request.tenant or block.adapter != request.adapter:
+            return False
+        if block.revision != c.model_revision or block.epoch != c.epoch:
+            return False
+        return not (block.lease_expiry_ns and block.lease_expiry_ns <= at_ns)
+
+    def truth_recoverable(self, request: SimRequest) -> int:
+        """The longest aligned boundary a correct engine could resume this request at, now."""
+        chains = block_keys(self.recipe, request.tokens)
+        cap = max(len(request.tokens) - 1, 0)
+        runs = [
+            next((i for i, k in enumerate(chains[g.group_id]) if self._present(g, k) is None), len(chains[g.group_id]))
+            * g.block_size
+            for g in self.recipe.groups
+        ]
+        step = self.recipe.alignment
+        p = min(max(runs, default=0), cap) // step * step
+        at = self.now_ns + self.config.step_ns
+        while p > 0:
+            if all(
+                i < len(chains[g.group_id]) and self._valid_for(self._present(g, chains[g.group_id][i]), request, at)
+                for g in self.recipe.groups
+                for i in g.needed(p)
+            ):
+                break
+            p -= step
+        return p
+
+    # -- faults -----------------------------------------------------------------------------------
+    def inject(self, fault: Fault, request: SimRequest, boundary: int) -> None:
+        """Damage the cached state of `request`'s prompt at token `boundary`, emitting what an
+        engine would emit when that happens."""
+        chains = block_keys(self.recipe, request.tokens)
+
+        def blocks(groups: Sequence[GroupSpec], from_token: int) -> list[_Block]:
+            out = []
+            for g in groups:
+                for i, key in enumerate(chains[g.group_id]):
+                    block = self._present(g, key)
+                    if block is not None and (i + 1) * g.block_size > from_token:
+                        out.append(block)
+            return out
+
+        def needed(kind: ComponentKind) -> list[_Block]:
+            out = []
+            for g in self.recipe.groups:
+                if g.component is kind:
+                    out += [b for i in g.needed(boundary) if (b := self._present(g, chains[g.group_id][i])) is not None]
+            return out
+
+        groups = self.recipe.groups
+        later = blocks(groups, boundary)
+        if fault is Fault.DROP_TAIL:
+            for block in needed(ComponentKind.UNCOMPRESSED_TAIL):
+                self._drop(block, Reason.POLICY)
+        elif fault is Fault.WINDOW_OUT_OF_RANGE:
+            for block in needed(ComponentKind.SLIDING_WINDOW):
+                self._drop(block, Reason.POLICY)
+        elif fault is Fault.SKIP_CHECKPOINT:
+            for block in needed(ComponentKind.MAMBA):
+                self._drop(block, Reason.POLICY)
+        elif fault is Fault.DESYNC_INDEXER:
+            for block in later:
+                if block.group.component is ComponentKind.INDEXER:
+                    self._commit(block, request.tenant, request.adapter, epoch=self.config.epoch + 1)
+        elif fault is Fault.UNFETCHED_DISK:
+            for block in later:
+                if Tier.DISK not in block.tiers:
+                    self._move(block, next(iter(block.tiers)), Tier.DISK)
+                for tier in [t for t in block.tiers if t is not Tier.DISK]:
+                    self._remove(block, tier, Reason.CAPACITY)
+        elif fault is Fault.EXPIRE_LEASE:
+            for block in later:
+                self._commit(block, request.tenant, request.adapter, lease_expiry_ns=self.now_ns + 1)
+        elif fault is Fault.CHANGE_ADAPTER:
+            for block in later:
+                self._commit(block, request.tenant, request.adapter + "-other")
+        elif fault is Fault.CHANGE_REVISION:
+            for block in later:
+                self._commit(block, request.tenant, request.adapter, model_revision=self.config.model_revision + "-next")
+        elif fault is Fault.SWITCH_TENANT:
+            for block in later:
+                self._commit(block, request.tenant + "-other", request.adapter)
+        elif fault is Fault.MISALIGN:
+            first = groups[0]
+            for block in blocks(groups[1:], boundary) + blocks([first], boundary + first.block_size):
+                self._drop(block, Reason.CAPACITY)
+        elif fault is Fault.UNCOMMITTED:
+            for block in later:
+                if block.index == boundary // block.group.block_size:
+                    block.committed = False
+                    self._emit(EventKind.CREATE, block, tier=Tier.DEVICE, checksum=block.checksum,
+                               tenant=request.tenant, adapter=request.adapter)
+        elif fault in (Fault.INVALIDATE, Fault.ROLLBACK):
+            reason = Reason.ROLLBACK if fault is Fault.ROLLBACK else Reason.EXPLICIT
+            for block in later:
+                block.invalidated = True
+                self._emit(EventKind.INVALIDATE, block, reason=reason)
+        elif fault is Fault.CORRUPT_CHECKSUM:
+            for block in later[:1]:  # the first group's block at the boundary
+                bad = (block.checksum + 1) & _MASK
+                if Tier.HOST not in block.tiers:
+                    self._move(block, Tier.DEVICE, Tier.HOST)
+                self._remove(block, Tier.DEVICE, Reason.CAPACITY)
+                self._move(block, Tier.HOST, Tier.DEVICE, checksum=bad)
+                for tier in [t for t in block.tiers if t is not Tier.DEVICE]:
+                    self._remove(block, tier, Reason.CAPACITY)
+        self.now_ns += self.config.step_ns
+
+    def _drop(self, block: _Block, reason: Reason) -> None:
+        for tier in list(block.tiers):
+            self._remove(block, tier, reason)
