@@ -17,6 +17,8 @@ examples:
   kvtrace db status                     schema version, row counts, reported drops
   kvtrace ingest events.jsonl spool/*   load JSONL, Parquet or spool files
   kvtrace export -o events.parquet      write events out for DuckDB / polars
+  kvtrace analyze --recipe mamba-hybrid logical vs recoverable vs adopted, and why they differ
+  kvtrace analyze --recipe llama=dense --recipe jamba=mamba-hybrid --path duckdb events.parquet
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
 The store is chosen by --dsn, else $KVTRACE_DSN, else an embedded ClickHouse (chDB) under
@@ -79,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--instance", default="")
     export.add_argument("--model", default="")
     export.add_argument("--tenant", default="")
+
+    analyze = sub.add_parser("analyze", help="hit funnel and gap reasons per lookup, by any of three paths")
+    analyze.add_argument("parquet", nargs="*", help="Parquet exports (the duckdb path reads these)")
+    analyze.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE",
+                         help="built-in recipe name or .json/.toml file; MODEL= scopes it to one model (repeatable)")
+    analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
+                         help="where to compute: in the store (default), replayed in Python, or DuckDB on Parquet")
+    analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
+    analyze.add_argument("--bucket-s", type=_non_negative, default=0, help="also group by time buckets of N seconds")
+    analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
+    analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
     schema.add_argument("--format", choices=["json", "ddl", "arrow", "batch-json"], default="json")
@@ -177,13 +190,106 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes(specs: list[str]):  # noqa: ANN202 - Recipe or {model: Recipe}
+    from kvtrace.schema.recipes import load_recipe
+
+    scoped = [spec.partition("=") for spec in specs]
+    if len(specs) == 1 and not scoped[0][1]:
+        return load_recipe(specs[0])
+    if any(not sep for _, sep, _ in scoped):
+        raise ValueError("with several --recipe options, scope each one: --recipe MODEL=RECIPE")
+    return {model: load_recipe(name) for model, _, name in scoped}
+
+
+_FUNNEL_COLUMNS = {
+    "lookups": "lookups",
+    "prompt_tokens": "prompt tok",
+    "logical_token_rate": "logical",
+    "recoverable_token_rate": "recoverable",
+    "resident_token_rate": "resident",
+    "adopted_token_rate": "adopted",
+    "divergence": "gap",
+    "unsafe_reuse": "unsafe",
+    "missed_reuse": "missed",
+    "cross_tenant": "x-tenant",
+}
+
+
+def _funnel_table(table):  # noqa: ANN001, ANN202 - polars frames, imported lazily
+    """Token-weighted rates as percentages, short headers: readable in an 100-column terminal."""
+    import polars as pl
+
+    keys = [c for c in table.columns if c not in _FUNNEL_COLUMNS and not c.endswith("_rate")]
+    rates = [c for c in _FUNNEL_COLUMNS if c.endswith("_rate") or c == "divergence"]
+    return table.select(
+        *keys,
+        *(
+            (pl.col(c) * 100).round(1).cast(pl.Utf8).add("%").alias(_FUNNEL_COLUMNS[c]) if c in rates
+            else pl.col(c).alias(_FUNNEL_COLUMNS[c])
+            for c in _FUNNEL_COLUMNS
+        ),
+    )
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from kvtrace.analysis.evaluate import Policy
+    from kvtrace.analysis.funnel import funnel, reasons
+    from kvtrace.analysis.reconstruct import UnknownModel
+    from kvtrace.analysis.run import AnalysisPath, lookup_results
+    from kvtrace.schema.recipes import RecipeError
+
+    by = [d for d in args.by.split(",") if d]
+    unknown = set(by) - {"model", "instance", "tenant"}
+    if unknown:
+        print(f"error: --by takes model, instance, tenant; not {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    try:
+        recipes = _recipes(args.recipe)
+    except (RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    policy = Policy(shared_tenants=frozenset(args.shared_tenant))
+    path = AnalysisPath(args.path)
+    try:
+        if path is AnalysisPath.DUCKDB:
+            frame = lookup_results(path, recipes, policy, parquet=args.parquet)
+        else:
+            with _store(args) as store:
+                store.require_schema()
+                frame = lookup_results(path, recipes, policy, store=store)
+    except (UnknownModel, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        frame.write_parquet(args.output)
+    with pl.Config(tbl_rows=50, tbl_cols=20, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   float_precision=3, tbl_hide_column_data_types=True):
+        print(f"{frame.height} lookups ({path.value} path)")
+        print(_funnel_table(funnel(frame, by, bucket_ns=args.bucket_s * 10**9)))
+        if frame.height:
+            print("\ngap between logical and recoverable, by reason")
+            print(reasons(frame, by).head(20))
+    if args.output:
+        print(f"per-lookup results: {args.output}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtrace.cli.demo import run_demo
 
     return run_demo(args.dsn, requests=args.requests)
 
 
-COMMANDS = {"db": cmd_db, "ingest": cmd_ingest, "export": cmd_export, "schema": cmd_schema, "demo": cmd_demo}
+COMMANDS = {
+    "db": cmd_db,
+    "ingest": cmd_ingest,
+    "export": cmd_export,
+    "analyze": cmd_analyze,
+    "schema": cmd_schema,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

