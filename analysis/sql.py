@@ -133,28 +133,44 @@ class _Plan:
 
 def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
     ids = ", ".join(_IDENTITY_STR)
+    # Stream order for every event, carrying only the narrow columns object state needs: the
+    # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     ev = (
         "SELECT CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, "
-        "kind, ts_ns, source_id, seq, instance, tenant, request_id, "
+        "kind, ts_ns, source_id, seq, instance, tenant, "
         f"{ids}, epoch, CAST(group_id AS BIGINT) AS group_id, block_key, tier, src_tier, dst_tier, "
-        "nbytes, checksum, lease_expiry_ns, reason, CAST(prompt_tokens AS BIGINT) AS prompt_tokens, "
-        f"group_block_keys, CAST(reported_hit_tokens AS BIGINT) AS reported_hit_tokens, "
-        f"CAST({d.list_sum('reused_tokens')} AS BIGINT) AS adopted, "
-        "CAST(recomputed_tokens AS BIGINT) AS recomputed "
+        "nbytes, checksum, lease_expiry_ns, reason "
         f"FROM {source}"
     )
-    obj = "PARTITION BY instance, group_id, block_key"
+    # Copies held after each write: per tier, the last write there (encoded as ord * 2 + present
+    # so one running max finds it), summed over tiers; all in one window, one sort. The
+    # generation counts how often the object was left with no copy before this event.
+    obj = "PARTITION BY instance, group_id, block_key ORDER BY ord"
+    last = [
+        f"coalesce(max(CASE WHEN wtier = '{tier.value}' THEN ord * 2 + present END) OVER "
+        f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 0) % 2"
+        for tier in TIER_ORDER
+    ]
     writes = (
         "SELECT *, coalesce(sum(CASE WHEN copies = 0 THEN 1 ELSE 0 END) OVER "
-        f"({obj} ORDER BY ord ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS gen FROM ("
-        f" SELECT *, sum(delta) OVER ({obj} ORDER BY ord ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS copies"
-        " FROM ("
-        "  SELECT *, present - coalesce(sum(present) OVER "
-        f"({obj}, wtier ORDER BY ord ROWS BETWEEN 1 PRECEDING AND 1 PRECEDING), 0) AS delta FROM ("
-        f"   SELECT ord, instance, group_id, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
-        "    CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
-        "    CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
-        f"   FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))))"
+        f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS gen FROM ("
+        f" SELECT *, {' + '.join(last)} AS copies FROM ("
+        f"  SELECT ord, instance, group_id, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
+        "   CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
+        "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
+        f"  FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict')))"
+    )
+    requests = (
+        f"SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
+        f" r.instance AS instance, r.request_id AS request_id, r.tenant AS tenant, "
+        + ", ".join(f"r.{f} AS {f}" for f in (*_IDENTITY_STR, "epoch"))
+        + ", CAST(r.prompt_tokens AS BIGINT) AS prompt_tokens, r.group_block_keys AS group_block_keys,"
+        " CAST(r.reported_hit_tokens AS BIGINT) AS reported_hit_tokens,"
+        f" CAST({d.list_sum('r.reused_tokens')} AS BIGINT) AS adopted,"
+        " CAST(r.recomputed_tokens AS BIGINT) AS recomputed"
+        f" FROM (SELECT * FROM {source} WHERE kind IN ('lookup', 'adopt')) r"
+        f" JOIN (SELECT ord, source_id AS e_src, seq AS e_seq FROM {d.table(t.ev)} WHERE kind IN ('lookup', 'adopt')) e"
+        " ON e.e_src = r.source_id AND e.e_seq = r.seq"
     )
     req = "PARTITION BY instance, request_id ORDER BY ord ROWS BETWEEN 1 FOLLOWING AND 1 FOLLOWING"
     lookups = (
@@ -165,10 +181,10 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         f"  coalesce(max(ts_ns) OVER ({req}), 0) AS next_ts,"
         f"  coalesce(max(adopted) OVER ({req}), 0) AS next_adopted,"
         f"  coalesce(max(recomputed) OVER ({req}), 0) AS next_recomputed"
-        f" FROM {d.table(t.ev)} WHERE kind IN ('lookup', 'adopt'))"
+        f" FROM {d.table(t.rq)})"
         " WHERE kind = 'lookup'"
     )
-    return [(t.ev, ev), (t.w, writes), (t.lk, lookups)]
+    return [(t.ev, ev), (t.w, writes), (t.rq, requests), (t.lk, lookups)]
 
 
 def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:

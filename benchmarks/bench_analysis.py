@@ -50,7 +50,9 @@ def generate(store, recipe_name: str, target: int, trace: Path) -> tuple[int, in
         capacity_bytes=(2 << 30, 8 << 30, 32 << 30),
         lease_ns=600 * 10**9,
     )
-    emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 21), register_atexit=False)
+    emitter = BatchEmitter(
+        StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000), register_atexit=False
+    )
     sim = CacheSimulator(config, emitter)
     started, requests = time.perf_counter(), 0
     with trace.open() as f:
@@ -61,13 +63,26 @@ def generate(store, recipe_name: str, target: int, trace: Path) -> tuple[int, in
             requests += 1
             if sim.events >= target:
                 break
-            while emitter.stats().queue_depth > 1 << 20:  # let the store catch up: never drop
+            while emitter.stats().queue_depth > 1 << 18:  # let the store catch up: never drop
                 time.sleep(0.05)
+    emitter.force_flush(timeout_millis=600_000)
     emitter.shutdown()
     stats = emitter.stats()
     if stats.exported != sim.events:
         raise SystemExit(f"lost events while generating: {stats}")
     return requests, sim.events, time.perf_counter() - started
+
+
+def _peak_rss_mb() -> float:
+    """This process's own peak RSS. ru_maxrss is not used: Linux carries it over from the parent
+    across fork and exec, so a child of a big parent would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
@@ -96,7 +111,7 @@ def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
     started = time.perf_counter()
     results += len(rec.finish())
     feed_s += time.perf_counter() - started
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = _peak_rss_mb()
     print(json.dumps(dict(events=seen, lookups=results, decode_s=decode_s, feed_s=feed_s, peak_rss_mb=rss_mb,
                           max_objects=max_objects)))
 
@@ -114,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--home", type=Path, default=Path(tempfile.gettempdir()) / "kvtrace-bench-analysis")
+    ap.add_argument("--only", choices=["stream", "sql"], help="run one part only")
     ap.add_argument("--stream-child", nargs=3, metavar=("PARQUET", "FRACTION", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stream_child:
@@ -121,9 +137,6 @@ def main() -> None:
         return
 
     os.environ["KVTRACE_HOME"] = str(args.home)
-    import duckdb
-
-    from kvtrace.analysis.sql import clickhouse_results, duckdb_results
     from kvtrace.collector.export import export_events
     from kvtrace.collector.store import Store
     from kvtrace.schema.recipes import BUILTIN
@@ -144,12 +157,19 @@ def main() -> None:
     lookups = int(store.scalar(f"SELECT count() FROM {store.db}.events WHERE kind = 'lookup'"))
     print(f"table: {total:,} events, {lookups:,} lookups; parquet {parquet.stat().st_size / 2**20:.0f} MiB\n")
 
+    if args.only != "sql":
+        stream(parquet, args.recipe)
+    if args.only != "stream":
+        sql(store, parquet, BUILTIN[args.recipe], args.rounds)
+
+
+def stream(parquet: Path, recipe_name: str) -> None:
     print("streaming reconstructor (child process per run)")
     print(f"{'share':>6} {'events':>12} {'reconstruct ev/s':>17} {'with decode ev/s':>17} {'peak RSS MiB':>13}"
           f" {'live objects (max)':>19}")
     for fraction in (0.25, 0.5, 1.0):
         out = subprocess.run(
-            [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), args.recipe],
+            [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), recipe_name],
             check=True, capture_output=True, text=True,
         )
         r = json.loads(out.stdout)
@@ -157,19 +177,24 @@ def main() -> None:
         print(f"{fraction:>6.0%} {r['events']:>12,} {r['events'] / r['feed_s']:>17,.0f} {r['events'] / both:>17,.0f}"
               f" {r['peak_rss_mb']:>13,.0f} {r['max_objects']:>19,}")
 
-    recipe = BUILTIN[args.recipe]
+
+def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-untyped-def]
+    import duckdb
+
+    from kvtrace.analysis.sql import clickhouse_results, duckdb_results
+
     scan_ch = (f"SELECT count(), sum(nbytes), uniqExact(block_key), max(length(group_block_keys)) "
                f"FROM {store.db}.events FINAL")
     scan_dd = (f"SELECT count(*), sum(nbytes), count(DISTINCT block_key), max(len(group_block_keys)) "
                f"FROM read_parquet('{parquet}')")
     con = duckdb.connect()
     ch, ch_scan, dd, dd_scan = [], [], [], []
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         ch_scan.append(timed(lambda: store.query_arrow(scan_ch)))
         ch.append(timed(lambda: clickhouse_results(store, recipe)))
         dd_scan.append(timed(lambda: con.execute(scan_dd).fetchall()))
         dd.append(timed(lambda: duckdb_results(parquet, recipe, connection=con)))
-    print(f"\nSQL paths, median of {args.rounds} rounds (each round: scan, analysis, alternating)")
+    print(f"\nSQL paths, median of {rounds} rounds (each round: scan, analysis, alternating)")
     print(f"{'path':<11} {'analysis s':>11} {'full scan s':>12} {'ratio':>7}")
     for name, a, s in (("clickhouse", ch, ch_scan), ("duckdb", dd, dd_scan)):
         ma, ms = statistics.median(a), statistics.median(s)

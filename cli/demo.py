@@ -1,130 +1,140 @@
-"""`kvtrace demo`: trace a small prefix-sharing workload end to end into the store.
+"""`kvtrace demo`: a real trace through a hybrid multi-tier cache, end to end, in minutes.
 
-This first version drives a tiny single-group LRU prefix cache (device tier only) through the
-real emitter and store sink, then reads the numbers back with SQL. The hybrid multi-tier
-simulator, the bundled real trace and the full analysis replace it as those parts land.
+The bundled slice of a Mooncake production trace is replayed through the reference simulator
+(a Mamba-hybrid recipe over device, host and disk tiers) and the real emitter into the store;
+the analysis runs inside the store; three retention policies are compared on the same trace;
+and a self-contained HTML report is written. Each run resets its own database, so running it
+twice neither fails nor double-counts.
 """
 
 from __future__ import annotations
 
-import random
+import sys
 import time
-from collections import OrderedDict
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 from urllib.parse import quote
 
-from kvtrace.analysis.funnel import funnel, results_frame
-from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.schema.recipes import dense
-from kvtrace.collector.store import Store, default_dsn, parse_dsn
-from kvtrace.instrumentation.emitter import BatchEmitter
+import polars as pl
+from tqdm import tqdm
+
+from kvtrace.analysis.funnel import funnel, reasons
+from kvtrace.analysis.sql import clickhouse_results
+from kvtrace.cli.experiment import PolicySpec, compare
+from kvtrace.collector.store import Store, data_dir, default_dsn, parse_dsn
+from kvtrace.dashboards.report import write_report
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.replay import ReplayOptions, replay
+from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig
 from kvtrace.instrumentation.sinks.store import StoreSink
-from kvtrace.schema.arrow import from_arrow
-from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.instrumentation.traces import TraceRequest, read_trace
+from kvtrace.schema.recipes import BUILTIN
 
 DEMO_DATABASE = "kvtrace_demo"
-BLOCK = 16
-CAPACITY_BLOCKS = 256
+RECIPE = "mamba-hybrid"
+POLICIES = ("lru", "interval:512", "branch")
 
 
-def _chain(parts: list[int]) -> list[int]:
-    """Prefix-chained keys: a block's key depends on every block before it."""
-    out, parent = [], 0
-    for part in parts:
-        parent = hash((parent, part)) & 0xFFFFFFFFFFFFFFFF or 1
-        out.append(parent)
-    return out
+@dataclass(frozen=True, slots=True)
+class DemoSummary:
+    requests: int
+    events: int
+    logical: float
+    recoverable: float
+    resident: float
+    adopted: float
+    unsafe: int
+    report: Path
 
 
-def _workload(requests: int, seed: int = 7) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(requests):
-        system = rng.randrange(4)  # four shared system prompts
-        doc = rng.randrange(max(1, requests // 8))  # documents asked about more than once
-        parts = [1000 + system * 10 + k for k in range(4)]
-        parts += [100000 + doc * 100 + k for k in range(rng.randint(2, 12))]
-        parts += [10**7 + i * 100 + k for k in range(rng.randint(1, 4))]  # the unique question
-        prompts.append(parts)
-    return prompts
+def bundled_trace(limit: int) -> list[TraceRequest]:
+    source = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
+    with resources.as_file(source) as path:
+        return list(read_trace(path, "mooncake", limit=limit))
 
 
-def _simulate(emitter: BatchEmitter, prompts: list[list[int]]) -> None:
-    cache: OrderedDict[int, int] = OrderedDict()  # block key -> parent key, in LRU order
-    ident = {"engine": "sim", "instance": "demo-0", "model": "demo-llama", "block_size": BLOCK}
-    for i, parts in enumerate(prompts):
-        keys = _chain(parts)
-        rid = f"req-{i}"
-        hit = 0
-        while hit < len(keys) and keys[hit] in cache:
-            cache.move_to_end(keys[hit])
-            hit += 1
-        prompt = len(keys) * BLOCK
-        emitter.emit(Event(kind=EventKind.LOOKUP, request_id=rid,
-                           prompt_tokens=prompt, group_block_keys=[keys], group_hit_tokens=[hit * BLOCK],
-                           reported_hit_tokens=hit * BLOCK, **ident))
-        for j in range(hit, len(keys)):
-            parent = keys[j - 1] if j else 0
-            common = dict(component=ComponentKind.FULL_ATTENTION, block_key=keys[j], parent_key=parent,
-                          token_start=j * BLOCK, token_end=(j + 1) * BLOCK, tier=Tier.DEVICE, nbytes=BLOCK * 4096)
-            emitter.emit(Event(kind=EventKind.CREATE, **common, **ident))
-            emitter.emit(Event(kind=EventKind.COMMIT, **common, **ident))
-            cache[keys[j]] = parent
-            while len(cache) > CAPACITY_BLOCKS:
-                victim, _ = cache.popitem(last=False)
-                emitter.emit(Event(kind=EventKind.EVICT, block_key=victim,
-                                   component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE,
-                                   reason=Reason.CAPACITY, **ident))
-        emitter.emit(Event(kind=EventKind.ADOPT, request_id=rid,
-                           reused_tiers=[Tier.DEVICE] if hit else [], reused_tokens=[hit * BLOCK] if hit else [],
-                           recomputed_tokens=prompt - hit * BLOCK, **ident))
+def demo_config() -> SimConfig:
+    """Small tiers so that a few hundred requests already offload, reload and evict."""
+    return SimConfig(recipe=BUILTIN[RECIPE], model="demo-jamba", instance="demo-0", bytes_per_token=4096,
+                     capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9)
 
 
-def run_demo(dsn: str | None = None, requests: int = 200) -> int:
+def _demo_dsn(dsn: str | None) -> str:
     base = parse_dsn(dsn or default_dsn())
-    demo_dsn = f"chdb://{base.path}?database={DEMO_DATABASE}" if base.embedded else \
-        f"{base.scheme}://{quote(base.username, safe='')}:{quote(base.password, safe='')}@{base.host}:{base.port}/{DEMO_DATABASE}"
+    if base.embedded:
+        return f"chdb://{base.path}?database={DEMO_DATABASE}"
+    auth = f"{quote(base.username, safe='')}:{quote(base.password, safe='')}"
+    return f"{base.scheme}://{auth}@{base.host}:{base.port}/{DEMO_DATABASE}"
+
+
+def _bar(total: int, desc: str) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=None)  # None: only on a terminal
+
+
+def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = None) -> int:
     started = time.monotonic()
-    with Store(demo_dsn) as store:
-        print(f"[1/3] store {store.dsn}: resetting the demo database")
-        store.client.command(f"DROP DATABASE IF EXISTS {DEMO_DATABASE}")
+    trace = bundled_trace(requests)
+    config = demo_config()
+    report_path = Path(report) if report else data_dir() / "demo-report.html"
+    with Store(_demo_dsn(dsn)) as store:
+        print(f"[1/4] store {store.dsn}: resetting the demo database")
+        store.command(f"DROP DATABASE IF EXISTS {DEMO_DATABASE}")
         store.init()
-        print(f"[2/3] tracing {requests} requests through the emitter into the store")
-        emitter = BatchEmitter(StoreSink(store), instance="demo-0", engine="sim", register_atexit=False)
-        _simulate(emitter, _workload(requests))
+
+        print(f"[2/4] replaying {len(trace)} requests of a Mooncake production trace through a {RECIPE} "
+              "cache (device 1 GiB, host 3 GiB, disk 12 GiB) into the store")
+        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
+                               instance=config.instance, engine="sim", register_atexit=False)
+        sim = CacheSimulator(config, emitter)
+        with _bar(len(trace), "replay") as bar:
+            replayed = replay(trace, sim, ReplayOptions(tenant="default"), progress=lambda _: bar.update())
+        emitter.force_flush(timeout_millis=600_000)
         emitter.shutdown()
         stats = emitter.stats()
-        print("[3/3] reading it back")
-        by_kind = {
-            r["kind"]: r["n"]
-            for r in store.query_arrow(
-                f"SELECT kind, count() AS n FROM {DEMO_DATABASE}.events FINAL GROUP BY kind"
-            ).to_pylist()
-        }
-        rates = store.query_arrow(
-            f"SELECT sumIf(reported_hit_tokens, kind = 'lookup') AS logical, "
-            f"sumIf(arraySum(reused_tokens), kind = 'adopt') AS adopted, "
-            f"sumIf(prompt_tokens, kind = 'lookup') AS prompt FROM {DEMO_DATABASE}.events FINAL"
-        ).to_pylist()[0]
-        results = results_frame(
-            Reconstructor(dense(BLOCK)).run(
-                e for table in store.iter_event_batches() for e in from_arrow(table)
-            )
-        )
-    summary = funnel(results).row(0, named=True)
-    total = sum(by_kind.values())
+
+        print("[3/4] reconstructing every lookup inside ClickHouse")
+        results = clickhouse_results(store, {config.model: config.recipe})
+        stored = store.count_events()
+        shown = str(store.dsn)  # never the password
+
+    print(f"[4/4] comparing retention policies on the same trace: {', '.join(POLICIES)}")
+    with _bar(len(trace) * len(POLICIES), "policies") as bar:
+        policies = compare(trace, config, [PolicySpec.parse(p) for p in POLICIES], progress=lambda _n, _i: bar.update())
+
+    rates = funnel(results).row(0, named=True)
+    top = reasons(results).head(3)
+    summary = DemoSummary(
+        requests=replayed.requests, events=stored, logical=rates["logical_token_rate"],
+        recoverable=rates["recoverable_token_rate"], resident=rates["resident_token_rate"],
+        adopted=rates["adopted_token_rate"], unsafe=int(rates["unsafe_reuse"]), report=report_path,
+    )
+    lines = [
+        ("requests", f"{summary.requests}"),
+        ("events stored", f"{summary.events} (emitted {stats.emitted}, dropped {stats.dropped})"),
+        ("logical hit rate", f"{summary.logical:.1%} of prompt tokens (what the hash lookup matched)"),
+        ("recoverable rate", f"{summary.recoverable:.1%} (every component complete and valid)"),
+        ("resident rate", f"{summary.resident:.1%} (recoverable without loading from host or disk)"),
+        ("adopted hit rate", f"{summary.adopted:.1%} (what the engine reused)"),
+        ("unsafe reuse", f"{summary.unsafe} lookups (adopted more than was recoverable)"),
+    ]
+    for row in top.iter_rows(named=True):
+        lines.append((f"gap: {row['reason']}", f"{row['tokens_lost']} tokens in {row['lookups']} lookups"))
+    write_report(report_path, f"kvtrace demo: {RECIPE} on a Mooncake trace slice", lines, results,
+                 replayed.occupancy, policies)
+
     print()
-    print(f"requests          {requests}")
-    print(f"events stored     {total}  ({', '.join(f'{k} {v}' for k, v in sorted(by_kind.items()))})")
-    print(f"emitter           emitted {stats.emitted}, exported {stats.exported}, dropped {stats.dropped}")
-    prompt = rates["prompt"] or 1
-    print(f"logical hit rate  {rates['logical'] / prompt:.1%} of prompt tokens (hash lookup)")
-    print(f"recoverable rate  {summary['recoverable_token_rate']:.1%} of prompt tokens (reconstructed, dense recipe)")
-    print(f"adopted hit rate  {rates['adopted'] / prompt:.1%} of prompt tokens (reused by the engine)")
-    print(f"unsafe reuse      {summary['unsafe_reuse']} lookups")
+    for key, value in lines:
+        print(f"{key:<20} {value}")
     print()
-    print("This demo runs a dense single-tier cache; the hybrid multi-tier simulator with fault")
-    print("injection, the bundled real trace and the HTML report are not built yet.")
-    print(f"Data: {store.dsn}   ({time.monotonic() - started:.1f} s)")
-    print("Next: kvtrace db status --dsn '<that DSN>'; kvtrace export -o events.parquet; duckdb on the file")
+    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, float_precision=3,
+                   tbl_width_chars=120, tbl_cols=8):
+        print(policies.select("policy", "object_hit_rate", "recoverable_rate", "adopted_recoverable_tokens",
+                              "recompute_tokens", "device_write_bytes", "note"))
+    print()
+    print(f"report     {report_path}")
+    print(f"data       {shown}   [{time.monotonic() - started:.0f} s]")
+    print(f"next       kvtrace --dsn '{shown}' analyze --recipe demo-jamba={RECIPE} --by instance")
+    print(f"           kvtrace --dsn '{shown}' export -o demo.parquet   # then DuckDB or polars on the file")
     return 0

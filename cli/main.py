@@ -12,11 +12,13 @@ from kvtrace.collector.store import StoreError, default_dsn
 
 EPILOG = """\
 examples:
-  kvtrace demo                          trace a small workload into the embedded store
+  kvtrace demo                          replay a real trace through a hybrid cache, analyze, write a report
   kvtrace db init                       create or migrate the tables (idempotent)
   kvtrace db status                     schema version, row counts, reported drops
   kvtrace ingest events.jsonl spool/*   load JSONL, Parquet or spool files
   kvtrace export -o events.parquet      write events out for DuckDB / polars
+  kvtrace replay trace.jsonl --recipe mamba-hybrid   a request trace through the simulator
+  kvtrace experiment trace.jsonl --limit 300          retention policies compared on one trace
   kvtrace analyze --recipe mamba-hybrid logical vs recoverable vs adopted, and why they differ
   kvtrace analyze --recipe llama=dense --recipe jamba=mamba-hybrid --path duckdb events.parquet
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
@@ -46,6 +48,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtrace",
@@ -56,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dsn", help=f"store address (default: {default_dsn()})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser("demo", help="trace a small workload into the embedded store and summarize it")
-    demo.add_argument("--requests", type=int, default=200, help="requests to simulate (default 200)")
+    demo = sub.add_parser("demo", help="replay a real trace through a hybrid multi-tier cache, analyze, report")
+    demo.add_argument("--requests", type=_positive, default=200, help="requests of the bundled trace (1-400, default 200)")
+    demo.add_argument("--report", help="HTML report path (default: $KVTRACE_HOME/demo-report.html)")
 
     db = sub.add_parser("db", help="create, migrate and inspect the store")
     dbsub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
@@ -81,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--instance", default="")
     export.add_argument("--model", default="")
     export.add_argument("--tenant", default="")
+
+    def trace_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("trace", help="trace file: mooncake, qwen or kvtrace JSONL (.gz ok)")
+        p.add_argument("--format", choices=["mooncake", "qwen", "kvtrace"], help="default: detected from line 1")
+        p.add_argument("--limit", type=_non_negative, default=0, help="first N requests only (0 = all)")
+        p.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
+        p.add_argument("--recipe", default="mamba-hybrid", help="built-in recipe or .json/.toml file")
+        p.add_argument("--model", default="sim-model", help="model name the events carry")
+        p.add_argument("--tiers-gib", default="4,16,64", help="device,host,disk capacity in GiB (0 = no tier)")
+        p.add_argument("--bytes-per-token", type=_positive, default=4096, help="per cache group (default 4096)")
+
+    replay_p = sub.add_parser("replay", help="replay a request trace through an engine into the store")
+    trace_args(replay_p)
+    replay_p.add_argument("--engine", choices=["sim"], default="sim", help="the reference simulator (default)")
+    replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
+    replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
+    replay_p.add_argument("--tenant", default="default", help="tenant for requests whose trace names none")
+
+    experiment = sub.add_parser("experiment", help="compare retention policies on one trace (no store needed)")
+    trace_args(experiment)
+    experiment.add_argument("--policies", default="lru,interval:512,branch", help="comma-separated policies")
+    experiment.add_argument("-o", "--output", help="also write the table to this Parquet file")
 
     analyze = sub.add_parser("analyze", help="hit funnel and gap reasons per lookup, by any of three paths")
     analyze.add_argument("parquet", nargs="*", help="Parquet exports (the duckdb path reads these)")
@@ -190,6 +222,95 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim_config(args: argparse.Namespace):  # noqa: ANN202 - SimConfig, imported lazily
+    from kvtrace.instrumentation.simulator import SimConfig
+    from kvtrace.schema.recipes import load_recipe
+
+    try:
+        gib = [float(x) for x in args.tiers_gib.split(",")]
+    except ValueError:
+        gib = []
+    if len(gib) != 3 or min(gib) < 0 or gib[0] <= 0:
+        raise ValueError(f"--tiers-gib takes device,host,disk in GiB with a device > 0, not {args.tiers_gib!r}")
+    capacity = tuple(int(g * 2**30) for g in gib)
+    return SimConfig(recipe=load_recipe(args.recipe), model=args.model, bytes_per_token=args.bytes_per_token,
+                     capacity_bytes=capacity)  # type: ignore[arg-type]
+
+
+def _trace(args: argparse.Namespace):  # noqa: ANN202
+    from kvtrace.instrumentation.traces import read_trace
+
+    return read_trace(args.trace, args.format, skip_bad=args.skip_bad, limit=args.limit)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from kvtrace.cli.experiment import PolicySpec
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.replay import ReplayOptions, replay
+    from kvtrace.instrumentation.simulator import CacheSimulator
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.instrumentation.traces import TraceError
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        spec = PolicySpec.parse(args.policy)
+        config = replace(_sim_config(args), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)
+        reader = _trace(args)
+        with _store(args) as store:
+            store.init()
+            emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
+                                   instance=config.instance, engine="sim", register_atexit=False)
+            sim = CacheSimulator(config, emitter)
+            with tqdm(desc="replay", unit="req", file=sys.stderr, disable=None) as bar:
+                report = replay(reader, sim, ReplayOptions(speed=args.speed, tenant=args.tenant),
+                                progress=lambda _: bar.update())
+            emitter.force_flush(timeout_millis=600_000)
+            emitter.shutdown()
+    except (TraceError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stats = emitter.stats()
+    print(f"replayed {report.requests} requests ({report.prompt_tokens} prompt tokens, {report.adopted_tokens} adopted) "
+          f"in {report.seconds:.1f} s: {stats.exported} events stored, {stats.dropped} dropped")
+    if reader.skipped:
+        print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
+    print(f"next: kvtrace analyze --recipe {args.model}={args.recipe}")
+    return 1 if stats.dropped else 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    import polars as pl
+    from tqdm import tqdm
+
+    from kvtrace.cli.experiment import PolicySpec, compare
+    from kvtrace.instrumentation.traces import TraceError
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        specs = [PolicySpec.parse(p) for p in args.policies.split(",") if p]
+        config = _sim_config(args)
+        reader = _trace(args)
+        trace = list(reader)
+        with tqdm(total=len(trace) * len(specs), desc="policies", unit="req", file=sys.stderr, disable=None) as bar:
+            table = compare(trace, config, specs, progress=lambda _s, _n: bar.update())
+    except (TraceError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        table.write_parquet(args.output)
+    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, float_precision=3,
+                   tbl_width_chars=160, tbl_cols=20):
+        print(table)
+    for row in table.iter_rows(named=True):
+        if row["note"]:
+            print(f"{row['policy']}: {row['note']}")
+    return 0
+
+
 def _recipes(specs: list[str]):  # noqa: ANN202 - Recipe or {model: Recipe}
     from kvtrace.schema.recipes import load_recipe
 
@@ -279,7 +400,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtrace.cli.demo import run_demo
 
-    return run_demo(args.dsn, requests=args.requests)
+    return run_demo(args.dsn, requests=args.requests, report=args.report)
 
 
 COMMANDS = {
@@ -287,6 +408,8 @@ COMMANDS = {
     "ingest": cmd_ingest,
     "export": cmd_export,
     "analyze": cmd_analyze,
+    "replay": cmd_replay,
+    "experiment": cmd_experiment,
     "schema": cmd_schema,
     "demo": cmd_demo,
 }

@@ -46,6 +46,14 @@ class Fault(StrEnum):
     CORRUPT_CHECKSUM = "corrupt_checksum"  # the only copy left has other bytes than committed
 
 
+class CheckpointPolicy(StrEnum):
+    """Which recurrent-state (Mamba) checkpoints the simulated engine writes and keeps."""
+
+    EVERY_BLOCK = "every_block"  # one per checkpoint block, evicted like any block (LRU)
+    INTERVAL = "interval"  # one every `checkpoint_every` tokens, plus the prompt's end
+    BRANCH_POINTS = "branch_points"  # the prompt's end and shared branch points, kept first
+
+
 class AdoptPolicy(StrEnum):
     """What the simulated engine reuses after its lookup."""
 
@@ -68,7 +76,8 @@ class SimConfig:
     load_bytes_per_s: tuple[float, float] = (20e9, 2e9)  # host, disk
     lease_ns: int = 0  # 0 = committed state never expires
     free_outside_window: bool = True  # free sliding-window blocks once the window has passed
-    checkpoint_every: int = 0  # Mamba checkpoint interval in tokens; 0 = the group's block size
+    checkpoints: CheckpointPolicy = CheckpointPolicy.EVERY_BLOCK
+    checkpoint_every: int = 0  # INTERVAL: tokens between Mamba checkpoints (a multiple of its block)
     adopt: AdoptPolicy = AdoptPolicy.COMPLETE
     evict_before_adopt: bool = False  # another request evicts a needed block between lookup and adopt
     start_ns: int = 1_750_000_000 * 10**9
@@ -109,6 +118,7 @@ class _Block:
     epoch: int = 0
     lease_expiry_ns: int = 0
     invalidated: bool = False
+    branch: bool = False  # a checkpoint at a shared branch point (BRANCH_POINTS keeps these first)
 
 
 def block_keys(recipe: Recipe, tokens: Sequence[int]) -> list[list[int]]:
@@ -137,6 +147,11 @@ class CacheSimulator:
         self._capacity = dict(zip(STORE_TIERS, config.capacity_bytes, strict=True))
         self.bytes_written: dict[Tier, int] = dict.fromkeys(STORE_TIERS, 0)
         self.events = 0
+
+    @property
+    def used_bytes(self) -> dict[Tier, int]:
+        """Bytes held per tier now."""
+        return dict(self._used)
 
     # -- emitting ------------------------------------------------------------------------------
     def _emit(self, kind: EventKind, block: _Block | None = None, **fields: object) -> None:
@@ -201,22 +216,32 @@ class CacheSimulator:
         """Evict least-recently used blocks, writing them back one tier down while there is one."""
         for level, tier in enumerate(STORE_TIERS):
             while self._used[tier] > self._capacity[tier] and self._lru[tier]:
-                key = next(iter(self._lru[tier]))
-                block = self.blocks[key]
+                block = self._victim(tier)
                 lower = next((t for t in STORE_TIERS[level + 1 :] if self._capacity[t] > 0), None)
                 if lower is not None and lower not in block.tiers and block.committed:
                     self._move(block, tier, lower)
                 self._remove(block, tier, Reason.CAPACITY)
 
+    def _victim(self, tier: Tier) -> _Block:
+        """The least recently used block, sparing branch-point checkpoints while others remain."""
+        lru = self._lru[tier]
+        for n, key in enumerate(lru):
+            block = self.blocks[key]
+            if not block.branch or n > 4096:  # bounded scan: a tier of branch points goes in LRU order
+                return block
+        return self.blocks[next(iter(lru))]
+
     # -- the engine's own view -------------------------------------------------------------------
     def _present(self, group: GroupSpec, key: int) -> _Block | None:
         return self.blocks.get((group.group_id, key))
 
-    def _complete_at(self, chains: list[list[int]], p: int) -> bool:
+    def _complete_at(self, chains: list[list[int]], p: int, fetchable: bool = False) -> bool:
+        """Does every group hold the blocks boundary p needs (on a tier it reads, if `fetchable`)?"""
         for g in self.recipe.groups:
             chain = chains[g.group_id]
             for i in g.needed(p):
-                if i >= len(chain) or self._present(g, chain[i]) is None:
+                block = self._present(g, chain[i]) if i < len(chain) else None
+                if block is None or (fetchable and not self._fetchable(block)):
                     return False
         return True
 
@@ -262,26 +287,18 @@ class CacheSimulator:
         self._emit(EventKind.ADOPT, reused_tiers=reused_tiers if adopted else [],
                    reused_tokens=[by_tier.get(t, 0) for t in reused_tiers] if adopted else [],
                    recomputed_tokens=len(tokens) - adopted, **ident)
-        self._compute(chains, adopted, len(tokens), request)
+        self._compute(chains, adopted, len(tokens), request, branch=runs[0] if runs else 0)
         self._enforce_capacity()
         return SimOutcome(request.request_id, len(tokens), hit, adopted, len(tokens) - adopted, loaded)
 
     def _fetch(self, chains: list[list[int]], hit: int) -> tuple[int, dict[Tier, int]]:
         """Load what the hit needs onto the device; stop at the first block it cannot get."""
         loaded: dict[Tier, int] = {Tier.HOST: 0, Tier.DISK: 0}
-        step = self.recipe.alignment if self.config.adopt is AdoptPolicy.COMPLETE else 1
         p = hit
-        while p > 0:
-            missing = [
-                (g, chains[g.group_id][i])
-                for g in self.recipe.groups
-                for i in g.needed(p)
-                if i >= len(chains[g.group_id]) or self._present(g, chains[g.group_id][i]) is None
-                or not self._fetchable(self._present(g, chains[g.group_id][i]))  # type: ignore[arg-type]
-            ]
-            if not missing or self.config.adopt is AdoptPolicy.LOGICAL:
-                break
-            p -= step
+        if self.config.adopt is AdoptPolicy.COMPLETE:
+            step = self.recipe.alignment
+            while p > 0 and not self._complete_at(chains, p, fetchable=True):
+                p -= step
         for g in self.recipe.groups:
             for i in g.needed(p):
                 chain = chains[g.group_id]
@@ -308,21 +325,32 @@ class CacheSimulator:
         out[Tier.DEVICE] = adopted - sum(out.values())
         return out
 
-    def _compute(self, chains: list[list[int]], adopted: int, prompt: int, request: SimRequest) -> None:
-        """Prefill [adopted, prompt): write and commit each group's blocks by its kind's rule."""
+    def _compute(self, chains: list[list[int]], adopted: int, prompt: int, request: SimRequest,
+                 branch: int = 0) -> None:
+        """Prefill [adopted, prompt): write and commit each group's blocks by its kind's rule.
+
+        `branch` is where this prompt leaves the prefixes already cached (the first group's hash
+        run): under BRANCH_POINTS the Mamba checkpoint there is written and kept first, because
+        at least two requests share the prefix up to it.
+        """
+        policy = self.config.checkpoints
         for g in self.recipe.groups:
             chain = chains[g.group_id]
             b = g.block_size
             first = adopted // b
+            branch_index = branch // b - 1
             for i in range(first, len(chain)):
                 end = (i + 1) * b
-                if g.component is ComponentKind.MAMBA:
-                    every = self.config.checkpoint_every or b
-                    if end % every and i != len(chain) - 1:
+                if g.component is ComponentKind.MAMBA and i != len(chain) - 1:
+                    if policy is CheckpointPolicy.INTERVAL and end % max(self.config.checkpoint_every, b):
+                        continue
+                    if policy is CheckpointPolicy.BRANCH_POINTS and i != branch_index:
                         continue
                 if g.component is ComponentKind.UNCOMPRESSED_TAIL and end <= prompt // g.ratio * g.ratio:
                     continue  # covered by a compressed block
-                self._write(g, chain[i], i, request)
+                block = self._write(g, chain[i], i, request)
+                if policy is CheckpointPolicy.BRANCH_POINTS and i == branch_index and g.component is ComponentKind.MAMBA:
+                    block.branch = True
             if g.component is ComponentKind.SLIDING_WINDOW and self.config.free_outside_window:
                 keep = set(g.needed(len(chain) * b))
                 for i in range(0, len(chain)):

@@ -191,31 +191,34 @@ def test_bad_arguments_exit_with_usage(capsys):
         main(["export"])  # -o is required
 
 
-def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path):
-    assert default_dsn() == f"chdb://{chdb_path}"  # conftest points the default at the session engine
-    code, out, _ = run(capsys, "demo", "--requests", "30")
-    assert code == 0
-    m = re.search(r"events stored\s+(\d+)", out)
-    assert m, out
-    first = int(m.group(1))
-    assert first > 0
-    assert "requests          30" in out
-    assert "dropped 0" in out
-    # the demo's engine only adopts what it can recover: the reconstruction agrees
-    logical = float(re.search(r"logical hit rate\s+([\d.]+)%", out).group(1))
-    recoverable = float(re.search(r"recoverable rate\s+([\d.]+)%", out).group(1))
-    assert recoverable == logical and "unsafe reuse      0 lookups" in out
+def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path, tmp_path):
+    from kvtrace.analysis.funnel import funnel
+    from kvtrace.analysis.sql import clickhouse_results
+    from kvtrace.schema.recipes import BUILTIN
 
+    assert default_dsn() == f"chdb://{chdb_path}"  # conftest points the default at the session engine
+    report = tmp_path / "report.html"
+    code, out, _ = run(capsys, "demo", "--requests", "30", "--report", str(report))
+    assert code == 0
+    first = int(re.search(r"events stored\s+(\d+) \(emitted (\d+), dropped 0\)", out).group(1))
+    assert "requests             30" in out
+    printed = {name: float(re.search(rf"{name} (?:hit )?rate\s+([\d.]+)%", out).group(1))
+               for name in ("logical", "recoverable", "resident", "adopted")}
+    assert f"report     {report}" in out and "Plotly" in report.read_text()
+    assert all(p in out for p in ("lru", "interval:512", "branch"))
+
+    # The printed numbers are what the analysis API says about the same store.
     with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
         assert s.count_events() == first
-        sql = f"SELECT kind, count() FROM {DEMO_DATABASE}.events FINAL GROUP BY kind"
-        kinds = dict(s.client.query(sql).result_rows)
+        kinds = dict(s.client.query(f"SELECT kind, count() FROM {DEMO_DATABASE}.events FINAL GROUP BY kind").result_rows)
         assert kinds["lookup"] == kinds["adopt"] == 30
-        # the stored events are valid: no lookup reports more hit than its prompt
-        bad = f"SELECT countIf(reported_hit_tokens > prompt_tokens) FROM {DEMO_DATABASE}.events"
-        assert s.scalar(bad) == 0
+        assert {"create", "commit", "evict", "offload"} <= set(kinds)
+        rates = funnel(clickhouse_results(s, BUILTIN["mamba-hybrid"])).row(0, named=True)
+    for name, value in printed.items():
+        assert value == pytest.approx(rates[f"{name}_token_rate"] * 100, abs=0.051), name
+    assert printed["logical"] > 0
 
-    code, out, _ = run(capsys, "demo", "--requests", "30")
+    code, out, _ = run(capsys, "demo", "--requests", "30", "--report", str(report))
     assert code == 0
     assert int(re.search(r"events stored\s+(\d+)", out).group(1)) == first
     with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
@@ -278,3 +281,51 @@ def test_analyze_names_what_is_wrong(capsys, store, tmp_path):
     assert code == 2 and "Parquet" in err
     code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "dense", "--by", "colour")
     assert code == 2 and "colour" in err
+
+
+def _trace_file(tmp_path: Path, rows: int = 12, bad_line: bool = False) -> Path:
+    import itertools
+
+    src = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    lines = list(itertools.islice(src.open(), rows))
+    if bad_line:
+        lines.insert(3, '{"timestamp": 1, "input_length": 9000, "output_length": 1, "hash_ids": [1]}\n')
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+def test_replay_into_the_store_then_analyze(capsys, store, tmp_path):
+    trace = _trace_file(tmp_path)
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--recipe", "sliding-window-hybrid",
+                         "--model", "gemma", "--tiers-gib", "0.25,0.5,1")
+    assert code == 0, err
+    m = re.search(r"replayed 12 requests .* (\d+) events stored, 0 dropped", out)
+    assert m and int(m.group(1)) == store.count_events()
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "gemma=sliding-window-hybrid")
+    assert code == 0 and "12 lookups" in out, err
+
+
+def test_replay_stops_at_a_bad_line_or_skips_it(capsys, store, tmp_path):
+    trace = _trace_file(tmp_path, rows=5, bad_line=True)
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace))
+    assert code == 2 and "trace.jsonl:4: hash_ids: 1 ids do not cover input_length 9000" in err
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--skip-bad")
+    assert code == 0 and "replayed 5 requests" in out and "skipped 1 malformed lines" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--tiers-gib", "0,1,1")
+    assert code == 2 and "--tiers-gib" in err
+
+
+def test_experiment_prints_and_writes_the_policy_table(capsys, tmp_path):
+    trace = _trace_file(tmp_path, rows=20)
+    out_file = tmp_path / "policies.parquet"
+    code, out, err = run(capsys, "experiment", str(trace), "--policies", "lru,interval:256,branch",
+                         "--tiers-gib", "0.25,0.5,1", "-o", str(out_file))
+    assert code == 0, err
+    table = pq.read_table(out_file).to_pylist()
+    assert [r["policy"] for r in table] == ["lru", "interval:256", "branch"]
+    assert all(r["requests"] == 20 and 0 <= r["recoverable_rate"] <= r["object_hit_rate"] <= 1 for r in table)
+    # fewer checkpoints written: less device write traffic than one per block
+    assert table[1]["device_write_bytes"] < table[0]["device_write_bytes"]
+    code, _, err = run(capsys, "experiment", str(trace), "--policies", "fifo")
+    assert code == 2 and "unknown policy 'fifo'" in err
