@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from urllib.parse import quote
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from kvtrace.analysis.funnel import funnel, reasons
 from kvtrace.analysis.sql import clickhouse_results
-from kvtrace.cli.experiment import PolicySpec, compare
+from kvtrace.cli.experiment import PolicySpec, compare, display
 from kvtrace.collector.store import Store, data_dir, default_dsn, parse_dsn
 from kvtrace.dashboards.report import write_report
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -34,6 +34,7 @@ from kvtrace.schema.recipes import BUILTIN
 DEMO_DATABASE = "kvtrace_demo"
 RECIPE = "mamba-hybrid"
 POLICIES = ("lru", "interval:512", "branch")
+ENGINE_POLICY = "branch"  # the replayed engine keeps Mamba state like SGLang's hybrid radix cache: ends and branch points
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,11 @@ def demo_config() -> SimConfig:
                      capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9)
 
 
+def engine_config() -> SimConfig:
+    spec = PolicySpec.parse(ENGINE_POLICY)
+    return replace(demo_config(), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)
+
+
 def _demo_dsn(dsn: str | None) -> str:
     base = parse_dsn(dsn or default_dsn())
     if base.embedded:
@@ -76,7 +82,7 @@ def _bar(total: int, desc: str) -> tqdm:
 def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = None) -> int:
     started = time.monotonic()
     trace = bundled_trace(requests)
-    config = demo_config()
+    config = engine_config()
     report_path = Path(report) if report else data_dir() / "demo-report.html"
     with Store(_demo_dsn(dsn)) as store:
         print(f"[1/4] store {store.dsn}: resetting the demo database")
@@ -84,7 +90,7 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
         store.init()
 
         print(f"[2/4] replaying {len(trace)} requests of a Mooncake production trace through a {RECIPE} "
-              "cache (device 1 GiB, host 3 GiB, disk 12 GiB) into the store")
+              f"cache (device 1 GiB, host 3 GiB, disk 12 GiB; Mamba checkpoints: {ENGINE_POLICY}) into the store")
         emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
                                instance=config.instance, engine="sim", register_atexit=False)
         sim = CacheSimulator(config, emitter)
@@ -101,7 +107,8 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
 
     print(f"[4/4] comparing retention policies on the same trace: {', '.join(POLICIES)}")
     with _bar(len(trace) * len(POLICIES), "policies") as bar:
-        policies = compare(trace, config, [PolicySpec.parse(p) for p in POLICIES], progress=lambda _n, _i: bar.update())
+        policies = compare(trace, demo_config(), [PolicySpec.parse(p) for p in POLICIES],
+                           progress=lambda _n, _i: bar.update())
 
     rates = funnel(results).row(0, named=True)
     top = reasons(results).head(3)
@@ -128,10 +135,11 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     for key, value in lines:
         print(f"{key:<20} {value}")
     print()
-    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, float_precision=3,
-                   tbl_width_chars=120, tbl_cols=8):
-        print(policies.select("policy", "object_hit_rate", "recoverable_rate", "adopted_recoverable_tokens",
-                              "recompute_tokens", "device_write_bytes", "note"))
+    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, tbl_width_chars=200,
+                   tbl_cols=12):
+        print(display(policies))
+    for row in policies.iter_rows(named=True):
+        print(f"{row['policy']:<13} {row['note']}")
     print()
     print(f"report     {report_path}")
     print(f"data       {shown}   [{time.monotonic() - started:.0f} s]")

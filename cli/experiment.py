@@ -112,12 +112,45 @@ def compare(
         frame, sim = run_policy(trace, config, spec, (lambda n, s=spec: progress(s.name, n)) if progress else None)
         rows.append(summarize(spec.name, frame, sim))
     table = pl.DataFrame(rows)
-    base = rows[0]
-    notes = []
-    for row in rows:
-        note = ""
-        if row is not base and row["object_hit_rate"] > base["object_hit_rate"] and \
-                row["recoverable_rate"] <= base["recoverable_rate"]:  # type: ignore[operator]
-            note = "more object hits, no more recoverable tokens"
-        notes.append(note)
-    return table.with_columns(pl.Series("note", notes))
+    return table.with_columns(pl.Series("note", [_note(row, rows[0]) for row in rows]))
+
+
+def _note(row: dict[str, object], base: dict[str, object]) -> str:
+    """How a policy moved object hits and recoverable tokens against the first one, in points."""
+    if row is base:
+        return "baseline"
+    d_obj = 100 * (float(row["object_hit_rate"]) - float(base["object_hit_rate"]))  # type: ignore[arg-type]
+    d_rec = 100 * (float(row["recoverable_rate"]) - float(base["recoverable_rate"]))  # type: ignore[arg-type]
+    text = f"vs {base['policy']}: object hits {d_obj:+.2f} pt, recoverable {d_rec:+.2f} pt"
+    if d_obj > 0.005 and d_rec <= 0.005:
+        text += ": more object hits, no more recoverable tokens"
+    elif d_obj >= -0.005 and d_rec < -0.005:
+        text += ": as many object hits, fewer recoverable tokens"
+    return text
+
+
+_SHORT = {
+    "object_hit_rate": "obj hit %",
+    "recoverable_rate": "recov %",
+    "coverage": "cover %",
+    "adopted_recoverable_tokens": "reused ok tok",
+    "recompute_tokens": "recompute tok",
+    "device_write_bytes": "dev wr GiB",
+    "host_write_bytes": "host wr GiB",
+    "disk_write_bytes": "disk wr GiB",
+    "restore_bytes": "restore GiB",
+    "unsafe_reuse": "unsafe",
+}
+
+
+def display(table: pl.DataFrame) -> pl.DataFrame:
+    """The policy table for a terminal: rates in %, bytes in GiB, short headers."""
+    cols = []
+    for name, short in _SHORT.items():
+        col = pl.col(name)
+        if name.endswith("_rate") or name == "coverage":
+            col = (col * 100).round(1)
+        elif name.endswith("_bytes"):
+            col = (col / 2**30).round(2)
+        cols.append(col.alias(short))
+    return table.select("policy", *cols)

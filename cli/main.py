@@ -286,7 +286,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     import polars as pl
     from tqdm import tqdm
 
-    from kvtrace.cli.experiment import PolicySpec, compare
+    from kvtrace.cli.experiment import PolicySpec, compare, display
     from kvtrace.instrumentation.traces import TraceError
     from kvtrace.schema.recipes import RecipeError
 
@@ -302,12 +302,11 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return 2
     if args.output:
         table.write_parquet(args.output)
-    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, float_precision=3,
-                   tbl_width_chars=160, tbl_cols=20):
-        print(table)
+    with pl.Config(tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, tbl_width_chars=200,
+                   tbl_cols=20):
+        print(display(table))
     for row in table.iter_rows(named=True):
-        if row["note"]:
-            print(f"{row['policy']}: {row['note']}")
+        print(f"{row['policy']:<13} {row['note']}")
     return 0
 
 
