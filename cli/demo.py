@@ -144,5 +144,7 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     print(f"report     {report_path}")
     print(f"data       {shown}   [{time.monotonic() - started:.0f} s]")
     print(f"next       kvtrace --dsn '{shown}' analyze --recipe demo-jamba={RECIPE} --by instance")
-    print(f"           kvtrace --dsn '{shown}' export -o demo.parquet   # then DuckDB or polars on the file")
+    print(f"           kvtrace --dsn '{shown}' export -o demo.parquet")
+    print("           kvtrace analyze --path duckdb --recipe mamba-hybrid demo.parquet   # no ClickHouse needed")
+    print("           duckdb -c \"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\"")
     return 0
