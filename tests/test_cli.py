@@ -284,10 +284,13 @@ def test_analyze_names_what_is_wrong(capsys, store, tmp_path):
 
 
 def _trace_file(tmp_path: Path, rows: int = 12, bad_line: bool = False) -> Path:
+    import gzip
     import itertools
+    from importlib import resources
 
-    src = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-    lines = list(itertools.islice(src.open(), rows))
+    src = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
+    with gzip.open(str(src), "rt") as f:
+        lines = list(itertools.islice(f, rows))
     if bad_line:
         lines.insert(3, '{"timestamp": 1, "input_length": 9000, "output_length": 1, "hash_ids": [1]}\n')
     path = tmp_path / "trace.jsonl"

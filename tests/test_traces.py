@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from kvtrace.instrumentation.simulator import block_keys
 from kvtrace.instrumentation.traces import TraceError, TraceFormat, read_trace, synthesize_tokens
 from kvtrace.schema.recipes import dense
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
+# The first 400 requests of the Mooncake conversation trace, as shipped with the demo.
+CONVERSATION = Path(str(resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"))
 
 
 def write(tmp_path: Path, rows: list[object], name: str = "t.jsonl") -> Path:
@@ -24,9 +25,9 @@ def write(tmp_path: Path, rows: list[object], name: str = "t.jsonl") -> Path:
 
 
 def test_mooncake_trace_reads_in_order_with_512_token_blocks() -> None:
-    reader = read_trace(CONVERSATION, limit=500)
+    reader = read_trace(CONVERSATION)
     reqs = list(reader)
-    assert reader.fmt is TraceFormat.MOONCAKE and len(reqs) == 500
+    assert reader.fmt is TraceFormat.MOONCAKE and len(reqs) == 400
     assert all(r.block_tokens == 512 and len(r.hash_ids) == -(-r.input_length // 512) for r in reqs)
     assert [r.arrival_ns for r in reqs] == sorted(r.arrival_ns for r in reqs)
     assert reqs[0].line == 1 and reqs[0].request_id == "req-1" and reqs[0].input_length == 6758
