@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything the tests need into .venv (reused while the pins are unchanged) and runs
-# the test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k emitter -x`.
+# Installs everything the tests need and runs them: the core suite in .venv, then each engine's
+# suite in that engine's own venv (.venvs/<engine>, built by scripts/engine-venv.sh and reused
+# while its pins are unchanged). Extra arguments go to the core pytest run, e.g.
+# `bash scripts/test.sh -k emitter -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,4 +14,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
   echo "$want" > "$stamp"
 fi
-exec .venv/bin/python -m pytest "$@"
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+for engine in vllm; do
+  bash scripts/engine-venv.sh "$engine"
+  ".venvs/$engine/bin/python" -m pytest -o addopts="-ra --strict-markers" "tests/engines/$engine" || status=$?
+done
+exit $status

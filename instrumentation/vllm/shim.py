@@ -1,0 +1,244 @@
+"""The vLLM v1 KV-cache manager shim: lookups, adopts, commits, evictions and resets.
+
+It wraps methods of one `KVCacheManager` instance and of its `BlockPool` (never the classes,
+so two managers in one process keep their own identity), calls the original first and then
+records what happened. Every hook is fenced: an error in kvtrace is counted and logged once,
+and the engine goes on as if kvtrace were not there.
+
+Where each fact comes from (vLLM 0.32):
+- lookup: `get_computed_blocks(request)`, with the request's block-key chain per group and the
+  reconciled hit it returned; emitted before the allocation that follows can change the cache;
+- adopt: `record_prefix_cache_stats(request, num_hits)`, which the scheduler calls once when a
+  request is admitted, exactly where vLLM counts its own prefix-cache hits;
+- commit: `BlockPool.cache_full_blocks`, when a full block is published in the hash map
+  (vLLM publishes blocks when their chunk is scheduled, before the forward pass);
+- evict: `BlockPool._maybe_evict_cached_block`, when the last block holding a key loses it
+  (vLLM does not de-duplicate, so a key can live in several physical blocks);
+- invalidate (reset): `reset_prefix_cache()` when it succeeds.
+
+Block keys are the low 64 bits of vLLM's block hash, as vLLM's own KV events carry them, so the
+shim and the KV-event bridge name the same blocks with the same keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace.instrumentation.api import Emitter
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+
+log = logging.getLogger("kvtrace.vllm")
+_MASK = (1 << 64) - 1
+
+
+def key_of(block_hash: bytes) -> int:
+    """kvtrace block key of a vLLM block hash (bytes): its low 64 bits, never 0."""
+    return (int.from_bytes(block_hash[-8:], "big") & _MASK) or 1
+
+
+def component_of(spec: Any) -> ComponentKind:
+    name = type(spec).__name__
+    if "Mamba" in name:
+        return ComponentKind.MAMBA
+    if "SlidingWindow" in name or getattr(spec, "sliding_window", None):
+        return ComponentKind.SLIDING_WINDOW
+    if "CrossAttention" in name:
+        return ComponentKind.CROSS_ATTENTION
+    if "ChunkedLocal" in name:
+        return ComponentKind.OTHER
+    return ComponentKind.FULL_ATTENTION
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What every event of this engine carries; per-request parts (LoRA, salt) are added."""
+
+    instance: str = ""
+    model: str = ""
+    model_revision: str = ""
+    kv_dtype: str = ""
+    default_tenant: str = ""
+
+
+class CacheManagerShim:
+    """Instruments one vLLM `KVCacheManager`; `install()` once, `uninstall()` to restore."""
+
+    def __init__(self, manager: Any, emitter: Emitter, identity: Identity = Identity()) -> None:
+        self.manager = manager
+        self.emitter = emitter
+        self.identity = identity
+        self.errors = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+        config = manager.kv_cache_config
+        self.hash_block_size = int(getattr(manager.block_pool, "hash_block_size", 0) or
+                                   config.kv_cache_groups[0].kv_cache_spec.block_size)
+        self.groups = [
+            (g.kv_cache_spec.block_size, component_of(g.kv_cache_spec), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)))
+            for g in config.kv_cache_groups
+        ]
+
+    # -- install -----------------------------------------------------------------------------------
+    def install(self) -> CacheManagerShim:
+        m, pool = self.manager, self.manager.block_pool
+        self._wrap(m, "get_computed_blocks", self._after_lookup)
+        self._wrap(m, "record_prefix_cache_stats", self._after_adopt)
+        self._wrap(m, "reset_prefix_cache", self._after_reset)
+        self._wrap_cache_full_blocks(pool)
+        self._wrap_evict(pool)
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name, original in reversed(self._saved):
+            setattr(obj, name, original)
+        self._saved.clear()
+
+    def _wrap(self, obj: Any, name: str, after: Callable[..., None]) -> None:
+        original = getattr(obj, name, None)
+        if original is None:
+            log.warning("kvtrace: vLLM has no %s.%s; that hook is off", type(obj).__name__, name)
+            return
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                after(result, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                self._failed(name)
+            return result
+
+        self._saved.append((obj, name, original))
+        setattr(obj, name, wrapper)
+
+    def _failed(self, hook: str) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("kvtrace: the %s hook failed; counting further failures silently", hook)
+
+    # -- events ------------------------------------------------------------------------------------
+    def _event(self, kind: EventKind, request: Any = None) -> Event:
+        ident = self.identity
+        event = Event(kind=kind, engine="vllm", instance=ident.instance, model=ident.model,
+                      model_revision=ident.model_revision, kv_dtype=ident.kv_dtype)
+        if request is not None:
+            lora = getattr(request, "lora_request", None)
+            event.adapter = getattr(lora, "lora_name", "") or "" if lora is not None else ""
+            event.tenant = getattr(request, "cache_salt", None) or ident.default_tenant
+            event.request_id = str(request.request_id)
+        return event
+
+    def chains(self, request: Any) -> list[list[int]]:
+        """The request's block keys per group, from vLLM's own hash chain."""
+        keys = [key_of(h) for h in request.block_hashes]
+        out = []
+        for block_size, _, _ in self.groups:
+            k = max(block_size // self.hash_block_size, 1)
+            out.append(keys[k - 1 :: k] if k > 1 else keys)
+        return out
+
+    def _after_lookup(self, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        _, hit, _ = result
+        event = self._event(EventKind.LOOKUP, request)
+        event.prompt_tokens = int(request.num_tokens)
+        event.group_block_keys = self.chains(request)
+        event.reported_hit_tokens = int(hit)
+        self.emitter.emit(event)
+
+    def _after_adopt(self, result: Any, request: Any, num_hits: int, *args: Any, **kwargs: Any) -> None:
+        external = int(getattr(request, "num_external_computed_tokens", 0) or 0)
+        event = self._event(EventKind.ADOPT, request)
+        tiers, tokens = [], []
+        if num_hits:
+            tiers.append(Tier.DEVICE)
+            tokens.append(int(num_hits))
+        if external:
+            tiers.append(Tier.REMOTE)
+            tokens.append(external)
+        event.reused_tiers, event.reused_tokens = tiers, tokens
+        event.recomputed_tokens = max(int(request.num_tokens) - int(num_hits) - external, 0)
+        self.emitter.emit(event)
+
+    def _after_reset(self, result: Any, *args: Any, **kwargs: Any) -> None:
+        if result:
+            event = self._event(EventKind.INVALIDATE)
+            event.reason = Reason.RESET
+            self.emitter.emit(event)
+
+    def _wrap_cache_full_blocks(self, pool: Any) -> None:
+        original = getattr(pool, "cache_full_blocks", None)
+        if original is None:
+            log.warning("kvtrace: vLLM's BlockPool has no cache_full_blocks; commits are off")
+            return
+        shim = self
+
+        def cache_full_blocks(request: Any, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int,
+                              block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
+            fresh = [i for i in range(num_cached_blocks, num_full_blocks) if blocks[i].block_hash is None]
+            result = original(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                              *args, **kwargs)
+            try:
+                shim._committed(request, blocks, fresh, block_size, kv_cache_group_id)
+            except Exception:  # noqa: BLE001
+                shim._failed("cache_full_blocks")
+            return result
+
+        self._saved.append((pool, "cache_full_blocks", original))
+        pool.cache_full_blocks = cache_full_blocks
+
+    def _committed(self, request: Any, blocks: Sequence[Any], fresh: list[int], block_size: int, group: int) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        _, component, page = self.groups[group]
+        emit = self.emitter.emit
+        for i in fresh:
+            block = blocks[i]
+            if block.block_hash is None or getattr(block, "is_null", False):
+                continue
+            event = self._event(EventKind.COMMIT, request)
+            event.request_id = ""
+            event.component = component
+            event.group_id = group
+            event.block_size = block_size
+            event.block_key = key_of(get_block_hash(block.block_hash))
+            event.token_start, event.token_end = i * block_size, (i + 1) * block_size
+            event.tier = Tier.DEVICE
+            event.nbytes = page
+            emit(event)
+
+    def _wrap_evict(self, pool: Any) -> None:
+        original = getattr(pool, "_maybe_evict_cached_block", None)
+        if original is None:
+            log.warning("kvtrace: vLLM's BlockPool has no _maybe_evict_cached_block; evictions are off")
+            return
+        shim = self
+
+        def maybe_evict(block: Any, *args: Any, **kwargs: Any) -> Any:
+            key = block.block_hash
+            evicted = original(block, *args, **kwargs)
+            if evicted and key is not None:
+                try:
+                    shim._evicted(pool, key)
+                except Exception:  # noqa: BLE001
+                    shim._failed("_maybe_evict_cached_block")
+            return evicted
+
+        self._saved.append((pool, "_maybe_evict_cached_block", original))
+        pool._maybe_evict_cached_block = maybe_evict
+
+    def _evicted(self, pool: Any, key_with_group: Any) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        block_hash, group = get_block_hash(key_with_group), get_group_id(key_with_group)
+        if pool.get_cached_block(block_hash, [group]):
+            return  # another physical block still holds this key
+        _, component, _ = self.groups[group]
+        event = self._event(EventKind.EVICT)
+        event.component = component
+        event.group_id = group
+        event.block_key = key_of(block_hash)
+        event.tier = Tier.DEVICE
+        event.reason = Reason.CAPACITY
+        self.emitter.emit(event)
