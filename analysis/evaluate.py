@@ -123,13 +123,28 @@ def needed_blocks(group: GroupSpec, p: int) -> range:
 class _GroupView:
     """One group's blocks for one request, with prefix sums for O(1) range checks."""
 
-    __slots__ = ("group", "checks", "_usable", "_resident")
+    __slots__ = ("group", "checks", "_present", "_usable", "_resident")
 
     def __init__(self, group: GroupSpec, checks: list[BlockCheck]) -> None:
         self.group = group
         self.checks = checks
+        self._present = [0, *accumulate(int(c.present) for c in checks)]
         self._usable = [0, *accumulate(int(c.usable) for c in checks)]
         self._resident = [0, *accumulate(int(c.resident) for c in checks)]
+
+    def hash_hit(self, cap: int) -> int:
+        """What this group's own hash lookup finds: the longest boundary (a multiple of its block
+        size, at most `cap`) whose needed blocks are all present, valid or not. For full
+        attention that is the run of present blocks from the start; for a sliding window, the
+        last window that is complete; for Mamba, the last checkpoint. A boundary that needs no
+        block of this group (a tail group at a compressed boundary) is no hit of its own."""
+        b = self.group.block_size
+        for p in range(cap // b * b, 0, -b):
+            blocks = needed_blocks(self.group, p)
+            if blocks and blocks.stop <= len(self.checks) and \
+                    self._present[blocks.stop] - self._present[blocks.start] == len(blocks):
+                return p
+        return 0
 
     def _all(self, sums: list[int], blocks: range) -> bool:
         if not blocks:
@@ -188,12 +203,9 @@ def evaluate(
     cap = lookup.prompt_tokens - 1 if policy.keep_one_token else lookup.prompt_tokens
     cap = max(cap, 0)
 
-    # What a hash lookup reports: the longest run of found keys from the start of any group's
-    # chain, whatever the state of those objects and whatever the other groups hold.
-    group_logical = []
-    for v in views:
-        found = next((i for i, c in enumerate(v.checks) if not c.present), len(v.checks))
-        group_logical.append(min(found * v.group.block_size, cap))
+    # What a hash lookup reports: the best hit any group's own lookup finds (present keys by the
+    # group's rule), whatever the state of those objects and whatever the other groups hold.
+    group_logical = [v.hash_hit(cap) for v in views]
     logical = max(group_logical, default=0)
 
     step = recipe.alignment

@@ -351,19 +351,31 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         "SELECT *,"
         f" max(CASE WHEN usable = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lb,"
         f" max(CASE WHEN resident = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lr,"
-        f" min(CASE WHEN usable = 1 THEN len ELSE i END) OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb"
+        f" min(CASE WHEN usable = 1 THEN len ELSE i END) OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb,"
+        f" max(CASE WHEN present = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lq"
         f" FROM {d.table(t.bs)}"
     )
     return [(t.ps, ps), (t.bs, bst), (t.pw, pw)]
 
 
 def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
+    # Each group's own hash hit: the longest boundary (a multiple of its block size, at most the
+    # cap) whose needed blocks are all present, valid or not, and that needs at least one.
+    hits = (
+        "SELECT c.lid AS lid, c.phase AS phase, c.g AS g, max(c.p) AS glog FROM ("
+        f"  SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j,"
+        f"   {_start(d, 'cp.p')} AS st FROM {d.table(t.pg)} g JOIN ("
+        f"    SELECT lid, phase, g, {d.series('b', d.idiv('cap', 'b') + ' * b + 1', 'b')} AS p FROM {d.table(t.pg)}) cp"
+        "   ON cp.lid = g.lid AND cp.phase = g.phase AND cp.g = g.g) c"
+        f" LEFT JOIN {d.table(t.pw)} w ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
+        " WHERE c.st < c.j AND c.j <= c.len AND coalesce(w.lq, -1) < c.st"
+        " GROUP BY c.lid, c.phase, c.g"
+    )
     gs = (
         "SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.comp AS comp, g.b AS b, g.win AS win, g.ratio AS ratio,"
         " g.align AS align, g.ngroups AS ngroups, g.len AS len, g.cap AS cap, g.adopted AS adopted, g.tenant AS tenant,"
-        " least(coalesce(f.found, g.len) * g.b, g.cap) AS glog"
-        f" FROM {d.table(t.pg)} g LEFT JOIN (SELECT lid, phase, g, min(CASE WHEN present = 1 THEN len ELSE i END) AS found"
-        f" FROM {d.table(t.bs)} GROUP BY lid, phase, g) f ON f.lid = g.lid AND f.phase = g.phase AND f.g = g.g"
+        " coalesce(h.glog, 0) AS glog"
+        f" FROM {d.table(t.pg)} g LEFT JOIN {d.table(t.gh)} h ON h.lid = g.lid AND h.phase = g.phase AND h.g = g.g"
     )
     pts = (
         "SELECT lid, phase, max(glog) AS logical, any_value(align) AS align, any_value(ngroups) AS ngroups,"
@@ -435,7 +447,7 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         "  WHERE pa > 0) n ON n.lid = w.lid AND n.g = w.g"
         " WHERE w.phase = 1 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
     )
-    return [(t.gs, gs), (t.pp, pts), (t.cd, cand), (t.rb, rec), (t.fl, fail), (t.rs, restore), (t.cx, cross)]
+    return [(t.gh, hits), (t.gs, gs), (t.pp, pts), (t.cd, cand), (t.rb, rec), (t.fl, fail), (t.rs, restore), (t.cx, cross)]
 
 
 def _final(d: Dialect, t: _Plan) -> str:
