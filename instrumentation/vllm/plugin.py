@@ -1,0 +1,82 @@
+"""Zero-code enablement: a vLLM general plugin that instruments every scheduler it sees.
+
+vLLM loads the entry points of group `vllm.general_plugins` in each of its processes. When
+kvtrace is installed this runs there; it does nothing unless `KVTRACE_ENABLED` is true (see
+`kvtrace.instrumentation.config` for the sink settings), and if vLLM lacks a hook point it logs
+once and leaves the engine as it is. It patches `Scheduler.__init__` so that each scheduler's
+KV-cache manager gets a `CacheManagerShim` with the engine's identity (model, revision, KV
+dtype), and the emitter is configured once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+log = logging.getLogger("kvtrace.vllm")
+_installed = False
+
+
+def register() -> None:
+    """The entry point vLLM calls; safe to call many times, never raises."""
+    global _installed
+    if _installed:
+        return
+    try:
+        from kvtrace.instrumentation.config import ConfigError, EmitterSettings
+
+        try:
+            settings = EmitterSettings.from_env()
+        except ConfigError as exc:  # loud at start-up: a wrong setting is named, tracing stays off
+            log.error("kvtrace: %s; tracing is off", exc)
+            return
+        if not settings.enabled:
+            return
+        _patch_scheduler(settings)
+        _installed = True
+    except Exception:  # noqa: BLE001 - never stop vLLM from starting
+        log.exception("kvtrace: could not instrument vLLM; the engine runs without tracing")
+
+
+def _patch_scheduler(settings: Any) -> None:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        log.warning("kvtrace: vLLM's v1 Scheduler is not importable; tracing is off")
+        return
+    original = Scheduler.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            attach(self, settings)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtrace: could not attach to this scheduler; it runs without tracing")
+
+    Scheduler.__init__ = __init__
+
+
+def attach(scheduler: Any, settings: Any = None) -> Any:
+    """Instrument one scheduler's KV-cache manager; returns the shim."""
+    from kvtrace.instrumentation.api import get_emitter
+    from kvtrace.instrumentation.config import EmitterSettings, configure
+    from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
+
+    settings = settings or EmitterSettings.from_env()
+    emitter = get_emitter()
+    if type(emitter).__name__ == "NoopEmitter":
+        emitter = configure(settings, engine="vllm")
+    config = scheduler.vllm_config
+    model = config.model_config
+    identity = Identity(
+        instance=settings.instance or f"{socket.gethostname()}:{os.getpid()}",
+        model=str(getattr(model, "served_model_name", None) or model.model),
+        model_revision=str(getattr(model, "revision", None) or ""),
+        kv_dtype=str(getattr(config.cache_config, "cache_dtype", "") or ""),
+        default_tenant=settings.tenant,
+    )
+    shim = CacheManagerShim(scheduler.kv_cache_manager, emitter, identity).install()
+    scheduler._kvtrace_shim = shim
+    return shim
