@@ -1,0 +1,109 @@
+"""What the vLLM shim costs: a real trace through vLLM's own KV-cache manager, shim off vs on.
+
+Runs in the vLLM venv (`bash scripts/engine-venv.sh vllm` builds it):
+
+    .venvs/vllm/bin/python benchmarks/bench_vllm_shim.py [--requests 2000] [--rounds 4] [--layout full+sliding]
+
+Three variants replay the same requests of the Mooncake conversation trace (tokens synthesized
+from its hash ids) through `kvtrace.instrumentation.vllm.driver`, each on its own manager:
+
+  off        vLLM's KVCacheManager alone (prefix caching and stats on)
+  kvtrace    the same with CacheManagerShim installed, emitting through BatchEmitter into a
+             sink that counts and drops (the export path is measured by bench_export.py)
+  kv-events  vLLM's own KV-event path instead: enable_kv_cache_events=True and the queue drained
+             after every request with take_events(), as the scheduler does before publishing
+
+The requests are split into rounds; in each round every variant replays the round's slice on
+its own manager, in a rotating order, so drift on a shared machine lands on all of them. The
+table gives each variant's total time and its ratio to `off`, the events kvtrace emitted per
+second of replay, and its drop count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sinks.base import OK, ExportResult
+from kvtrace.instrumentation.traces import read_trace
+from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
+from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
+from kvtrace.schema.wire import Batch
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+class CountingSink:
+    def __init__(self) -> None:
+        self.events = 0
+
+    def export(self, batch: Batch) -> ExportResult:
+        self.events += len(batch.events)
+        return OK
+
+    def shutdown(self) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--layout", choices=[x.value for x in Layout], default=Layout.SLIDING.value)
+    ap.add_argument("--num-blocks", type=int, default=16384)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    args = ap.parse_args()
+
+    trace = list(read_trace(args.trace, limit=args.requests))
+    prompts = [(r.request_id, tokens_of(r)) for r in trace]
+    config = DriverConfig(layout=Layout(args.layout), num_blocks=args.num_blocks)
+
+    sink = CountingSink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    drivers = {
+        "off": Driver(build_manager(config), config),
+        "kvtrace": Driver(build_manager(config), config),
+        "kv-events": Driver(build_manager(config, enable_kv_cache_events=True), config),
+    }
+    CacheManagerShim(drivers["kvtrace"].manager, emitter, Identity(instance="bench", model="m")).install()
+    seconds = dict.fromkeys(drivers, 0.0)
+    per_round: dict[str, list[float]] = {k: [] for k in drivers}
+    kv_events = 0
+    size = -(-len(prompts) // args.rounds)
+    names = list(drivers)
+    for r in range(args.rounds):
+        chunk = prompts[r * size : (r + 1) * size]
+        for name in names[r % 3 :] + names[: r % 3]:
+            driver = drivers[name]
+            started = time.perf_counter()
+            for rid, tokens in chunk:
+                driver.serve(rid, tokens)
+                if name == "kv-events":
+                    kv_events += len(driver.manager.take_events())
+            elapsed = time.perf_counter() - started
+            seconds[name] += elapsed
+            per_round[name].append(elapsed)
+    emitter.force_flush(timeout_millis=120_000)
+    emitter.shutdown()
+    stats = emitter.stats()
+    hits = {name: d.stats().hits for name, d in drivers.items()}
+    if len(set(hits.values())) != 1:
+        raise SystemExit(f"the variants disagree on hits: {hits}")
+
+    print(f"{len(prompts)} requests of {args.trace.name}, layout {args.layout}, {args.rounds} rounds; "
+          f"vLLM hits {hits['off']:,} tokens in every variant")
+    print(f"{'variant':<10} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")
+    for name in drivers:
+        ratios = [a / b for a, b in zip(per_round[name], per_round["off"], strict=True)]
+        print(f"{name:<10} {seconds[name]:>8.2f} {seconds[name] / seconds['off']:>7.3f} {statistics.median(ratios):>21.3f}")
+    print(f"kvtrace: {stats.emitted:,} events emitted ({stats.emitted / seconds['kvtrace']:,.0f} per second of replay), "
+          f"{stats.exported:,} exported, {stats.dropped} dropped, shim errors 0 expected")
+    print(f"vLLM KV events drained: {kv_events:,}")
+
+
+if __name__ == "__main__":
+    main()
