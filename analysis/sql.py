@@ -83,6 +83,12 @@ class Dialect:
             return f"arrayJoin(range({start}, {stop}, {step}))"
         return f"unnest(range({start}, {stop}, {step}))"
 
+    def explode_list(self, first: str, rest: str) -> str:
+        """One row per element of [first, *rest], as a select-list expression."""
+        if self.clickhouse:
+            return f"arrayJoin(arrayConcat([{first}], {rest}))"
+        return f"unnest(list_concat([{first}], {rest}))"
+
     def ordered_list(self, value: str, order: str) -> str:
         if self.clickhouse:
             return f"arrayMap(t -> t.2, arraySort(groupArray(({order}, {value}))))"
@@ -135,12 +141,14 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
     ids = ", ".join(_IDENTITY_STR)
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
+    # An event naming a run of blocks (more_keys) becomes one row per block, all with its ord.
+    cols = f"kind, ts_ns, source_id, seq, instance, tenant, {ids}, epoch, group_id, tier, src_tier, dst_tier, " \
+        "nbytes, checksum, lease_expiry_ns, reason"
     ev = (
-        "SELECT CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, "
-        "kind, ts_ns, source_id, seq, instance, tenant, "
-        f"{ids}, epoch, CAST(group_id AS BIGINT) AS group_id, block_key, tier, src_tier, dst_tier, "
-        "nbytes, checksum, lease_expiry_ns, reason "
-        f"FROM {source}"
+        f"SELECT ord, {cols}, {d.explode_list('first_key', 'more_keys')} AS block_key FROM ("
+        " SELECT CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, "
+        f" {cols.replace('group_id', 'CAST(group_id AS BIGINT) AS group_id')}, block_key AS first_key, more_keys"
+        f" FROM {source})"
     )
     # Copies held after each write: per tier, the last write there (encoded as ord * 2 + present
     # so one running max finds it), summed over tiers; all in one window, one sort. The

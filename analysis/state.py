@@ -97,7 +97,13 @@ class CacheState:
             scopes = self.bulk.setdefault(event.instance, {})
             scopes[(event.tier, event.tenant, event.adapter)] = (ord, event.reason)
             return
-        key = (event.instance, event.group_id, event.block_key)
+        if event.more_keys:  # a run: the same fact for each block
+            for block_key in (event.block_key, *event.more_keys):
+                self._apply_one(event, kind, (event.instance, event.group_id, block_key), ord)
+        else:
+            self._apply_one(event, kind, (event.instance, event.group_id, event.block_key), ord)
+
+    def _apply_one(self, event: Event, kind: EventKind, key: ObjectKey, ord: int) -> None:
         obj = self.objects.get(key)
         if kind in _WRITES:
             if obj is None:

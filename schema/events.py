@@ -31,7 +31,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bump when fields are added; readers accept every version up to this one."""
 
 
@@ -117,6 +117,13 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     reused_tiers: Annotated[list[Tier], _doc("Tiers the adopted tokens came from (adopt).")] = []
     reused_tokens: Annotated[list[U32], _doc("Tokens adopted from each of reused_tiers (adopt).")] = []
     recomputed_tokens: Annotated[U32, _doc("Prompt tokens computed afresh (adopt).")] = 0
+
+    # -- runs (schema version 2) ---------------------------------------------------------------
+    more_keys: Annotated[
+        list[Hash64],
+        _doc("Further blocks of the same group the same fact applies to (a run of commits or evictions): "
+             "their keys, after block_key. Lets a shim report a whole run as one event."),
+    ] = []
 
 
 WIRE_REQUIRED: tuple[str, ...] = ("kind", "ts_ns", "source_id", "seq")

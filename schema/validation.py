@@ -111,6 +111,11 @@ def problems(event: Event) -> list[Problem]:
         and event.reason not in INVALIDATE_REASONS
     ):
         out.append(Problem("reason", f"{event.reason.value!r} is not an invalidate reason"))
+    if event.more_keys:
+        if event.kind in (EventKind.LOOKUP, EventKind.ADOPT) or not event.block_key:
+            out.append(Problem("more_keys", "only object events with a block_key can name more blocks"))
+        elif 0 in event.more_keys:
+            out.append(Problem("more_keys", "0 is not a block key (it means every block, on invalidate)"))
     if len(event.reused_tiers) != len(event.reused_tokens):
         out.append(
             Problem(

@@ -101,6 +101,17 @@ def _operation(draw: Any, op: str = "") -> list[dict[str, Any]]:
                 out.append(dict(common, kind=EventKind.CREATE))
                 if not (flaw == "tentative" and (g.group_id, i) == flawed):
                     out.append(dict(common, kind=EventKind.COMMIT))
+        if draw(st.booleans()):  # report each group's commits as one run, as the vLLM shim does
+            runs: dict[int, dict[str, Any]] = {}
+            rest = []
+            for e in out:
+                if e["kind"] is EventKind.COMMIT:
+                    if e["group_id"] in runs:
+                        runs[e["group_id"]].setdefault("more_keys", []).append(e["block_key"])
+                        continue
+                    runs[e["group_id"]] = e
+                rest.append(e)
+            out = rest
         return out
     obj = draw(_object())
     if op == "write":
@@ -113,7 +124,13 @@ def _operation(draw: Any, op: str = "") -> list[dict[str, Any]]:
         return [dict(obj, kind=kind, src_tier=src, dst_tier=dst, nbytes=draw(st.sampled_from([0, 50])),
                      checksum=checksum, lease_expiry_ns=lease)]
     if op == "evict":
-        return [dict(obj, kind=EventKind.EVICT, tier=draw(st.sampled_from(TIERS)), reason=Reason.CAPACITY)]
+        event = dict(obj, kind=EventKind.EVICT, tier=draw(st.sampled_from(TIERS)), reason=Reason.CAPACITY)
+        if draw(st.booleans()):  # a run of evictions in the same group
+            recipe = RECIPES[obj["model"]]
+            others = chain(recipe, obj["group_id"], draw(st.integers(0, 2)))
+            event["more_keys"] = draw(st.lists(st.sampled_from(others), max_size=4, unique=True).filter(
+                lambda keys: obj["block_key"] not in keys))
+        return [event]
     if op == "invalidate":
         reason = draw(st.sampled_from([Reason.ROLLBACK, Reason.CORRUPTION, Reason.EXPLICIT]))
         return [dict(obj, kind=EventKind.INVALIDATE, reason=reason)]

@@ -107,7 +107,7 @@ def test_envelope_and_wire_version_are_always_encoded():
     assert (shim_made.ts_ns, shim_made.source_id, shim_made.seq) == (0, 0, 0)
     first = Event(kind=EventKind.INVALIDATE, reason=Reason.RESET, ts_ns=5, source_id=3, seq=0)
     assert msgspec.json.decode(msgspec.json.encode(first)) == {
-        "kind": "invalidate", "ts_ns": 5, "source_id": 3, "seq": 0, "schema_version": 1, "reason": "reset"}
+        "kind": "invalidate", "ts_ns": 5, "source_id": 3, "seq": 0, "schema_version": SCHEMA_VERSION, "reason": "reset"}
     assert event_from_json(msgspec.json.encode(first)) == first
     payload = encode_batch(Batch(source_id=3, batch_seq=0, sent_ns=0, events=[first]))
     assert msgspec.msgpack.decode(payload)["wire_version"] == 1
@@ -343,3 +343,14 @@ def test_arbitrary_text_raises_only_invalid_event(data):
     except InvalidEvent:
         pass
 
+
+
+def test_runs_name_more_blocks_only_on_object_events():
+    base = dict(ts_ns=5, source_id=3, seq=1)
+    run = Event(kind=EventKind.EVICT, component=ComponentKind.FULL_ATTENTION, block_key=7, more_keys=[8, 9],
+                tier=Tier.DEVICE, reason=Reason.CAPACITY, **base)
+    assert validation.problems(run) == []
+    lookup = Event(kind=EventKind.LOOKUP, request_id="r", prompt_tokens=4, more_keys=[8], **base)
+    assert [p.field for p in validation.problems(lookup)] == ["more_keys"]
+    zero = msgspec.structs.replace(run, more_keys=[8, 0])
+    assert "0 is not a block key" in validation.problems(zero)[0].reason
