@@ -10,10 +10,14 @@ Where each fact comes from (vLLM 0.32):
   reconciled hit it returned; emitted before the allocation that follows can change the cache;
 - adopt: `record_prefix_cache_stats(request, num_hits)`, which the scheduler calls once when a
   request is admitted, exactly where vLLM counts its own prefix-cache hits;
-- commit: `BlockPool.cache_full_blocks`, when a full block is published in the hash map
-  (vLLM publishes blocks when their chunk is scheduled, before the forward pass);
-- evict: `BlockPool._maybe_evict_cached_block`, when the last block holding a key loses it
-  (vLLM does not de-duplicate, so a key can live in several physical blocks);
+- commit: `BlockPool.cache_full_blocks`, when full blocks are published in the hash map
+  (vLLM publishes blocks when their chunk is scheduled, before the forward pass).
+
+Commits and evictions are reported as runs, one event per call and group naming every block
+(`block_key` + `more_keys`): per block the shim then only reads a key and appends it.
+- evict: `BlockPool.get_new_blocks` (and `evict_blocks`), when reusing a block takes its key
+  out of the hash map and no other physical block holds that key (vLLM does not de-duplicate,
+  so a key can live in several blocks); Mamba's transient tail checkpoints are not reported;
 - invalidate (reset): `reset_prefix_cache()` when it succeeds.
 
 Block keys are the low 64 bits of vLLM's block hash, as vLLM's own KV events carry them, so the
@@ -146,15 +150,26 @@ class CacheManagerShim:
                        tenant=getattr(request, "cache_salt", None) or self.identity.default_tenant,
                        request_id=str(request.request_id))
 
+    def _request_keys(self, request: Any) -> list[int]:
+        """Keys of the request's hash chain, computed once per block and kept on the request
+        (its chain only grows), so lookups and commits share the work."""
+        keys: list[int] | None = getattr(request, "_kvtrace_keys", None)
+        hashes = request.block_hashes
+        if keys is None:
+            keys = request._kvtrace_keys = []
+        if len(keys) < len(hashes):
+            keys.extend((int.from_bytes(h[-8:], "big") & _MASK) or 1 for h in hashes[len(keys):])
+        return keys
+
     def chains(self, request: Any) -> list[list[int]]:
         """The request's block keys per group, from vLLM's own hash chain."""
-        keys = [(int.from_bytes(h[-8:], "big") & _MASK) or 1 for h in request.block_hashes]
+        keys = self._request_keys(request)
         if self._same_chain:
-            return [keys] * len(self.groups)  # one list, shared: the groups hash the same blocks
+            return [keys[:]] * len(self.groups)  # one list, shared: the groups hash the same blocks
         out = []
         for block_size, _, _ in self.groups:
             k = max(block_size // self.hash_block_size, 1)
-            out.append(keys[k - 1 :: k] if k > 1 else keys)
+            out.append(keys[k - 1 :: k] if k > 1 else keys[:])
         return out
 
     def _after_lookup(self, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
@@ -194,11 +209,10 @@ class CacheManagerShim:
 
         def cache_full_blocks(request: Any, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int,
                               block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
-            fresh = [i for i in range(num_cached_blocks, num_full_blocks) if blocks[i].block_hash is None]
             result = original(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
                               *args, **kwargs)
-            try:
-                shim._committed(request, blocks, fresh, block_size, kv_cache_group_id)
+            try:  # blocks in [num_cached, num_full) are fresh: the ones that got a key now were published
+                shim._committed(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id)
             except Exception:  # noqa: BLE001
                 shim._failed("cache_full_blocks")
             return result
@@ -206,43 +220,88 @@ class CacheManagerShim:
         self._saved.append((pool, "cache_full_blocks", original))
         pool.cache_full_blocks = cache_full_blocks
 
-    def _committed(self, request: Any, blocks: Sequence[Any], fresh: list[int], block_size: int, group: int) -> None:
+    def _committed(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
+                   group: int) -> None:
+        """One event for the run of blocks this call published (block_key + more_keys)."""
+        same = self._same_chain
+        chain = self._request_keys(request) if same else None
+        keys: list[int] = []
+        first = last = -1
+        for i in range(start, stop):
+            block = blocks[i]
+            key = block._block_hash
+            if key is None or block.is_null:
+                continue  # not published (outside the retained window, or masked out)
+            keys.append(chain[i] if chain is not None and i < len(chain) else _key_of_pool_key(key))
+            if first < 0:
+                first = i
+            last = i
+        if not keys:
+            return
         _, component, page = self.groups[group]
-        template = self._event(EventKind.COMMIT, request)
-        template = replace(template, request_id="", component=component, group_id=group, block_size=block_size,
-                           tier=Tier.DEVICE, nbytes=page)
-        emit = self.emitter.emit
-        for i in fresh:
-            key = blocks[i].block_hash
-            if key is None or blocks[i].is_null:
-                continue
-            start = i * block_size
-            emit(replace(template, block_key=_key_of_pool_key(key), token_start=start, token_end=start + block_size))
+        self.emitter.emit(replace(
+            self._event(EventKind.COMMIT, request), request_id="", component=component, group_id=group,
+            block_size=block_size, tier=Tier.DEVICE, nbytes=page, block_key=keys[0], more_keys=keys[1:],
+            token_start=first * block_size, token_end=(last + 1) * block_size,
+        ))
 
     def _wrap_evict(self, pool: Any) -> None:
-        original = getattr(pool, "_maybe_evict_cached_block", None)
-        if original is None:
-            log.warning("kvtrace: vLLM's BlockPool has no _maybe_evict_cached_block; evictions are off")
+        """Evictions happen block by block inside `get_new_blocks` (and `evict_blocks`, for
+        connectors). Wrapping the per-block method would cost a call per allocated block, so the
+        shim reads the keys of the blocks about to be reused (the head of vLLM's free queue, or
+        the ids a connector names) before the call, and reports those that lost their key,
+        as one run per group."""
+        allocate = getattr(pool, "get_new_blocks", None)
+        queue = getattr(pool, "free_block_queue", None)
+        if allocate is None or not hasattr(queue, "fake_free_list_head"):
+            log.warning("kvtrace: vLLM's BlockPool has no get_new_blocks / free queue head; evictions are off")
             return
         shim = self
 
-        def maybe_evict(block: Any, *args: Any, **kwargs: Any) -> Any:
-            key = block.block_hash
-            evicted = original(block, *args, **kwargs)
-            if evicted and key is not None:
+        def get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> Any:
+            keys = []
+            try:
+                node = queue.fake_free_list_head.next_free_block
+                for _ in range(num_blocks):
+                    if node is None:
+                        break
+                    key = node._block_hash
+                    if key is not None:
+                        keys.append(key)
+                    node = node.next_free_block
+            except Exception:  # noqa: BLE001
+                shim._failed("get_new_blocks")
+            result = allocate(num_blocks, *args, **kwargs)
+            if keys:
+                shim._report_evictions(pool, keys)
+            return result
+
+        self._saved.append((pool, "get_new_blocks", allocate))
+        pool.get_new_blocks = get_new_blocks
+        evict = getattr(pool, "evict_blocks", None)
+        if evict is not None:
+            def evict_blocks(block_ids: Any, *args: Any, **kwargs: Any) -> Any:
+                keys = []
                 try:
-                    shim._evicted(pool, key)
+                    keys = [k for i in block_ids if (k := pool.blocks[i]._block_hash) is not None]
                 except Exception:  # noqa: BLE001
-                    shim._failed("_maybe_evict_cached_block")
-            return evicted
+                    shim._failed("evict_blocks")
+                result = evict(block_ids, *args, **kwargs)
+                if keys:
+                    shim._report_evictions(pool, keys)
+                return result
 
-        self._saved.append((pool, "_maybe_evict_cached_block", original))
-        pool._maybe_evict_cached_block = maybe_evict
+            self._saved.append((pool, "evict_blocks", evict))
+            pool.evict_blocks = evict_blocks
 
-    def _evicted(self, pool: Any, key_with_group: Any) -> None:
-        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
-
-        block_hash, group = get_block_hash(key_with_group), get_group_id(key_with_group)
-        if pool.get_cached_block(block_hash, [group]):
-            return  # another physical block still holds this key
-        self.emitter.emit(replace(self._evict_base[group], block_key=key_of(block_hash)))
+    def _report_evictions(self, pool: Any, keys: list[bytes]) -> None:
+        try:
+            index = pool.cached_block_hash_to_block
+            by_group: dict[int, list[int]] = {}
+            for key in keys:
+                if index.get_one_block(key) is None:  # no other physical block holds this key
+                    by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append(_key_of_pool_key(key))
+            for group, run in by_group.items():
+                self.emitter.emit(replace(self._evict_base[group], block_key=run[0], more_keys=run[1:]))
+        except Exception:  # noqa: BLE001
+            self._failed("evictions")
