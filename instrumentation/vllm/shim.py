@@ -297,11 +297,18 @@ class CacheManagerShim:
     def _report_evictions(self, pool: Any, keys: list[bytes]) -> None:
         try:
             index = pool.cached_block_hash_to_block
-            by_group: dict[int, list[int]] = {}
+            cache = getattr(index, "_cache", None)  # vLLM's dict behind the map: a plain `in` is cheapest
+            by_group: dict[bytes, list[int]] = {}
             for key in keys:
-                if index.get_one_block(key) is None:  # no other physical block holds this key
-                    by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append(_key_of_pool_key(key))
+                if (key in cache) if cache is not None else (index.get_one_block(key) is not None):
+                    continue  # another physical block still holds this key
+                group = key[-4:]
+                run = by_group.get(group)
+                if run is None:
+                    run = by_group[group] = []
+                run.append((int.from_bytes(key[-12:-4], "big") & _MASK) or 1)
             for group, run in by_group.items():
-                self.emitter.emit(replace(self._evict_base[group], block_key=run[0], more_keys=run[1:]))
+                base = self._evict_base[int.from_bytes(group, "big")]
+                self.emitter.emit(replace(base, block_key=run[0], more_keys=run[1:]))
         except Exception:  # noqa: BLE001
             self._failed("evictions")
