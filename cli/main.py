@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 
 from kvtrace.collector.store import StoreError, default_dsn
 
@@ -104,7 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_p = sub.add_parser("replay", help="replay a request trace through an engine into the store")
     trace_args(replay_p)
-    replay_p.add_argument("--engine", choices=["sim"], default="sim", help="the reference simulator (default)")
+    replay_p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                          help="sim: the reference simulator (default); vllm: vLLM's own KV-cache manager, no model "
+                               "(run kvtrace from vLLM's environment)")
+    replay_p.add_argument("--vllm-layout", choices=["dense", "full+sliding", "full+mamba"], default="full+sliding",
+                          help="vllm: cache groups to build (default full+sliding)")
+    replay_p.add_argument("--vllm-blocks", type=_positive, default=16384, help="vllm: KV blocks of 16 tokens")
+    replay_p.add_argument("--recipe-out", help="vllm: where to write the recipe derived from vLLM's config "
+                                               "(default MODEL.recipe.json)")
     replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
     replay_p.add_argument("--tenant", default="default", help="tenant for requests whose trace names none")
@@ -243,6 +251,57 @@ def _trace(args: argparse.Namespace):  # noqa: ANN202
     return read_trace(args.trace, args.format, skip_bad=args.skip_bad, limit=args.limit)
 
 
+def _replay_vllm(args: argparse.Namespace) -> int:
+    import msgspec
+    from tqdm import tqdm
+
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.replay import tokens_of
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.instrumentation.traces import TraceError
+
+    try:
+        from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
+        from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
+        from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
+    except ImportError as exc:
+        print(f"error: --engine vllm needs vLLM in this environment ({exc}); "
+              "build it with `bash scripts/engine-venv.sh vllm` and run .venvs/vllm/bin/kvtrace", file=sys.stderr)
+        return 2
+    config = DriverConfig(layout=Layout(args.vllm_layout), num_blocks=args.vllm_blocks)
+    manager = build_manager(config)
+    recipe = recipe_from_kv_cache_config(manager.kv_cache_config, name=f"vllm-{args.vllm_layout}")
+    recipe_out = Path(args.recipe_out or f"{args.model}.recipe.json")
+    try:
+        reader = _trace(args)
+        with _store(args) as store:
+            store.init()
+            emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
+                                   instance="vllm-replay", engine="vllm", register_atexit=False)
+            shim = CacheManagerShim(manager, emitter, Identity(instance="vllm-replay", model=args.model,
+                                                               default_tenant=args.tenant)).install()
+            driver = Driver(manager, config)
+            with tqdm(desc="replay (vLLM)", unit="req", file=sys.stderr, disable=None) as bar:
+                for req in reader:
+                    driver.serve(req.request_id, tokens_of(req), cache_salt=req.tenant or None)
+                    bar.update()
+            emitter.force_flush(timeout_millis=600_000)
+            emitter.shutdown()
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    recipe_out.write_bytes(msgspec.json.encode(recipe))
+    stats, prefix = emitter.stats(), driver.stats()
+    print(f"replayed {prefix.requests} requests through vLLM's KV-cache manager: vLLM counted {prefix.queries} "
+          f"queried and {prefix.hits} hit tokens; {stats.exported} events stored, {stats.dropped} dropped, "
+          f"{shim.errors} hook errors")
+    if reader.skipped:
+        print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
+    print(f"recipe from vLLM's config: {recipe_out}")
+    print(f"next: kvtrace analyze --recipe {args.model}={recipe_out}")
+    return 1 if stats.dropped or shim.errors else 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -256,6 +315,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvtrace.instrumentation.traces import TraceError
     from kvtrace.schema.recipes import RecipeError
 
+    if args.engine == "vllm":
+        return _replay_vllm(args)
     try:
         spec = PolicySpec.parse(args.policy)
         config = replace(_sim_config(args), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)

@@ -332,3 +332,10 @@ def test_experiment_prints_and_writes_the_policy_table(capsys, tmp_path):
     assert table[1]["device_write_bytes"] < table[0]["device_write_bytes"]
     code, _, err = run(capsys, "experiment", str(trace), "--policies", "fifo")
     assert code == 2 and "unknown policy 'fifo'" in err
+
+
+def test_replay_through_vllm_says_where_vllm_lives(capsys, store, tmp_path):
+    """In this (core) environment vLLM is not installed; tests/engines/vllm runs the real path."""
+    trace = _trace_file(tmp_path, rows=2)
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm")
+    assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "engine-venv.sh vllm" in err
