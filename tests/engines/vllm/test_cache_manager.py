@@ -5,6 +5,7 @@ Runs in the vLLM venv (scripts/test.sh does it): `.venvs/vllm/bin/python -m pyte
 
 from __future__ import annotations
 
+import time
 from importlib import resources
 
 import pytest
@@ -85,3 +86,37 @@ def test_a_failing_emitter_never_reaches_the_engine() -> None:
     assert first.hit_tokens == 0 and second.hit_tokens > 0 and shim.errors > 0
     shim.uninstall()
     assert "wrapper" not in repr(manager.get_computed_blocks)
+
+
+def test_a_full_buffer_drops_and_counts_but_never_blocks_the_engine() -> None:
+    config = DriverConfig(layout=Layout.SLIDING, num_blocks=512)
+    manager = build_manager(config)
+    sink = MemorySink()
+    sink.delay_s = 2.0  # the exporter is stuck
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=4, max_export_batch_size=4, schedule_delay_millis=1),
+                           register_atexit=False)
+    CacheManagerShim(manager, emitter, Identity()).install()
+    driver = Driver(manager, config)
+    tokens = list(range(1000, 1400))
+    started = time.monotonic()
+    served = [driver.serve(f"r{i}", tokens) for i in range(5)]
+    assert time.monotonic() - started < 1.5  # never waited for the stuck exporter
+    assert [s.hit_tokens for s in served][1:] == [384] * 4
+    assert emitter.stats().dropped_queue_full > 0
+
+
+def test_missing_hook_points_leave_the_engine_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """An older or newer vLLM without one of the methods: that hook is off, the rest work."""
+
+    class OtherPool:  # a pool without cache_full_blocks / get_new_blocks
+        hash_block_size = 16
+
+    class OtherManager:
+        def __init__(self, real: object) -> None:
+            self.kv_cache_config = real.kv_cache_config  # type: ignore[attr-defined]
+            self.block_pool = OtherPool()
+
+    real = build_manager(DriverConfig(layout=Layout.DENSE, num_blocks=64))
+    with caplog.at_level("WARNING", logger="kvtrace.vllm"):
+        shim = CacheManagerShim(OtherManager(real), MemorySink(), Identity()).install()  # type: ignore[arg-type]
+    assert shim.errors == 0 and "commits are off" in caplog.text and "evictions are off" in caplog.text
