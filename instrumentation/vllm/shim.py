@@ -256,43 +256,43 @@ class CacheManagerShim:
         if allocate is None or not hasattr(queue, "fake_free_list_head"):
             log.warning("kvtrace: vLLM's BlockPool has no get_new_blocks / free queue head; evictions are off")
             return
+
+        def head_keys(num_blocks: int, *args: Any, **kwargs: Any) -> list[bytes]:
+            keys, node = [], queue.fake_free_list_head.next_free_block
+            for _ in range(num_blocks):
+                if node is None:
+                    break
+                if node._block_hash is not None:
+                    keys.append(node._block_hash)
+                node = node.next_free_block
+            return keys
+
+        def named_keys(block_ids: Any, *args: Any, **kwargs: Any) -> list[bytes]:
+            return [k for i in block_ids if (k := pool.blocks[i]._block_hash) is not None]
+
+        self._wrap_reuse(pool, "get_new_blocks", head_keys)
+        if getattr(pool, "evict_blocks", None) is not None:
+            self._wrap_reuse(pool, "evict_blocks", named_keys)
+
+    def _wrap_reuse(self, pool: Any, name: str, keys_before: Callable[..., list[bytes]]) -> None:
+        """Wrap a pool method that takes keys out of the hash map: read the keys it is about to
+        drop before the call, report those gone after it."""
+        original = getattr(pool, name)
         shim = self
 
-        def get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> Any:
-            keys = []
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            keys: list[bytes] = []
             try:
-                node = queue.fake_free_list_head.next_free_block
-                for _ in range(num_blocks):
-                    if node is None:
-                        break
-                    key = node._block_hash
-                    if key is not None:
-                        keys.append(key)
-                    node = node.next_free_block
+                keys = keys_before(*args, **kwargs)
             except Exception:  # noqa: BLE001
-                shim._failed("get_new_blocks")
-            result = allocate(num_blocks, *args, **kwargs)
+                shim._failed(name)
+            result = original(*args, **kwargs)
             if keys:
                 shim._report_evictions(pool, keys)
             return result
 
-        self._saved.append((pool, "get_new_blocks", allocate))
-        pool.get_new_blocks = get_new_blocks
-        evict = getattr(pool, "evict_blocks", None)
-        if evict is not None:
-            def evict_blocks(block_ids: Any, *args: Any, **kwargs: Any) -> Any:
-                keys = []
-                try:
-                    keys = [k for i in block_ids if (k := pool.blocks[i]._block_hash) is not None]
-                except Exception:  # noqa: BLE001
-                    shim._failed("evict_blocks")
-                result = evict(block_ids, *args, **kwargs)
-                if keys:
-                    shim._report_evictions(pool, keys)
-                return result
-
-            self._saved.append((pool, "evict_blocks", evict))
-            pool.evict_blocks = evict_blocks
+        self._saved.append((pool, name, original))
+        setattr(pool, name, wrapper)
 
     def _report_evictions(self, pool: Any, keys: list[bytes]) -> None:
         try:
