@@ -27,6 +27,7 @@ shim and the KV-event bridge name the same blocks with the same keys.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,17 +39,17 @@ from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
-_MASK = (1 << 64) - 1
+_U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
 
 
 def key_of(block_hash: bytes) -> int:
     """kvtrace block key of a vLLM block hash (bytes): its low 64 bits, never 0."""
-    return (int.from_bytes(block_hash[-8:], "big") & _MASK) or 1
+    return _U64(block_hash, len(block_hash) - 8)[0] or 1
 
 
 def _key_of_pool_key(key: bytes) -> int:
     """The same for a pool key (hash + 4-byte group id), without splitting it first."""
-    return (int.from_bytes(key[-12:-4], "big") & _MASK) or 1
+    return _U64(key, len(key) - 12)[0] or 1
 
 
 def component_of(spec: Any) -> ComponentKind:
@@ -158,7 +159,7 @@ class CacheManagerShim:
         if keys is None:
             keys = request._kvtrace_keys = []
         if len(keys) < len(hashes):
-            keys.extend((int.from_bytes(h[-8:], "big") & _MASK) or 1 for h in hashes[len(keys):])
+            keys.extend(_U64(h, len(h) - 8)[0] or 1 for h in hashes[len(keys):])
         return keys
 
     def chains(self, request: Any) -> list[list[int]]:
@@ -306,7 +307,7 @@ class CacheManagerShim:
                 run = by_group.get(group)
                 if run is None:
                     run = by_group[group] = []
-                run.append((int.from_bytes(key[-12:-4], "big") & _MASK) or 1)
+                run.append(_U64(key, len(key) - 12)[0] or 1)
             for group, run in by_group.items():
                 base = self._evict_base[int.from_bytes(group, "big")]
                 self.emitter.emit(replace(base, block_key=run[0], more_keys=run[1:]))
