@@ -122,7 +122,7 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     more_keys: Annotated[
         list[Hash64],
         _doc("Further blocks of the same group the same fact applies to (a run of commits or evictions): "
-             "their keys, after block_key. Lets a shim report a whole run as one event."),
+             "their keys, after block_key. Lets a shim report a whole run as one event; nbytes stays per block."),
     ] = []
 
 

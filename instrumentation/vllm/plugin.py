@@ -58,6 +58,15 @@ def _patch_scheduler(settings: Any) -> None:
     Scheduler.__init__ = __init__
 
 
+def engine_instance(settings: Any = None) -> str:
+    """The instance name every kvtrace hook in this process stamps: KVTRACE_INSTANCE, else host:pid."""
+    if settings is None:
+        from kvtrace.instrumentation.config import EmitterSettings
+
+        settings = EmitterSettings.from_env()
+    return settings.instance or f"{socket.gethostname()}:{os.getpid()}"
+
+
 def attach(scheduler: Any, settings: Any = None) -> Any:
     """Instrument one scheduler's KV-cache manager; returns the shim."""
     from kvtrace.instrumentation.api import get_emitter
@@ -71,7 +80,7 @@ def attach(scheduler: Any, settings: Any = None) -> Any:
     config = scheduler.vllm_config
     model = config.model_config
     identity = Identity(
-        instance=settings.instance or f"{socket.gethostname()}:{os.getpid()}",
+        instance=engine_instance(settings),
         model=str(getattr(model, "served_model_name", None) or model.model),
         model_revision=str(getattr(model, "revision", None) or ""),
         kv_dtype=str(getattr(config.cache_config, "cache_dtype", "") or ""),

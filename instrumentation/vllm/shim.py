@@ -182,24 +182,25 @@ class CacheManagerShim:
         self.emitter.emit(event)
 
     def _after_adopt(self, result: Any, request: Any, num_hits: int, *args: Any, **kwargs: Any) -> None:
-        external = int(getattr(request, "num_external_computed_tokens", 0) or 0)
+        # The connector shim leaves (tokens, tier) on the request when it admits a load; without
+        # it, vLLM's own count (if this version keeps one) from an unknown tier.
+        external, tier = getattr(request, "_kvtrace_external", None) or (
+            int(getattr(request, "num_external_computed_tokens", 0) or 0), Tier.REMOTE)
         event = self._event(EventKind.ADOPT, request)
         tiers, tokens = [], []
         if num_hits:
             tiers.append(Tier.DEVICE)
             tokens.append(int(num_hits))
         if external:
-            tiers.append(Tier.REMOTE)
+            tiers.append(tier)
             tokens.append(external)
         event.reused_tiers, event.reused_tokens = tuple(tiers), tuple(tokens)  # type: ignore[assignment]
         event.recomputed_tokens = max(int(request.num_tokens) - int(num_hits) - external, 0)
         self.emitter.emit(event)
 
     def _after_reset(self, result: Any, *args: Any, **kwargs: Any) -> None:
-        if result:
-            event = self._event(EventKind.INVALIDATE)
-            event.reason = Reason.RESET
-            self.emitter.emit(event)
+        if result:  # vLLM's reset clears the device prefix cache; a connector's tier keeps its copies
+            self.emitter.emit(replace(self._event(EventKind.INVALIDATE), reason=Reason.RESET, tier=Tier.DEVICE))
 
     def _wrap_cache_full_blocks(self, pool: Any) -> None:
         original = getattr(pool, "cache_full_blocks", None)
