@@ -86,6 +86,6 @@ def attach(scheduler: Any, settings: Any = None) -> Any:
         kv_dtype=str(getattr(config.cache_config, "cache_dtype", "") or ""),
         default_tenant=settings.tenant,
     )
-    shim = CacheManagerShim(scheduler.kv_cache_manager, emitter, identity).install()
+    shim = CacheManagerShim(scheduler.kv_cache_manager, emitter, identity, sample_rate=settings.sample_rate).install()
     scheduler._kvtrace_shim = shim
     return shim

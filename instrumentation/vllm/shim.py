@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,43 @@ from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
+_PROBES = threading.local()  # per-group hits seen during the lookup in progress on this thread
+_probes_installed = False
+
+
+def _install_probe_hooks() -> None:
+    """Record each group's own hit as vLLM's coordinator probes it, before it reconciles them.
+
+    The per-type managers' `find_longest_cache_hit` are classmethods shared by every manager,
+    so this patches the classes once per process; the record is kept only while a shim's
+    lookup is running on this thread, so other callers pay one attribute read.
+    """
+    global _probes_installed
+    if _probes_installed:
+        return
+    _probes_installed = True
+    try:
+        from vllm.v1.core import single_type_kv_cache_manager as stm
+    except ImportError:
+        return
+    for cls in vars(stm).values():
+        if not (isinstance(cls, type) and "find_longest_cache_hit" in vars(cls)):
+            continue
+        found = vars(cls)["find_longest_cache_hit"]
+        if not isinstance(found, classmethod):
+            continue
+        original = found.__func__
+
+        def probe(klass: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            result = _original(klass, *args, **kwargs)
+            hits = getattr(_PROBES, "hits", None)
+            if hits is not None:
+                groups = kwargs.get("kv_cache_group_ids", args[2] if len(args) > 2 else ())
+                for g in groups:
+                    hits.setdefault(g, int(result[1]))  # the first probe: before reconciliation
+            return result
+
+        cls.find_longest_cache_hit = classmethod(probe)
 
 
 def key_of(block_hash: bytes) -> int:
@@ -79,10 +117,12 @@ class Identity:
 class CacheManagerShim:
     """Instruments one vLLM `KVCacheManager`; `install()` once, `uninstall()` to restore."""
 
-    def __init__(self, manager: Any, emitter: Emitter, identity: Identity = Identity()) -> None:
+    def __init__(self, manager: Any, emitter: Emitter, identity: Identity = Identity(),
+                 sample_rate: float = 1.0) -> None:
         self.manager = manager
         self.emitter = emitter
         self.identity = identity
+        self.sample_rate = sample_rate  # requests whose lookup and adopt are traced; state always is
         self.errors = 0
         self._saved: list[tuple[Any, str, Any]] = []
         config = manager.kv_cache_config
@@ -108,7 +148,8 @@ class CacheManagerShim:
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CacheManagerShim:
         m, pool = self.manager, self.manager.block_pool
-        self._wrap(m, "get_computed_blocks", self._after_lookup)
+        _install_probe_hooks()
+        self._wrap_lookup(m)
         self._wrap(m, "record_prefix_cache_stats", self._after_adopt)
         self._wrap(m, "reset_prefix_cache", self._after_reset)
         self._wrap_cache_full_blocks(pool)
@@ -136,6 +177,31 @@ class CacheManagerShim:
 
         self._saved.append((obj, name, original))
         setattr(obj, name, wrapper)
+
+    def _wrap_lookup(self, manager: Any) -> None:
+        original = getattr(manager, "get_computed_blocks", None)
+        if original is None:
+            log.warning("kvtrace: vLLM's KVCacheManager has no get_computed_blocks; lookups are off")
+            return
+
+        def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+            _PROBES.hits = hits = {}
+            try:
+                result = original(request, *args, **kwargs)
+            finally:
+                _PROBES.hits = None
+            try:
+                self._after_lookup(result, request, hits)
+            except Exception:  # noqa: BLE001
+                self._failed("get_computed_blocks")
+            return result
+
+        self._saved.append((manager, "get_computed_blocks", original))
+        manager.get_computed_blocks = get_computed_blocks
+
+    def _sampled(self, request: Any) -> bool:
+        return self.sample_rate >= 1.0 or self.emitter.sampled(hash(request.request_id) & 0xFFFFFFFFFFFFFFFF,
+                                                               self.sample_rate)
 
     def _failed(self, hook: str) -> None:
         self.errors += 1
@@ -173,15 +239,20 @@ class CacheManagerShim:
             out.append(keys[k - 1 :: k] if k > 1 else keys[:])
         return out
 
-    def _after_lookup(self, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    def _after_lookup(self, result: Any, request: Any, hits: dict[int, int]) -> None:
+        if not self._sampled(request):
+            return
         _, hit, _ = result
         event = self._event(EventKind.LOOKUP, request)
         event.prompt_tokens = int(request.num_tokens)
         event.group_block_keys = self.chains(request)
+        event.group_hit_tokens = tuple(hits.get(g, 0) for g in range(len(self.groups)))  # type: ignore[assignment]
         event.reported_hit_tokens = int(hit)
         self.emitter.emit(event)
 
     def _after_adopt(self, result: Any, request: Any, num_hits: int, *args: Any, **kwargs: Any) -> None:
+        if not self._sampled(request):
+            return
         # The connector shim leaves (tokens, tier) on the request when it admits a load; without
         # it, vLLM's own count (if this version keeps one) from an unknown tier.
         external, tier = getattr(request, "_kvtrace_external", None) or (

@@ -52,9 +52,15 @@ def test_reconstruction_matches_vllm_hits_request_by_request(layout: Layout) -> 
     # Request by request, the state rebuilt from events gives vLLM's reconciled hit as the
     # recoverable hit, and each group's own hit (full attention, sliding window, Mamba) as that
     # group's logical hit.
+    lookups = {e.request_id: e for e in events if e.kind is EventKind.LOOKUP}
     for r, s in zip(results, served, strict=True):
         assert r.recoverable_hit_tokens == s.hit_tokens == r.adopted_tokens, r.request_id
         assert tuple(r.group_logical_tokens) == s.group_hits, r.request_id
+        # What vLLM's own probes found per group before reconciling: the first group is probed
+        # on its own, the others up to the hit so far.
+        probed = lookups[r.request_id].group_hit_tokens
+        assert len(probed) == len(s.group_hits) and probed[0] == s.group_hits[0], r.request_id
+        assert all(p <= g for p, g in zip(probed, s.group_hits)), r.request_id
         assert not r.unsafe_reuse
     assert stats.hits > 0
     kinds = {e.kind for e in events}
@@ -120,3 +126,23 @@ def test_missing_hook_points_leave_the_engine_alone(caplog: pytest.LogCaptureFix
     with caplog.at_level("WARNING", logger="kvtrace.vllm"):
         shim = CacheManagerShim(OtherManager(real), MemorySink(), Identity()).install()  # type: ignore[arg-type]
     assert shim.errors == 0 and "commits are off" in caplog.text and "evictions are off" in caplog.text
+
+
+def test_sampling_keeps_whole_requests_and_all_state() -> None:
+    config = DriverConfig(layout=Layout.DENSE, num_blocks=2048)
+    manager = build_manager(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    CacheManagerShim(manager, emitter, Identity(), sample_rate=0.5).install()
+    driver = Driver(manager, config)
+    prefix = list(range(100, 612))
+    for i in range(40):
+        driver.serve(f"r{i}", prefix + [10_000 + i] * 20)
+    assert emitter.shutdown()
+    events = sink.events
+    looked = {e.request_id for e in events if e.kind is EventKind.LOOKUP}
+    adopted = {e.request_id for e in events if e.kind is EventKind.ADOPT}
+    assert looked == adopted and 5 < len(looked) < 35  # whole requests, about half
+    assert emitter.stats().dropped_sampled_out == 2 * (40 - len(looked))
+    results = reconstruct(events, recipe_from_kv_cache_config(manager.kv_cache_config))
+    assert all(r.recoverable_hit_tokens == r.adopted_tokens for r in results)  # state is complete
