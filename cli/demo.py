@@ -146,5 +146,5 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     print(f"next       kvtrace --dsn '{shown}' analyze --recipe demo-jamba={RECIPE} --by instance")
     print(f"           kvtrace --dsn '{shown}' export -o demo.parquet")
     print("           kvtrace analyze --path duckdb --recipe mamba-hybrid demo.parquet   # no ClickHouse needed")
-    print("           duckdb -c \"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\"")
+    print("           python -c \"import duckdb; duckdb.sql(\\\"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\\\").show()\"")
     return 0
