@@ -14,9 +14,9 @@ scheduler side, where block keys are known:
 - `offload` (device -> the connector's tier) when the connector's metadata schedules a store
   (OffloadingConnector `store_jobs`, ExampleConnector requests with `is_store`), as a run of
   block keys read from the device blocks;
-- `load` (the tier -> device) when a request is admitted with external tokens
-  (`update_state_after_alloc`), with `in_flight` set when the connector loads asynchronously
-  (the request waits for the transfer).
+- `load` (the tier -> device) for a request admitted with external tokens
+  (`update_state_after_alloc`), emitted when the scheduler hears the load is done, with its
+  duration, and `in_flight` set when the connector loads asynchronously (the request waited).
 `nbytes` is per block (in a run too): the group's page size x its layers. The tier comes from
 `kvtrace_tier` in the extra config, or from the connector (host for CPU offloading, disk for
 the example disk connector, remote otherwise). Evictions inside the connector's own tier are not
@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 import struct
+import time
 from typing import Any
 
 from msgspec.structs import replace
@@ -78,6 +79,7 @@ class _Observing(KVConnectorBase_V1):
                            group_block_keys=(), group_hit_tokens=(), reused_tiers=(), reused_tokens=())  # type: ignore[arg-type]
         self._pool: Any = None
         self._matched: dict[str, tuple[int, bool]] = {}  # request -> (local hit tokens, async load)
+        self._loading: dict[str, tuple[Event, int]] = {}  # request -> (its load, admitted at, ns)
         self.errors = 0
 
     # -- observed -----------------------------------------------------------------------------
@@ -99,6 +101,14 @@ class _Observing(KVConnectorBase_V1):
                 self._loaded(request, num_external_tokens)
             except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
                 self._failed("update_state_after_alloc")
+        return result
+
+    def update_connector_output(self, connector_output: Any) -> Any:
+        result = self._inner.update_connector_output(connector_output)
+        try:
+            self._finished_loads(connector_output)
+        except Exception:  # noqa: BLE001
+            self._failed("update_connector_output")
         return result
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -129,11 +139,29 @@ class _Observing(KVConnectorBase_V1):
         keys = [_U64(h, len(h) - 8)[0] or 1 for h in request.block_hashes[start:start + count]]
         if not keys:
             return
-        get_emitter().emit(replace(
+        load = replace(
             self._base, kind=EventKind.LOAD, src_tier=self._tier, dst_tier=Tier.DEVICE, block_key=keys[0],
             more_keys=keys[1:], token_start=start * b, token_end=(start + len(keys)) * b,
             nbytes=self._bytes_per_block[0], in_flight=in_flight,
-            request_id=str(request.request_id), tenant=getattr(request, "cache_salt", None) or ""))
+            request_id=str(request.request_id), tenant=getattr(request, "cache_salt", None) or "")
+        self._loading[str(request.request_id)] = (load, time.monotonic_ns())
+
+    def _finished_loads(self, output: Any) -> None:
+        """Emit admitted loads once the scheduler hears they are done, with how long it took:
+        an asynchronous load when its request is in `finished_recving`, a synchronous one at the
+        end of the step that ran it (so its duration includes that step). Failed loads are
+        dropped: vLLM recomputes those tokens."""
+        if not self._loading:
+            return
+        now = time.monotonic_ns()
+        done = set(getattr(output, "finished_recving", None) or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
+        for rid, (load, admitted) in list(self._loading.items()):
+            if rid in failed:
+                del self._loading[rid]
+            elif rid in done or not load.in_flight:
+                del self._loading[rid]
+                get_emitter().emit(replace(load, duration_ns=now - admitted))
 
     def _stored(self, meta: Any) -> None:
         if self._pool is None:

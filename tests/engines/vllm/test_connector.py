@@ -82,7 +82,7 @@ def test_wrapped_disk_connector_reports_offloads_and_loads_and_changes_nothing(t
     loads = [e for e in events if e.kind is EventKind.LOAD]
     offloads = [e for e in events if e.kind is EventKind.OFFLOAD]
     (load,) = loads
-    assert (load.src_tier, load.dst_tier, load.in_flight) == (Tier.DISK, Tier.DEVICE, False)
+    assert (load.src_tier, load.dst_tier, load.in_flight) == (Tier.DISK, Tier.DEVICE, False) and load.duration_ns > 0
     assert len((load.block_key, *load.more_keys)) == 8 and load.nbytes == per_block > 0  # per block, in a run too
     stored = {k for e in offloads for k in (e.block_key, *e.more_keys)}
     assert {load.block_key, *load.more_keys} <= stored
