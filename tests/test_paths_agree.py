@@ -89,3 +89,18 @@ def test_scratch_tables_are_dropped(store: Store, tmp_path: Path) -> None:
     clickhouse_results(store, RECIPES)
     after = set(store.query_polars(f"SELECT name FROM system.tables WHERE database = '{store.db}'")["name"])
     assert after == before
+
+
+def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: Path) -> None:
+    """A schema-v1 Parquet export has no more_keys column; it still analyzes, block by block."""
+    import pyarrow.parquet as pq
+    from hypothesis import find
+
+    events = find(lifecycle_streams(max_ops=20), lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2
+                  and not any(e.more_keys for e in evs), settings=settings(database=None, max_examples=300))
+    store.insert_events(events)
+    new = tmp_path / "v2.parquet"
+    export_events(store, new)
+    old = tmp_path / "v1.parquet"
+    pq.write_table(pq.read_table(new).drop(["more_keys"]), old)
+    assert_frame_equal(duckdb_results(old, RECIPES).sort(SORT), duckdb_results(new, RECIPES).sort(SORT))
