@@ -3,9 +3,11 @@
 The streaming path replays state; SQL cannot, so the state rules (`analysis.state`) are
 written as "the last event of some kind before this point", which is an as-of join:
 
-1. number every event in stream order (`ord`) and give each object event its *generation*:
-   how many times the object had lost its last copy before it (the streaming path forgets an
-   object then, so history from an earlier life must not count);
+1. number every event in stream order (`ord`), expand runs (`more_keys`) to one row per block,
+   and give each object event its *generation*: how many times the object had lost its last
+   copy before it (the streaming path forgets an object then, so history from an earlier life
+   must not count). DuckDB computes generations with window functions; ClickHouse, which runs
+   those on one thread, with one GROUP BY per object and array functions;
 2. pair each lookup with the adopt that follows it for the same request, giving one
    evaluation point at the lookup and one at the adopt;
 3. explode each point into the request's blocks per cache group, and as-of join every block
