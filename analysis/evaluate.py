@@ -115,11 +115,6 @@ def check_object(
 _TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3, Tier.NONE: 4}
 
 
-def needed_blocks(group: GroupSpec, p: int) -> range:
-    """Block indices of `group` that must be usable to resume at boundary p."""
-    return group.needed(p)
-
-
 class _GroupView:
     """One group's blocks for one request, with prefix sums for O(1) range checks."""
 
@@ -140,7 +135,7 @@ class _GroupView:
         block of this group (a tail group at a compressed boundary) is no hit of its own."""
         b = self.group.block_size
         for p in range(cap // b * b, 0, -b):
-            blocks = needed_blocks(self.group, p)
+            blocks = self.group.needed(p)
             if blocks and blocks.stop <= len(self.checks) and \
                     self._present[blocks.stop] - self._present[blocks.start] == len(blocks):
                 return p
@@ -154,13 +149,13 @@ class _GroupView:
         return sums[blocks.stop] - sums[blocks.start] == len(blocks)
 
     def usable_at(self, p: int) -> bool:
-        return self._all(self._usable, needed_blocks(self.group, p))
+        return self._all(self._usable, self.group.needed(p))
 
     def resident_at(self, p: int) -> bool:
-        return self._all(self._resident, needed_blocks(self.group, p))
+        return self._all(self._resident, self.group.needed(p))
 
     def first_failure(self, p: int) -> tuple[GapReason, str] | None:
-        for i in needed_blocks(self.group, p):
+        for i in self.group.needed(p):
             if i >= len(self.checks):
                 return MISSING_REASON[self.group.component], "block beyond the request's key chain"
             check = self.checks[i]
@@ -233,7 +228,7 @@ def evaluate(
     restore: dict[Tier, int] = {}
     if resident < recoverable:
         for v in views:
-            for i in needed_blocks(v.group, recoverable):
+            for i in v.group.needed(recoverable):
                 check = v.checks[i]
                 if not check.resident:
                     restore[check.restore_tier] = restore.get(check.restore_tier, 0) + check.restore_bytes

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, needed_blocks
+from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
 from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import CacheState
 from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
@@ -160,7 +160,7 @@ class Reconstructor:
         lookup = pending.lookup
         for g in pending.recipe.groups:
             chain = lookup.group_block_keys[g.group_id] if g.group_id < len(lookup.group_block_keys) else []
-            for i in needed_blocks(g, adopted // g.block_size * g.block_size):
+            for i in g.needed(adopted // g.block_size * g.block_size):
                 if i < len(chain):
                     obj = self.state.get(lookup.instance, g.group_id, chain[i])
                     if obj is not None and obj.tenant != lookup.tenant:

@@ -120,7 +120,7 @@ _BEYOND = "block beyond the request's key chain"
 
 
 def _start(d: Dialect, p: str) -> str:
-    """First needed block index at boundary p (> 0) for the row's group: `needed_blocks`."""
+    """First needed block index at boundary p (> 0) for the row's group: `GroupSpec.needed`."""
     return (
         f"(CASE comp WHEN 'sliding_window' THEN {d.idiv(f'greatest({p} - win, 0)', 'b')} "
         f"WHEN 'mamba' THEN {d.idiv(p, 'b')} - 1 "

@@ -283,7 +283,7 @@ class CacheSimulator:
                     self._remove(victim, tier, Reason.CAPACITY)
         adopted, loaded = self._fetch(chains, hit)
         reused_tiers = [Tier.DEVICE, *(t for t in loaded if loaded[t])]
-        by_tier = self._tokens_by_tier(chains, adopted, loaded)
+        by_tier = self._tokens_by_tier(adopted, loaded)
         self._emit(EventKind.ADOPT, reused_tiers=reused_tiers if adopted else [],
                    reused_tokens=[by_tier.get(t, 0) for t in reused_tiers] if adopted else [],
                    recomputed_tokens=len(tokens) - adopted, **ident)
@@ -317,7 +317,7 @@ class CacheSimulator:
     def _fetchable(self, block: _Block) -> bool:
         return Tier.DEVICE in block.tiers or any(t in block.tiers for t in self.config.fetch_tiers)
 
-    def _tokens_by_tier(self, chains: list[list[int]], adopted: int, loaded: dict[Tier, int]) -> dict[Tier, int]:
+    def _tokens_by_tier(self, adopted: int, loaded: dict[Tier, int]) -> dict[Tier, int]:
         total = sum(loaded.values())
         if not total:
             return {Tier.DEVICE: adopted}
