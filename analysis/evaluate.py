@@ -13,7 +13,7 @@ from itertools import accumulate
 
 from kvtrace.schema.recipes import GroupSpec, Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, ObjectState, identity_of
-from kvtrace.analysis.verdicts import MISSING_REASON, GapReason
+from kvtrace.schema.verdicts import MISSING_REASON, GapReason
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, Reason, Tier
 

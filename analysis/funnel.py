@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import polars as pl
 
-from kvtrace.analysis.verdicts import LookupResult
+from kvtrace.schema.verdicts import LookupResult
 
 DIMENSIONS = ("model", "instance", "tenant")
 

@@ -16,7 +16,7 @@ import msgspec
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
 from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import CacheState
-from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
 

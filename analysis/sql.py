@@ -37,7 +37,8 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.reconstruct import UnknownModel
 from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS
-from kvtrace.analysis.verdicts import MISSING_REASON, GapReason, LookupResult
+from kvtrace.schema.fields import field_specs
+from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult
 from kvtrace.schema.kinds import ComponentKind, Reason, TIER_ORDER
 
 # -- dialects -----------------------------------------------------------------------------------
@@ -599,17 +600,19 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
     """The LookupResult columns with one dtype each, whichever path computed them."""
     ints = {"ts_ns": pl.Int64, "source_id": pl.UInt64, "seq": pl.UInt64}
     out = []
-    for name, typ in LookupResult.__annotations__.items():
+    for spec in field_specs(LookupResult):
+        name, kind = spec.name, spec.column.clickhouse
+        dtype: Any
         if name in ints:
-            dtype: Any = ints[name]
-        elif typ in ("int",):
-            dtype = pl.Int64
-        elif typ == "bool":
-            dtype = pl.Boolean
-        elif typ == "list[int]":
+            dtype = ints[name]
+        elif spec.depth:
             dtype = pl.List(pl.Int64)
-        else:
+        elif kind == "Bool":
+            dtype = pl.Boolean
+        elif spec.enum_type is not None or "String" in kind:
             dtype = pl.Utf8
+        else:
+            dtype = pl.Int64
         col = pl.col(name)
         out.append((col.cast(pl.Int64) != 0).alias(name) if dtype == pl.Boolean and frame[name].dtype != pl.Boolean else col.cast(dtype))
     return frame.select(out)

@@ -31,6 +31,7 @@ from kvtrace.schema.clickhouse import (
     DdlOptions,
     migration_statements,
     schema_statements,
+    table_settings,
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
@@ -224,6 +225,9 @@ class Store:
                 for stmt in migration_statements(table, existing, opts):
                     self.client.command(stmt)
                     applied.append(stmt)
+            if table_settings(opts):  # stores made before the setting existed get it too
+                for table in TABLES:
+                    self.client.command(f"ALTER TABLE {self.db}.{table.name} MODIFY SETTING {table_settings(opts)}")
             if ttl_days:
                 for table in TABLES:
                     name = f"{table.name}_local" if cluster else table.name
@@ -255,10 +259,15 @@ class Store:
     # server's default cap of 100 per insert would reject it, and only throws the rows away.
     INSERT_SETTINGS = {"max_partitions_per_insert_block": 10000}
 
-    def insert_arrow(self, table: str, data: pa.Table) -> int:
+    def insert_arrow(self, table: str, data: pa.Table, dedup_token: str = "") -> int:
+        """Insert rows; with `dedup_token`, a repeat of the same token's insert is dropped by the
+        server (the collector's exactly-once drain)."""
         if data.num_rows:
+            settings = dict(self.INSERT_SETTINGS)
+            if dedup_token:
+                settings["insert_deduplication_token"] = dedup_token
             with self._lock:
-                self.client.insert_arrow(f"{self.db}.{table}", data, settings=self.INSERT_SETTINGS)
+                self.client.insert_arrow(f"{self.db}.{table}", data, settings=settings)
         return data.num_rows
 
     def insert_events(self, events: Sequence[Event]) -> int:

@@ -14,6 +14,7 @@ import msgspec
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
 from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.schema.verdicts import LookupResult
 
 DEFAULT_DATABASE = "kvtrace"
 
@@ -61,7 +62,15 @@ EMITTER_STATS = TableSpec(
     shard_key="source_id",
     replacing=True,
 )
-TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS)
+VERDICTS = TableSpec(  # written by the collector's live reconstruction, one row per lookup
+    name="verdicts",
+    struct=LookupResult,
+    time_column="ts_ns",
+    order_by=("instance", "ts_ns", "source_id", "seq"),
+    shard_key="cityHash64(instance)",
+    replacing=True,  # a collector rebuilding an instance may write a lookup's row again
+)
+TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS)
 META_TABLE = "kvtrace_meta"
 
 
@@ -131,6 +140,16 @@ def _engine(table: TableSpec, opts: DdlOptions) -> str:
     return f"Replicated{base}('{path}', '{{replica}}')"
 
 
+# Inserts that carry a de-duplication token (the collector's spool ranges) are dropped when
+# the same token was inserted recently. Replicated tables keep such a window by default; a
+# single-node table keeps none unless asked.
+DEDUP_WINDOW = 10_000
+
+
+def table_settings(opts: DdlOptions) -> str:
+    return "" if opts.cluster else f"non_replicated_deduplication_window = {DEDUP_WINDOW}"
+
+
 def _on_cluster(opts: DdlOptions) -> str:
     # Quoted: cluster names may hold '-', which a bare identifier cannot.
     return f" ON CLUSTER `{opts.cluster}`" if opts.cluster else ""
@@ -152,6 +171,7 @@ def create_table(table: TableSpec, opts: DdlOptions) -> str:
         f"ENGINE = {_engine(table, opts)}\n"
         f"PARTITION BY {_day(table)}\n"
         f"ORDER BY ({', '.join(table.order_by)}){ttl}"
+        + (f"\nSETTINGS {table_settings(opts)}" if table_settings(opts) else "")
     )
 
 

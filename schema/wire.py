@@ -17,7 +17,7 @@ from typing import BinaryIO
 import msgspec
 
 from kvtrace.schema.events import Event
-from kvtrace.schema.records import EmitterStats
+from kvtrace.schema.records import EmitterStats, Rejection
 
 WIRE_VERSION = 1
 CONTENT_TYPE = "application/vnd.kvtrace.batch.v1+msgpack"
@@ -40,6 +40,9 @@ class Batch(msgspec.Struct, kw_only=True):
     sent_ns: int
     events: list[Event] = []
     stats: EmitterStats | None = None
+    # Rows a receiver already found invalid, carried to the quarantine table (the collector's
+    # spool); emitters never set it.
+    rejections: list[Rejection] = []
 
 
 class RawBatch(msgspec.Struct, kw_only=True):
@@ -51,6 +54,7 @@ class RawBatch(msgspec.Struct, kw_only=True):
     sent_ns: int
     events: list[msgspec.Raw] = []
     stats: EmitterStats | None = None
+    rejections: list[Rejection] = []
 
 
 class WireError(ValueError):
@@ -97,12 +101,8 @@ def is_spool(head: bytes) -> bool:
     return head.startswith(SPOOL_MAGIC)
 
 
-def read_spool(stream: BinaryIO, name: str = "spool") -> SpoolScan:
-    """Every intact frame; a torn or corrupt tail (a crash mid-write) ends the scan.
-
-    A corrupt frame in the middle also ends it, since frame boundaries past it cannot be
-    trusted; the count of unread bytes says how much was lost.
-    """
+def read_header(stream: BinaryIO, name: str = "spool") -> None:
+    """Check a spool file's header, leaving the stream at its first frame."""
     header = stream.read(len(SPOOL_HEADER))
     if not header.startswith(SPOOL_MAGIC):
         raise WireError(f"{name}: not a kvtrace spool file (bad magic)")
@@ -111,22 +111,39 @@ def read_spool(stream: BinaryIO, name: str = "spool") -> SpoolScan:
     (version,) = struct.unpack(">H", header[len(SPOOL_MAGIC) :])
     if version != WIRE_VERSION:
         raise WireError(f"{name}: spool version {version} not supported (this reader knows {WIRE_VERSION})")
-    payloads: list[bytes] = []
-    while True:
+
+
+def iter_frames(stream: BinaryIO, end: int | None = None) -> Iterator[bytes]:
+    """Intact frames from the stream's position, stopping at a torn or corrupt one (or `end`).
+
+    Each frame takes FRAME_OVERHEAD + len(payload) bytes, so a caller can track offsets.
+    """
+    while end is None or stream.tell() < end:
+        start = stream.tell()
         head = stream.read(_FRAME.size)
-        if not head:
-            return SpoolScan(payloads, 0)
-        torn = len(head)
-        if len(head) == _FRAME.size:
-            length, crc = _FRAME.unpack(head)
-            if length <= MAX_FRAME_BYTES:
-                payload = stream.read(length)
-                if len(payload) == length and zlib.crc32(payload) == crc:
-                    payloads.append(payload)
-                    continue
-                torn += len(payload)
-        rest = stream.read()
-        return SpoolScan(payloads, torn + len(rest))
+        if len(head) < _FRAME.size:
+            stream.seek(start)
+            return
+        length, crc = _FRAME.unpack(head)
+        payload = stream.read(length) if length <= MAX_FRAME_BYTES else b""
+        if length > MAX_FRAME_BYTES or len(payload) != length or zlib.crc32(payload) != crc:
+            stream.seek(start)
+            return
+        yield payload
+
+
+FRAME_OVERHEAD = _FRAME.size
+
+
+def read_spool(stream: BinaryIO, name: str = "spool") -> SpoolScan:
+    """Every intact frame; a torn or corrupt tail (a crash mid-write) ends the scan.
+
+    A corrupt frame in the middle also ends it, since frame boundaries past it cannot be
+    trusted; the count of unread bytes says how much was lost.
+    """
+    read_header(stream, name)
+    payloads = list(iter_frames(stream))
+    return SpoolScan(payloads, len(stream.read()))
 
 
 def iter_spool_batches(stream: BinaryIO, name: str = "spool") -> Iterator[RawBatch]:

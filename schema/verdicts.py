@@ -6,6 +6,7 @@ from enum import StrEnum
 
 import msgspec
 
+from kvtrace.schema.columns import I64, U32, U64, Flag, Hash64, Label, Text, TimeNs
 from kvtrace.schema.kinds import ComponentKind
 
 
@@ -53,29 +54,29 @@ MISSING_REASON: dict[ComponentKind, GapReason] = {
 class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     """One row per lookup: the same columns from the streaming, ClickHouse and DuckDB paths."""
 
-    ts_ns: int
-    source_id: int  # with seq, the lookup event's id
-    seq: int
-    instance: str
-    request_id: str
-    model: str
-    tenant: str
-    prompt_tokens: int
-    reported_hit_tokens: int
-    logical_hit_tokens: int
-    recoverable_hit_tokens: int
-    resident_hit_tokens: int
-    adopted_tokens: int = 0
-    recomputed_tokens: int = 0
-    adopt_seen: bool = False
+    ts_ns: TimeNs
+    source_id: Hash64  # with seq, the lookup event's id
+    seq: U64
+    instance: Label
+    request_id: Text
+    model: Label
+    tenant: Label
+    prompt_tokens: U32
+    reported_hit_tokens: U32
+    logical_hit_tokens: U32
+    recoverable_hit_tokens: U32
+    resident_hit_tokens: U32
+    adopted_tokens: U32 = 0
+    recomputed_tokens: U32 = 0
+    adopt_seen: Flag = False
     verdict: Verdict = Verdict.MISS
     reason: GapReason = GapReason.NONE
-    reason_group: int = -1
-    reason_detail: str = ""  # e.g. which identity field differed
-    unsafe_reuse: bool = False  # adopted > recoverable: a correctness alarm
-    missed_reuse: bool = False  # recoverable > adopted: compute thrown away
-    cross_tenant: bool = False  # reused state committed under another tenant namespace
-    restore_host_bytes: int = 0
-    restore_disk_bytes: int = 0
-    restore_remote_bytes: int = 0
-    group_logical_tokens: list[int] = []
+    reason_group: I64 = -1
+    reason_detail: Text = ""  # e.g. which identity field differed
+    unsafe_reuse: Flag = False  # adopted > recoverable: a correctness alarm
+    missed_reuse: Flag = False  # recoverable > adopted: compute thrown away
+    cross_tenant: Flag = False  # reused state committed under another tenant namespace
+    restore_host_bytes: U64 = 0
+    restore_disk_bytes: U64 = 0
+    restore_remote_bytes: U64 = 0
+    group_logical_tokens: list[U32] = []
