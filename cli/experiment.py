@@ -14,7 +14,7 @@ import polars as pl
 
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.analysis.verdicts import LookupResult
+from kvtrace.schema.verdicts import LookupResult
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import ReplayOptions, replay
 from kvtrace.instrumentation.simulator import CacheSimulator, CheckpointPolicy, SimConfig

@@ -13,7 +13,7 @@ from test_paths_agree import assert_same
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
-from kvtrace.analysis.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.collector.export import export_events
 from kvtrace.collector.store import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter

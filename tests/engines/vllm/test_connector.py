@@ -13,7 +13,7 @@ import msgspec
 
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.collector.ingest import iter_file_events
-from kvtrace.analysis.verdicts import Verdict
+from kvtrace.schema.verdicts import Verdict
 from kvtrace.schema import EventKind, Tier
 from kvtrace.schema.recipes import Recipe
 
