@@ -22,6 +22,7 @@ examples:
   kvtrace experiment trace.jsonl --limit 300          retention policies compared on one trace
   kvtrace analyze --recipe mamba-hybrid logical vs recoverable vs adopted, and why they differ
   kvtrace analyze --recipe llama=dense --recipe jamba=mamba-hybrid --path duckdb events.parquet
+  kvtrace collector --port 4318         the ingest service a fleet's shims point at
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
 The store is chosen by --dsn, else $KVTRACE_DSN, else an embedded ClickHouse (chDB) under
@@ -132,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--bucket-s", type=_non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
+
+    col = sub.add_parser("collector", help="run the ingest service (HTTP: kvtrace batches and OTLP logs)")
+    col.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    col.add_argument("--port", type=_positive, default=4318, help="port (default 4318)")
+    col.add_argument("--spool-dir", help="durable spool (default: $KVTRACE_COLLECTOR_SPOOL_DIR, else under $KVTRACE_HOME)")
+    col.add_argument("--max-spool-mib", type=_positive, default=1024, help="spool bound; 429 near it (default 1024)")
+    col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
+                                           "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
+    col.add_argument("--recipe", action="append", default=[], metavar="[MODEL=]RECIPE",
+                     help="turn on live reconstruction with these recipes (repeatable, as for analyze)")
+    col.add_argument("--lateness-ms", type=_non_negative, default=2000,
+                     help="live reconstruction waits this long for out-of-order events (default 2000)")
+    col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
     schema.add_argument("--format", choices=["json", "ddl", "arrow", "batch-json"], default="json")
@@ -457,6 +471,23 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_collector(args: argparse.Namespace) -> int:
+    from kvtrace.collector.auth import AuthConfigError, TokenTable
+    from kvtrace.collector.serve import serve
+    from kvtrace.collector.service import config_from_env
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        config = config_from_env(
+            dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
+            tokens=TokenTable.from_env(path=args.tokens_file),
+            recipes=_recipes(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6)
+    except (AuthConfigError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve(config, host=args.host, port=args.port, log_level=args.log_level)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtrace.cli.demo import run_demo
 
@@ -472,6 +503,7 @@ COMMANDS = {
     "experiment": cmd_experiment,
     "schema": cmd_schema,
     "demo": cmd_demo,
+    "collector": cmd_collector,
 }
 
 

@@ -1,0 +1,303 @@
+"""The collector's HTTP API (FastAPI): ingest, tenant-scoped queries, health and metrics.
+
+Every refusal is JSON `{"error": ...}` naming the cause, with a 4xx (or 429/503 with
+Retry-After when the collector cannot take more now). OpenAPI docs are at `/docs`; the batch
+body's schema there is the one derived from the event Struct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from enum import StrEnum
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtrace.collector.auth import Grant
+from kvtrace.collector.intake import JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
+from kvtrace.collector.service import Collector, Unavailable
+from kvtrace.schema.clickhouse import EVENTS, VERDICTS
+from kvtrace.schema.events import WIRE_REQUIRED
+from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.wire import CONTENT_TYPE, Batch
+
+MAX_ROWS = 10_000
+
+
+class RowProblem(BaseModel):
+    row: int
+    field: str
+    reason: str
+
+
+class IngestReply(BaseModel):
+    received: int
+    accepted: int
+    quarantined: int
+    problems: list[RowProblem]  # the first 100 quarantined rows, with why
+
+
+class ErrorReply(BaseModel):
+    error: str
+
+
+class HitRates(BaseModel):
+    key: str
+    lookups: int
+    prompt_tokens: int
+    logical_hit_tokens: int
+    recoverable_hit_tokens: int
+    adopted_tokens: int
+    unsafe_reuse: int
+    logical_rate: float
+    recoverable_rate: float
+    adopted_rate: float
+
+
+class GroupBy(StrEnum):
+    MODEL = "model"
+    INSTANCE = "instance"
+    TENANT = "tenant"
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorReply, "description": text}
+    for code, text in ((400, "malformed request"), (401, "missing or unknown token"),
+                       (403, "outside the token's tenants"), (413, "body too large"),
+                       (415, "unsupported media type"), (422, "bad parameters"),
+                       (429, "spool full, retry after"), (503, "shutting down or spool unwritable"))
+}
+
+
+def _error(status: int, message: str, retry_after_s: int = 0) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": 'Bearer realm="kvtrace"'}
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+def _grant(collector: Collector, request: Request) -> Grant:
+    grant = collector.authenticate(request.headers.get("authorization"))
+    if grant is None:
+        collector.refused("unauthenticated", 401)
+        raise _Refused(401, "missing or unknown bearer token")
+    return grant
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing early (413) once it passes the limit."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Refused(413, f"body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _tenant_filter(grant: Grant, params: dict[str, Any]) -> str:
+    if grant.operator:
+        return "1"
+    params["tenants"] = sorted(grant.tenants)
+    return "tenant IN {tenants:Array(String)}"
+
+
+def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
+    """The ASGI app. With `manage_lifecycle`, it starts the collector and drains it at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_lifecycle:
+            await run_in_threadpool(collector.start)
+        yield
+        if manage_lifecycle:
+            await run_in_threadpool(collector.stop)
+
+    app = FastAPI(title="kvtrace collector", version="0.1.0", lifespan=lifespan,
+                  description="Ingest for kvtrace KV-cache lifecycle events: kvtrace batches and OTLP logs.")
+    limit = collector.config.max_request_bytes
+
+    @app.exception_handler(_Refused)
+    async def refused(_: Request, exc: _Refused) -> JSONResponse:
+        return _error(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_params(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()]
+        return _error(422, "; ".join(parts) or "invalid parameters")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    # -- ingest ------------------------------------------------------------------------------
+    async def _ingest(request: Request, otlp: bool) -> Any:
+        """(intake, foreign records) once spooled, or the refusal to answer with."""
+        grant = _grant(collector, request)
+        body = await _body(request, limit)
+        try:
+            result = await run_in_threadpool(collector.ingest, body, request.headers.get("content-type"),
+                                             request.headers.get("content-encoding"), grant, otlp)
+        except IntakeError as exc:
+            collector.refused(grant.name, exc.status)
+            raise _Refused(exc.status, exc.message) from None
+        except Unavailable as exc:
+            collector.refused(grant.name, exc.status)
+            return _error(exc.status, exc.message, exc.retry_after_s)
+        return result
+
+    @app.post("/v1/batches", response_model=IngestReply, responses=_ERRORS, summary="Ingest a kvtrace batch",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                  JSON_TYPE: {"schema": {"$ref": "#/components/schemas/Batch"}}}}})
+    async def post_batch(request: Request) -> Any:
+        """A batch in the emitter's wire format (msgpack) or its JSON form, optionally gzip'd.
+        Good rows are stored and bad ones quarantined; the reply counts both and says why."""
+        result = await _ingest(request, otlp=False)
+        if isinstance(result, Response):
+            return result
+        intake, _ = result
+        return IngestReply(received=intake.received, accepted=intake.accepted, quarantined=intake.quarantined,
+                           problems=[RowProblem(row=r.row, field=r.field, reason=r.reason)
+                                     for r in intake.batch.rejections[:100]])
+
+    @app.post("/v1/logs", responses=_ERRORS, summary="Ingest OTLP/HTTP logs carrying kvtrace events",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  PROTOBUF_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                  JSON_TYPE: {"schema": {"type": "object"}}}}})
+    async def post_logs(request: Request) -> Any:
+        """OTLP ExportLogsServiceRequest (protobuf or JSON); answers an ExportLogsServiceResponse
+        whose partial_success counts and explains the records not stored."""
+        from google.protobuf import json_format
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+
+        result = await _ingest(request, otlp=True)
+        if isinstance(result, Response):
+            return result
+        intake, foreign = result
+        reply = ExportLogsServiceResponse()
+        if intake.quarantined:
+            first = intake.batch.rejections[0]
+            reply.partial_success.rejected_log_records = intake.quarantined
+            reply.partial_success.error_message = (
+                f"{intake.quarantined} kvtrace events invalid (quarantined); first: record {first.row}: "
+                f"{first.field + ': ' if first.field else ''}{first.reason}")
+        elif foreign:
+            reply.partial_success.error_message = f"{foreign} records were not kvtrace events and were skipped"
+        if media_type(request.headers.get("content-type")) == PROTOBUF_TYPE:
+            return Response(reply.SerializeToString(), media_type=PROTOBUF_TYPE)
+        return Response(json_format.MessageToJson(reply), media_type=JSON_TYPE)
+
+    # -- queries (each one sees only the token's tenants) ------------------------------------
+    def _rows(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        return collector.store.query_arrow(sql, params).to_pylist()
+
+    @app.get("/v1/events", responses=_ERRORS, summary="Stored events of the token's tenants")
+    async def get_events(
+        request: Request,
+        instance: str | None = None,
+        request_id: str | None = None,
+        kind: EventKind | None = None,
+        since_ns: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
+    ) -> Response:
+        grant = _grant(collector, request)
+        params: dict[str, Any] = {"since": since_ns, "limit": limit}
+        where = [_tenant_filter(grant, params), "ts_ns >= {since:Int64}"]
+        for name, value in (("instance", instance), ("request_id", request_id),
+                            ("kind", kind.value if kind else None)):
+            if value is not None:
+                params[name] = value
+                where.append(f"{name} = {{{name}:String}}")
+        sql = (f"SELECT * FROM {collector.store.db}.{EVENTS.name} FINAL WHERE {' AND '.join(where)} "
+               "ORDER BY ts_ns, source_id, seq LIMIT {limit:UInt32}")
+        rows = await run_in_threadpool(_rows, sql, params)
+        return Response(msgspec.json.encode(rows), media_type=JSON_TYPE)
+
+    @app.get("/v1/verdicts", responses=_ERRORS, summary="Live per-lookup verdicts of the token's tenants")
+    async def get_verdicts(
+        request: Request,
+        instance: str | None = None,
+        request_id: str | None = None,
+        since_ns: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
+    ) -> Response:
+        grant = _grant(collector, request)
+        params: dict[str, Any] = {"since": since_ns, "limit": limit}
+        where = [_tenant_filter(grant, params), "ts_ns >= {since:Int64}"]
+        for name, value in (("instance", instance), ("request_id", request_id)):
+            if value is not None:
+                params[name] = value
+                where.append(f"{name} = {{{name}:String}}")
+        sql = (f"SELECT * FROM {collector.store.db}.{VERDICTS.name} FINAL WHERE {' AND '.join(where)} "
+               "ORDER BY ts_ns, source_id, seq LIMIT {limit:UInt32}")
+        rows = await run_in_threadpool(_rows, sql, params)
+        return Response(msgspec.json.encode(rows), media_type=JSON_TYPE)
+
+    @app.get("/v1/hit-rates", response_model=list[HitRates], responses=_ERRORS,
+             summary="Logical, recoverable and adopted hit rates from the live verdicts")
+    async def get_hit_rates(
+        request: Request,
+        by: GroupBy = GroupBy.MODEL,
+        since_ns: Annotated[int, Query(ge=0)] = 0,
+    ) -> list[HitRates]:
+        grant = _grant(collector, request)
+        params: dict[str, Any] = {"since": since_ns}
+        where = f"{_tenant_filter(grant, params)} AND ts_ns >= {{since:Int64}} AND adopt_seen"
+        sql = (f"SELECT toString({by.value}) AS key, count() AS lookups, sum(prompt_tokens) AS prompt_tokens, "
+               "sum(logical_hit_tokens) AS logical_hit_tokens, sum(recoverable_hit_tokens) AS recoverable_hit_tokens, "
+               "sum(adopted_tokens) AS adopted_tokens, countIf(unsafe_reuse) AS unsafe_reuse "
+               f"FROM {collector.store.db}.{VERDICTS.name} FINAL WHERE {where} GROUP BY key ORDER BY key")
+        rows = await run_in_threadpool(_rows, sql, params)
+        out = []
+        for r in rows:
+            total = max(1, int(r["prompt_tokens"]))
+            out.append(HitRates(**{k: int(v) if k != "key" else v for k, v in r.items()},
+                                logical_rate=r["logical_hit_tokens"] / total,
+                                recoverable_rate=r["recoverable_hit_tokens"] / total,
+                                adopted_rate=r["adopted_tokens"] / total))
+        return out
+
+    # -- operations --------------------------------------------------------------------------
+    @app.get("/healthz", summary="Liveness: the process answers")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Readiness: store reachable and spool below its bound",
+             responses={503: {"description": "not ready"}})
+    async def readyz() -> Response:
+        r = collector.readiness()
+        body = {"ready": r.ready, "store_ok": r.store_ok, "spool_pending_bytes": r.spool_pending_bytes,
+                "spool_bound_bytes": r.spool_bound_bytes, "shutting_down": r.shutting_down, "detail": r.detail}
+        return JSONResponse(body, status_code=200 if r.ready else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, components = msgspec.json.schema_components([Batch], ref_template="#/components/schemas/{name}")
+            components["Event"]["required"] = list(WIRE_REQUIRED)
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
