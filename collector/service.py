@@ -126,7 +126,9 @@ class Collector:
         self.spool.close()
         self.store.close()
         self._started = False
-        if not emptied:
+        if emptied:
+            log.info("stopped: spool drained into the store")
+        else:
             log.warning("stopped with %d spooled bytes not yet stored; they are stored at the next start",
                         self.spool.pending_bytes)
         return emptied
