@@ -24,6 +24,8 @@ pip=("$venv/bin/python" -m pip install --quiet -c constraints.txt)
 # PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to import here; the
 # engines' text paths run without them.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" -e '.[test]'
+# kvtrace itself and the test runner; the collector's test tools (schemathesis and its
+# dependencies) stay out of the engine's environment.
+"${pip[@]}" -e . "pytest>=8" "hypothesis>=6.100"
 echo "$want" > "$stamp"
 echo "$venv: built"

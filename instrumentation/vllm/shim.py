@@ -85,9 +85,19 @@ def key_of(block_hash: bytes) -> int:
     return _U64(block_hash, len(block_hash) - 8)[0] or 1
 
 
-def _key_of_pool_key(key: bytes) -> int:
+def key_of_pool_key(key: bytes) -> int:
     """The same for a pool key (hash + 4-byte group id), without splitting it first."""
     return _U64(key, len(key) - 12)[0] or 1
+
+
+def bytes_per_block(group: Any) -> int:
+    """One block of a KV-cache group across all its layers: what a copy of it occupies and what
+    moving it costs. vLLM's scheduler flattens a `UniformTypeKVCacheSpecs` group to one
+    per-layer spec while a worker keeps the wrapper (whose page already covers every layer);
+    the answer is the same either way."""
+    spec = group.kv_cache_spec
+    layers = 1 if type(spec).__name__ == "UniformTypeKVCacheSpecs" else len(getattr(group, "layer_names", ()) or (1,))
+    return int(getattr(spec, "page_size_bytes", 0)) * layers
 
 
 def component_of(spec: Any) -> ComponentKind:
@@ -129,7 +139,7 @@ class CacheManagerShim:
         self.hash_block_size = int(getattr(manager.block_pool, "hash_block_size", 0) or
                                    config.kv_cache_groups[0].kv_cache_spec.block_size)
         self.groups = [
-            (g.kv_cache_spec.block_size, component_of(g.kv_cache_spec), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)))
+            (g.kv_cache_spec.block_size, component_of(g.kv_cache_spec), bytes_per_block(g))
             for g in config.kv_cache_groups
         ]
         # Events are copies of one template (msgspec.structs.replace: ~3x cheaper than building
@@ -305,7 +315,7 @@ class CacheManagerShim:
             key = block._block_hash
             if key is None or block.is_null:
                 continue  # not published (outside the retained window, or masked out)
-            keys.append(chain[i] if chain is not None and i < len(chain) else _key_of_pool_key(key))
+            keys.append(chain[i] if chain is not None and i < len(chain) else key_of_pool_key(key))
             if first < 0:
                 first = i
             last = i
