@@ -17,18 +17,18 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtrace.collector.auth import Grant
-from kvtrace.collector.intake import JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
+from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
 from kvtrace.collector.service import Collector, Unavailable
 from kvtrace.schema.clickhouse import EVENTS, VERDICTS
 from kvtrace.schema.events import WIRE_REQUIRED
 from kvtrace.schema.kinds import EventKind
-from kvtrace.schema.wire import CONTENT_TYPE, Batch
+from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch
 
 MAX_ROWS = 10_000
 
@@ -143,7 +143,9 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        out = _error(exc.status_code, str(exc.detail))
+        out.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return out
 
     # -- ingest ------------------------------------------------------------------------------
     async def _ingest(request: Request, otlp: bool) -> Any:
@@ -176,7 +178,9 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
                            problems=[RowProblem(row=r.row, field=r.field, reason=r.reason)
                                      for r in intake.batch.rejections[:100]])
 
-    @app.post("/v1/logs", responses=_ERRORS, summary="Ingest OTLP/HTTP logs carrying kvtrace events",
+    @app.post("/v1/logs", summary="Ingest OTLP/HTTP logs carrying kvtrace events",
+              responses={**_ERRORS, 200: {"description": "ExportLogsServiceResponse, in the request's encoding",
+                                          "content": {PROTOBUF_TYPE: {}, JSON_TYPE: {}}}},
               openapi_extra={"requestBody": {"required": True, "content": {
                   PROTOBUF_TYPE: {"schema": {"type": "string", "format": "binary"}},
                   JSON_TYPE: {"schema": {"type": "object"}}}}})
@@ -286,7 +290,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
                 "spool_bound_bytes": r.spool_bound_bytes, "shutting_down": r.shutting_down, "detail": r.detail}
         return JSONResponse(body, status_code=200 if r.ready else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -295,6 +299,15 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
             spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _, components = msgspec.json.schema_components([Batch], ref_template="#/components/schemas/{name}")
             components["Event"]["required"] = list(WIRE_REQUIRED)
+            # `rejections` is how the collector's own spool carries quarantined rows; senders
+            # never set it (and it is ignored if they do), so it is not part of the request.
+            del components["Batch"]["properties"]["rejections"]
+            components.pop("Rejection", None)
+            batch = components["Batch"]
+            batch["required"] = sorted({*batch.get("required", ()), "wire_version"})  # receivers require it
+            batch["properties"]["wire_version"] = {"type": "integer", "enum": [WIRE_VERSION]}
+            for name, (low, high) in ENVELOPE_BOUNDS.items():
+                batch["properties"][name] = {"type": "integer", "minimum": low, "maximum": high}
             spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
             app.openapi_schema = spec
         return app.openapi_schema

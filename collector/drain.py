@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgspec
+import pyarrow as pa
 
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import Chunk, DurableSpool
@@ -28,6 +29,7 @@ from kvtrace.schema.wire import Batch
 
 log = logging.getLogger("kvtrace.collector.drain")
 _decode = msgspec.msgpack.Decoder(Batch).decode
+_json_lines = msgspec.json.Encoder().encode_lines
 
 
 class Drain:
@@ -122,24 +124,60 @@ class Drain:
                     log.exception("live reconstruction failed on a chunk; ingest continues")
 
     def _store(self, chunk: Chunk) -> list[Event]:
-        events: list[Event] = []
-        rejections: list[Rejection] = []
-        stats: dict[int, EmitterStats] = {}
-        for payload in chunk.payloads:
-            batch = _decode(payload)
-            events.extend(batch.events)
-            rejections.extend(batch.rejections)
-            if batch.stats is not None:  # cumulative: the latest per source says it all
-                stats[batch.stats.source_id] = batch.stats
-        token = chunk.token
-        if events:
-            self.store.insert_arrow(EVENTS.name, to_arrow(events), dedup_token=token)
-        if rejections:
-            self.store.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection), dedup_token=token)
-        if stats:
-            self.store.insert_arrow(EMITTER_STATS.name, to_arrow(list(stats.values()), EmitterStats),
-                                    dedup_token=token)
+        events, tables = self._tables(chunk)
+        for table, data in tables:
+            if isinstance(data, bytes):
+                self.store.insert_json_lines(table, data, dedup_token=chunk.token)
+            else:
+                self.store.insert_arrow(table, data, dedup_token=chunk.token)
         self.stored_events += len(events)
         for tenant, n in Counter(e.tenant for e in events).items():
             self.metrics.stored.labels(tenant).inc(n)
         return events
+
+    def _tables(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, pa.Table | bytes]]]:
+        """The chunk as Arrow tables. Intake validated every row, so this cannot fail on data;
+        if it ever does, the batch that fails is quarantined whole instead of blocking the
+        drain forever (a poison batch), and the rest of the chunk is stored."""
+        events: list[Event] = []
+        rejections: list[Rejection] = []
+        stats: dict[int, EmitterStats] = {}
+        converted: list[bytes] = []
+        try:
+            for payload in chunk.payloads:
+                batch = _decode(payload)
+                events.extend(batch.events)
+                rejections.extend(batch.rejections)
+                if batch.stats is not None:  # cumulative: the latest per source says it all
+                    stats[batch.stats.source_id] = batch.stats
+            converted = [_json_lines(events)] if events else []
+            stats_table = to_arrow(list(stats.values()), EmitterStats) if stats else None
+        except Exception:  # noqa: BLE001 - sort it out batch by batch
+            return self._tables_one_by_one(chunk)
+        out: list[tuple[str, pa.Table | bytes]] = [(EVENTS.name, t) for t in converted]
+        if rejections:
+            out.append((QUARANTINE.name, to_arrow(rejections, Rejection)))
+        if stats_table is not None:
+            out.append((EMITTER_STATS.name, stats_table))
+        return events, out
+
+    def _tables_one_by_one(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, pa.Table | bytes]]]:
+        events: list[Event] = []
+        good: list[pa.Table] = []
+        rejections: list[Rejection] = []
+        for i, payload in enumerate(chunk.payloads):
+            try:
+                batch = _decode(payload)
+                table = to_arrow(batch.events)
+                good.append(table)
+                events.extend(batch.events)
+                rejections.extend(batch.rejections)
+            except Exception as exc:  # noqa: BLE001
+                log.error("spooled batch %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
+                rejections.append(Rejection(received_ns=time.time_ns(), origin=f"spool:{chunk.token}", row=i + 1, field="",
+                                            reason=f"cannot store this batch: {type(exc).__name__}: {exc}",
+                                            raw=payload[:32768].hex()))
+        out: list[tuple[str, pa.Table | bytes]] = [(EVENTS.name, pa.concat_tables(good))] if good else []
+        if rejections:
+            out.append((QUARANTINE.name, to_arrow(rejections, Rejection)))
+        return events, out

@@ -17,7 +17,7 @@ import msgspec
 from kvtrace.collector.auth import Grant
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
-from kvtrace.schema.validation import event_from_builtins, event_from_json, problems, validate_rows
+from kvtrace.schema.validation import event_from_builtins, event_from_json, problems, range_problems, validate_rows
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch, WireError, decode_batch, decode_raw_event
 
 JSON_TYPE = "application/json"
@@ -41,6 +41,7 @@ class Intake:
 
     batch: Batch
     received: int
+    payload: bytes | None = None  # the request's own encoding of `batch`, when nothing was changed
 
     @property
     def accepted(self) -> int:
@@ -88,24 +89,39 @@ class _JsonBatch(msgspec.Struct, kw_only=True):
     stats: EmitterStats | None = None
 
 
-_json_envelope = msgspec.json.Decoder(_JsonBatch)
+# Lax for the envelope only: JSON writers (JavaScript, jq) may write an integer as 1.0, which
+# JSON Schema counts as an integer. Rows stay strict; a bad row is quarantined, not guessed at.
+_json_envelope = msgspec.json.Decoder(_JsonBatch, strict=False)
+
+
+ENVELOPE_BOUNDS = {"source_id": (0, 2**64 - 1), "batch_seq": (0, 2**63 - 1), "sent_ns": (0, 2**63 - 1)}
+
+
+def _check_envelope(batch: object) -> None:
+    for name, (low, high) in ENVELOPE_BOUNDS.items():
+        value = getattr(batch, name)
+        if not low <= value <= high:
+            raise IntakeError(400, f"not a kvtrace batch: {name} {value} is out of range [{low}, {high}]")
 
 
 def _origin(batch: _JsonBatch | Batch | object, grant: Grant) -> str:
     return f"{grant.name}:{getattr(batch, 'source_id', 0):016x}:{getattr(batch, 'batch_seq', 0)}"
 
 
-def _place(events: list[Event], grant: Grant) -> None:
+def _place(events: list[Event], grant: Grant) -> bool:
     """Put every event in the grant's namespace, or refuse the request naming the first row
-    that reaches into another tenant's."""
+    that reaches into another tenant's. Returns whether any event was changed."""
     if grant.operator:
-        return
+        return False
     home = grant.home
+    changed = False
     for row, event in enumerate(events, start=1):
         if not event.tenant:
             event.tenant = home
+            changed = True
         elif not grant.allows(event.tenant):
             raise IntakeError(403, f"row {row}: tenant {event.tenant!r} is outside this token's namespace")
+    return changed
 
 
 def _fast(payload: bytes) -> Batch | None:
@@ -116,8 +132,12 @@ def _fast(payload: bytes) -> Batch | None:
         return None
     if batch.wire_version != WIRE_VERSION or batch.rejections:
         return None
+    if batch.stats is not None and range_problems(batch.stats):
+        return None
+    if any(not low <= getattr(batch, name) <= high for name, (low, high) in ENVELOPE_BOUNDS.items()):
+        return None
     for event in batch.events:
-        if event.schema_version != SCHEMA_VERSION or problems(event):
+        if event.schema_version != SCHEMA_VERSION or problems(event, msgpack_decoded=True):
             return None
     return batch
 
@@ -128,11 +148,14 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
     received_ns = time.time_ns()
     if kind == CONTENT_TYPE:
         batch = _fast(payload)
+        if batch is not None and not _place(batch.events, grant):  # clean and in place: spool it as sent
+            return Intake(batch, len(batch.events), payload)
         if batch is None:
             try:
                 raw = decode_batch(payload)
             except WireError as exc:
                 raise IntakeError(400, str(exc)) from None
+            _check_envelope(raw)
             good, bad = validate_rows(raw.events, _origin(raw, grant),
                                       decode=lambda r: event_from_builtins(decode_raw_event(r)))
             batch = Batch(source_id=raw.source_id, batch_seq=raw.batch_seq, sent_ns=raw.sent_ns, events=good,
@@ -142,6 +165,7 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
             env = _json_envelope.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise IntakeError(400, f"not a kvtrace batch: {exc}") from None
+        _check_envelope(env)
         if env.wire_version != WIRE_VERSION:
             raise IntakeError(400, f"wire version {env.wire_version} not supported (this collector knows "
                                    f"{WIRE_VERSION})")
@@ -151,10 +175,20 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
     else:
         raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported: send {CONTENT_TYPE} "
                                f"or {JSON_TYPE}")
+    _finish(batch, grant, received_ns)
+    return Intake(batch, len(batch.events) + len(batch.rejections))
+
+
+def _finish(batch: Batch, grant: Grant, received_ns: int) -> None:
+    """Quarantine emitter stats with out-of-range counters, stamp rejections, place events."""
+    if batch.stats is not None and (found := range_problems(batch.stats)):
+        batch.rejections.append(Rejection(received_ns=received_ns, origin=_origin(batch, grant), row=0,
+                                          field=f"stats.{found[0].field}", reason=found[0].reason,
+                                          raw=msgspec.json.encode(batch.stats).decode()[:65536]))
+        batch.stats = None
     for rejection in batch.rejections:
         rejection.received_ns = received_ns
     _place(batch.events, grant)
-    return Intake(batch, len(batch.events) + len(batch.rejections))
 
 
 # -- OTLP/HTTP logs ----------------------------------------------------------------------------
@@ -179,6 +213,8 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
         if kind == PROTOBUF_TYPE:
             request.ParseFromString(payload)
         elif kind == JSON_TYPE:
+            if not payload.lstrip().startswith(b"{"):
+                raise IntakeError(400, "not an OTLP ExportLogsServiceRequest: the JSON body must be an object")
             json_format.Parse(payload, request, ignore_unknown_fields=True)
         else:
             raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported on /v1/logs: send "
@@ -206,10 +242,11 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
                 else:
                     foreign += 1
     good, bad = validate_rows(rows, f"{grant.name}:otlp", decode=_otlp_row)
-    batch = Batch(source_id=stats.source_id if stats else 0, batch_seq=0, sent_ns=time.time_ns(), events=good,
-                  stats=stats, rejections=bad)
-    _place(batch.events, grant)
-    return Intake(batch, len(rows)), foreign
+    now = time.time_ns()
+    batch = Batch(source_id=stats.source_id if stats and 0 <= stats.source_id < 2**64 else 0, batch_seq=0,
+                  sent_ns=now, events=good, stats=stats, rejections=bad)
+    _finish(batch, grant, now)
+    return Intake(batch, len(batch.events) + len(batch.rejections)), foreign
 
 
 def _otlp_row(row: object) -> Event:

@@ -159,7 +159,7 @@ class Collector:
         tenant = grant.name
         self.metrics.received.labels(tenant).inc(intake.received)
         if intake.accepted or intake.quarantined or intake.batch.stats is not None:
-            data = encode_batch(intake.batch)
+            data = intake.payload or encode_batch(intake.batch)
             try:
                 self.spool.append(data)
             except SpoolFull as exc:

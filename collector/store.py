@@ -270,6 +270,17 @@ class Store:
                 self.client.insert_arrow(f"{self.db}.{table}", data, settings=settings)
         return data.num_rows
 
+    def insert_json_lines(self, table: str, lines: bytes, dedup_token: str = "") -> None:
+        """Insert rows given as JSON lines (JSONEachRow), parsed by ClickHouse itself: for
+        validated events this is about twice as fast as building Arrow columns in Python."""
+        if lines:
+            settings = dict(self.INSERT_SETTINGS)
+            if dedup_token:
+                settings["insert_deduplication_token"] = dedup_token
+            with self._lock:
+                self.client.raw_insert(f"{self.db}.{table}", insert_block=lines, settings=settings,
+                                       fmt="JSONEachRow")
+
     def insert_events(self, events: Sequence[Event]) -> int:
         return self.insert_arrow(EVENTS.name, to_arrow(events))
 

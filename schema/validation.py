@@ -60,10 +60,10 @@ def _field_of(message: str) -> str:
 
 
 @cache
-def _int_bounds() -> tuple[tuple[str, int, int, int], ...]:
+def _int_bounds(struct: type[msgspec.Struct] = Event) -> tuple[tuple[str, int, int, int], ...]:
     return tuple(
         (s.name, s.depth, s.column.low, s.column.high)
-        for s in field_specs(Event)
+        for s in field_specs(struct)
         if s.column.low is not None and s.column.high is not None and s.enum_type is None
     )
 
@@ -78,8 +78,28 @@ def _out_of_range(value: Any, depth: int, low: int, high: int) -> Iterator[tuple
             yield (i, *path)
 
 
-def problems(event: Event) -> list[Problem]:
-    """Everything wrong with an already typed event; empty when it can be stored."""
+def range_problems(record: msgspec.Struct) -> list[Problem]:
+    """Integers outside their column's range (what msgspec cannot check for uint64 columns)."""
+    out = []
+    for name, depth, low, high in _int_bounds(type(record)):
+        for path in _out_of_range(getattr(record, name), depth, low, high):
+            out.append(Problem(name + "".join(f"[{i}]" for i in path), f"out of range [{low}, {high}]"))
+    return out
+
+
+@cache
+def _int64_bounds(struct: type[msgspec.Struct] = Event) -> tuple[tuple[str, int, int, int], ...]:
+    """The bounds msgspec does not enforce on a msgpack decode: msgpack integers fit in
+    [-2**63, 2**64 - 1] and msgspec checks the narrower columns' `Meta`, leaving int64 columns."""
+    return tuple(b for b in _int_bounds(struct) if b[3] == 2**63 - 1)
+
+
+def problems(event: Event, msgpack_decoded: bool = False) -> list[Problem]:
+    """Everything wrong with an already typed event; empty when it can be stored.
+
+    `msgpack_decoded`: the event came from a typed msgpack decode, so only the int64 columns'
+    ranges are left to check (the ingest fast path).
+    """
     out: list[Problem] = []
     if not 1 <= event.schema_version <= SCHEMA_VERSION:
         out.append(
@@ -88,10 +108,12 @@ def problems(event: Event) -> list[Problem]:
                 f"unknown schema version {event.schema_version} (this reader knows 1..{SCHEMA_VERSION})",
             )
         )
-    for name, depth, low, high in _int_bounds():
-        for path in _out_of_range(getattr(event, name), depth, low, high):
-            where = name + "".join(f"[{i}]" for i in path)
-            out.append(Problem(where, f"out of range [{low}, {high}]"))
+    if msgpack_decoded:
+        for name, depth, low, high in _int64_bounds():
+            for path in _out_of_range(getattr(event, name), depth, low, high):
+                out.append(Problem(name + "".join(f"[{i}]" for i in path), f"out of range [{low}, {high}]"))
+    else:
+        out += range_problems(event)
     if event.ts_ns <= 0:
         out.append(Problem("ts_ns", "must be a positive Unix time in nanoseconds"))
     if event.source_id == 0:
