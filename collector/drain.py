@@ -1,8 +1,9 @@
 """Moves spooled batches into the store in large inserts, retrying with backoff until it can.
 
-One thread, one chunk at a time, in spool order. A chunk's events, quarantined rows and emitter
-stats are inserted with the chunk's de-duplication token, then the spool checkpoint moves past
-it; a crash between the two is harmless (see `spool`). While the store is down the chunk is
+One thread, one chunk at a time, in spool order. A chunk's events (JSON lines, parsed by
+ClickHouse, which releases the GIL while it does), quarantined rows and emitter stats are
+inserted with the chunk's de-duplication token, then the spool checkpoint moves past it; a
+crash between the two is harmless (see `spool`). While the store is down the chunk is
 retried with capped exponential backoff and the spool keeps accepting until its bound.
 """
 
@@ -12,24 +13,21 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import msgspec
-import pyarrow as pa
 
+from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.spool import Chunk, DurableSpool
+from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
 from kvtrace.collector.store import Store
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
-from kvtrace.schema.wire import Batch
 
 log = logging.getLogger("kvtrace.collector.drain")
-_decode = msgspec.msgpack.Decoder(Batch).decode
-_json_lines = msgspec.json.Encoder().encode_lines
+_decode_events = msgspec.json.Decoder(Event).decode_lines
 
 
 class Drain:
@@ -124,60 +122,41 @@ class Drain:
                     log.exception("live reconstruction failed on a chunk; ingest continues")
 
     def _store(self, chunk: Chunk) -> list[Event]:
-        events, tables = self._tables(chunk)
-        for table, data in tables:
-            if isinstance(data, bytes):
-                self.store.insert_json_lines(table, data, dedup_token=chunk.token)
-            else:
-                self.store.insert_arrow(table, data, dedup_token=chunk.token)
-        self.stored_events += len(events)
-        for tenant, n in Counter(e.tenant for e in events).items():
-            self.metrics.stored.labels(tenant).inc(n)
-        return events
-
-    def _tables(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, pa.Table | bytes]]]:
-        """The chunk as Arrow tables. Intake validated every row, so this cannot fail on data;
-        if it ever does, the batch that fails is quarantined whole instead of blocking the
-        drain forever (a poison batch), and the rest of the chunk is stored."""
-        events: list[Event] = []
-        rejections: list[Rejection] = []
+        records, rejections = self._records(chunk)
+        lines = b"".join(r.lines for r in records)
         stats: dict[int, EmitterStats] = {}
-        converted: list[bytes] = []
-        try:
-            for payload in chunk.payloads:
-                batch = _decode(payload)
-                events.extend(batch.events)
-                rejections.extend(batch.rejections)
-                if batch.stats is not None:  # cumulative: the latest per source says it all
-                    stats[batch.stats.source_id] = batch.stats
-            converted = [_json_lines(events)] if events else []
-            stats_table = to_arrow(list(stats.values()), EmitterStats) if stats else None
-        except Exception:  # noqa: BLE001 - sort it out batch by batch
-            return self._tables_one_by_one(chunk)
-        out: list[tuple[str, pa.Table | bytes]] = [(EVENTS.name, t) for t in converted]
+        for r in records:
+            rejections.extend(r.rejections)
+            if r.stats is not None:  # cumulative: the latest per source says it all
+                stats[r.stats.source_id] = r.stats
+        self.store.insert_json_lines(EVENTS.name, lines, dedup_token=chunk.token)
         if rejections:
-            out.append((QUARANTINE.name, to_arrow(rejections, Rejection)))
-        if stats_table is not None:
-            out.append((EMITTER_STATS.name, stats_table))
-        return events, out
+            self.store.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection), dedup_token=chunk.token)
+        if stats:
+            self.store.insert_arrow(EMITTER_STATS.name, to_arrow(list(stats.values()), EmitterStats),
+                                    dedup_token=chunk.token)
+        n = 0
+        for r in records:
+            n += r.events
+            for tenant, count in r.tenants.items():
+                self.metrics.stored.labels(tenant).inc(count)
+        self.stored_events += n
+        if self.on_stored is None or not lines:
+            return []
+        with no_gc():
+            return _decode_events(lines)
 
-    def _tables_one_by_one(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, pa.Table | bytes]]]:
-        events: list[Event] = []
-        good: list[pa.Table] = []
-        rejections: list[Rejection] = []
+    def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[Rejection]]:
+        """The chunk's records. One that cannot be read back (a spool from another version, a
+        bug) is quarantined whole instead of blocking the drain forever (a poison frame)."""
+        records: list[SpoolRecord] = []
+        bad: list[Rejection] = []
         for i, payload in enumerate(chunk.payloads):
             try:
-                batch = _decode(payload)
-                table = to_arrow(batch.events)
-                good.append(table)
-                events.extend(batch.events)
-                rejections.extend(batch.rejections)
+                records.append(decode_record(payload))
             except Exception as exc:  # noqa: BLE001
-                log.error("spooled batch %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
-                rejections.append(Rejection(received_ns=time.time_ns(), origin=f"spool:{chunk.token}", row=i + 1, field="",
-                                            reason=f"cannot store this batch: {type(exc).__name__}: {exc}",
-                                            raw=payload[:32768].hex()))
-        out: list[tuple[str, pa.Table | bytes]] = [(EVENTS.name, pa.concat_tables(good))] if good else []
-        if rejections:
-            out.append((QUARANTINE.name, to_arrow(rejections, Rejection)))
-        return events, out
+                log.error("spooled record %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
+                bad.append(Rejection(received_ns=time.time_ns(), origin=f"spool:{chunk.token}", row=i + 1, field="",
+                                     reason=f"cannot store this record: {type(exc).__name__}: {exc}",
+                                     raw=payload[:32768].hex()))
+        return records, bad

@@ -8,8 +8,11 @@ a good request become rejections and never cost the good rows.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -41,7 +44,6 @@ class Intake:
 
     batch: Batch
     received: int
-    payload: bytes | None = None  # the request's own encoding of `batch`, when nothing was changed
 
     @property
     def accepted(self) -> int:
@@ -124,10 +126,24 @@ def _place(events: list[Event], grant: Grant) -> bool:
     return changed
 
 
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Decoding a batch allocates many small lists and no cycles; letting the cyclic collector
+    run in between (it scans every tracked object each time) made decoding three times slower."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _fast(payload: bytes) -> Batch | None:
     """Decode a whole, clean batch in one typed pass; None sends it to the row-by-row path."""
     try:
-        batch = _typed.decode(payload)
+        with no_gc():
+            batch = _typed.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     if batch.wire_version != WIRE_VERSION or batch.rejections:
@@ -148,8 +164,6 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
     received_ns = time.time_ns()
     if kind == CONTENT_TYPE:
         batch = _fast(payload)
-        if batch is not None and not _place(batch.events, grant):  # clean and in place: spool it as sent
-            return Intake(batch, len(batch.events), payload)
         if batch is None:
             try:
                 raw = decode_batch(payload)

@@ -10,8 +10,11 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.auth import Grant, TokenTable
@@ -19,12 +22,12 @@ from kvtrace.collector.drain import Drain
 from kvtrace.collector.intake import Intake, IntakeError, decompress, intake_batch, intake_otlp
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.spool import DurableSpool, SpoolFull
+from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
 from kvtrace.collector.store import Store, data_dir
 from kvtrace.schema.recipes import Recipe
-from kvtrace.schema.wire import encode_batch
 
 log = logging.getLogger("kvtrace.collector")
+json_lines = msgspec.json.Encoder().encode_lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +162,11 @@ class Collector:
         tenant = grant.name
         self.metrics.received.labels(tenant).inc(intake.received)
         if intake.accepted or intake.quarantined or intake.batch.stats is not None:
-            data = intake.payload or encode_batch(intake.batch)
+            batch = intake.batch
+            data = encode_record(SpoolRecord(
+                received_ns=time.time_ns(), origin=f"{grant.name}:{batch.source_id:016x}:{batch.batch_seq}",
+                events=len(batch.events), tenants=dict(Counter(e.tenant for e in batch.events)),
+                lines=json_lines(batch.events), rejections=batch.rejections, stats=batch.stats))
             try:
                 self.spool.append(data)
             except SpoolFull as exc:

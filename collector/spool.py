@@ -1,8 +1,10 @@
 """The collector's durable spool: accepted batches are on disk before the client hears "accepted".
 
-Segments are append-only spool files (the emitter's spool format: header, then length + CRC32
-framed batches), so `kvtrace ingest` can read one by hand. `append` writes a frame and fsyncs
-it; the writer reads frames in order, stores them, then moves a checkpoint past them.
+Segments are append-only files framed like the emitter's spool (a header, then length + CRC32
+framed records) under their own magic, since their records are the collector's (`SpoolRecord`:
+events already validated and encoded as the JSON lines the store parses). `append` writes a
+frame and fsyncs it; the drain reads frames in order, stores them, then moves a checkpoint past
+them.
 
 Exactly-once into the store, across crashes: before a chunk is inserted its frame range is
 written to the checkpoint as an *intent*, and the insert carries a de-duplication token named
@@ -21,10 +23,36 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtrace.schema.wire import FRAME_OVERHEAD, SPOOL_HEADER, SPOOL_SUFFIX, frame, iter_frames, read_header
+import msgspec
+
+from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.schema.wire import FRAME_OVERHEAD, SPOOL_SUFFIX, WIRE_VERSION, frame, iter_frames, read_header
 
 _CHECKPOINT = "checkpoint.json"
 _ID = "spool-id"
+MAGIC = b"KVTCOLSP"
+SPOOL_HEADER = MAGIC + WIRE_VERSION.to_bytes(2, "big")
+
+
+class SpoolRecord(msgspec.Struct, kw_only=True):
+    """One accepted request, as the spool keeps it until it is stored.
+
+    Events are kept as the JSON lines ClickHouse parses on insert, so the drain never decodes
+    them again (live reconstruction decodes them only when it runs); `tenants` counts them per
+    tenant for the metrics.
+    """
+
+    received_ns: int
+    origin: str
+    events: int
+    tenants: dict[str, int]
+    lines: bytes
+    rejections: list[Rejection] = []
+    stats: EmitterStats | None = None
+
+
+encode_record = msgspec.msgpack.Encoder().encode
+decode_record = msgspec.msgpack.Decoder(SpoolRecord).decode
 
 
 class SpoolFull(RuntimeError):
@@ -97,14 +125,13 @@ class DurableSpool:
         """Keep the intact frames of a segment; cut a torn tail so appends continue cleanly."""
         seg = self._number(path)
         with open(path, "r+b") as f:
-            try:
-                read_header(f, path.name)
-            except Exception:  # noqa: BLE001 - a segment whose header never reached the disk
+            if f.seek(0, io.SEEK_END) < len(SPOOL_HEADER):  # created, header never written: a crash
                 f.truncate(0)
                 f.write(SPOOL_HEADER)
                 f.flush()
                 os.fsync(f.fileno())
-                f.seek(len(SPOOL_HEADER))
+            f.seek(0)
+            read_header(f, path.name, MAGIC)  # anything else is not ours: refuse to start, lose nothing
             count = sum(1 for _ in iter_frames(f))
             end = f.tell()
             size = f.seek(0, io.SEEK_END)

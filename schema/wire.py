@@ -101,14 +101,16 @@ def is_spool(head: bytes) -> bool:
     return head.startswith(SPOOL_MAGIC)
 
 
-def read_header(stream: BinaryIO, name: str = "spool") -> None:
-    """Check a spool file's header, leaving the stream at its first frame."""
-    header = stream.read(len(SPOOL_HEADER))
-    if not header.startswith(SPOOL_MAGIC):
-        raise WireError(f"{name}: not a kvtrace spool file (bad magic)")
-    if len(header) < len(SPOOL_HEADER):
-        raise WireError(f"{name}: truncated spool header ({len(header)} of {len(SPOOL_HEADER)} bytes)")
-    (version,) = struct.unpack(">H", header[len(SPOOL_MAGIC) :])
+def read_header(stream: BinaryIO, name: str = "spool", magic: bytes = SPOOL_MAGIC) -> None:
+    """Check a spool file's header (`magic`, then the version), leaving the stream at its
+    first frame."""
+    size = len(magic) + 2
+    header = stream.read(size)
+    if not header.startswith(magic):
+        raise WireError(f"{name}: not a {magic.decode()} spool file (bad magic)")
+    if len(header) < size:
+        raise WireError(f"{name}: truncated spool header ({len(header)} of {size} bytes)")
+    (version,) = struct.unpack(">H", header[len(magic) :])
     if version != WIRE_VERSION:
         raise WireError(f"{name}: spool version {version} not supported (this reader knows {WIRE_VERSION})")
 

@@ -263,4 +263,4 @@ def test_a_poison_batch_in_the_spool_is_quarantined_and_the_drain_goes_on(store:
         s.settle()
     assert store.count_events() == 7
     (row,) = store.query_arrow(f"SELECT origin, reason FROM {store.db}.quarantine").to_pylist()
-    assert row["origin"].startswith("spool:") and "cannot store this batch" in row["reason"]
+    assert row["origin"].startswith("spool:") and "cannot store this record" in row["reason"]

@@ -1,0 +1,234 @@
+"""The collector end to end on loopback, next to ClickHouse's own insert rate for the same rows.
+
+Rows: a realistic mix of kvtrace events (commit runs, lookups with per-group key chains, adopts,
+evictions, offloads and loads) built once, then cut into batches of the emitter's default size
+(8,192) and encoded as the emitter sends them (msgpack, gzip level 1).
+
+Measured in one run, alternating so machine noise hits both:
+  raw        the same rows inserted straight into an embedded store in this process, in the
+             same batch sizes, both as Arrow tables and as JSON lines (the faster counts): the
+             floor of what any ingest path can reach.
+  collector  `kvtrace collector` in its own process (its own embedded store, fsync'd spool, no
+             auth), fed by --clients concurrent senders; events/s from the first request to the
+             last event stored (spool drained), per-request latency (validate + fsync + reply),
+             and the collector's resident memory sampled throughout (bounded: it must not grow
+             with the number of events sent).
+
+    .venv/bin/python benchmarks/bench_collector.py [--events 1000000] [--clients 4] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+
+from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
+
+BATCH = 8192
+
+
+def workload(n: int, seed: int = 1) -> list[Event]:
+    """A serving-like stream: each request looks up, adopts, commits a run of blocks; the cache
+    evicts runs and moves some to host and back."""
+    rng = random.Random(seed)
+    t = 1_780_000_000_000_000_000
+    source = rng.getrandbits(63) + 1
+    out: list[Event] = []
+    seq = 0
+    r = 0
+
+    def ev(**kw: object) -> None:
+        nonlocal seq, t
+        t += rng.randint(1_000, 50_000)
+        out.append(Event(ts_ns=t, source_id=source, seq=seq, engine="vllm", instance="bench-0",
+                         model="meta-llama/Llama-3.1-8B", kv_dtype="bfloat16", block_size=16, **kw))  # type: ignore[arg-type]
+        seq += 1
+
+    while len(out) < n:
+        r += 1
+        rid = f"req-{r}"
+        blocks = rng.randint(4, 64)
+        keys = [rng.getrandbits(64) or 1 for _ in range(blocks)]
+        hit = rng.randint(0, blocks) * 16
+        ev(kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=blocks * 16 + rng.randint(0, 15),
+           reported_hit_tokens=hit, group_block_keys=[keys], group_hit_tokens=[hit])
+        ev(kind=EventKind.ADOPT, request_id=rid, reused_tiers=[Tier.DEVICE], reused_tokens=[hit],
+           recomputed_tokens=blocks * 16 - hit)
+        ev(kind=EventKind.COMMIT, component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE, block_key=keys[0],
+           more_keys=keys[1:], token_start=0, token_end=blocks * 16, nbytes=2 << 20)
+        if r % 3 == 0:
+            ev(kind=EventKind.EVICT, component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE, block_key=keys[-1],
+               reason=Reason.CAPACITY, nbytes=2 << 20)
+        if r % 5 == 0:
+            ev(kind=EventKind.OFFLOAD, component=ComponentKind.FULL_ATTENTION, src_tier=Tier.DEVICE,
+               dst_tier=Tier.HOST, block_key=keys[0], more_keys=keys[1:4], nbytes=2 << 20, duration_ns=80_000)
+            ev(kind=EventKind.LOAD, component=ComponentKind.FULL_ATTENTION, src_tier=Tier.HOST,
+               dst_tier=Tier.DEVICE, block_key=keys[0], nbytes=2 << 20, duration_ns=60_000, request_id=rid)
+    return out[:n]
+
+
+def raw_insert(events: list[Event], root: Path) -> dict[str, float]:
+    """Rows/s of inserting the rows straight into an embedded store (Arrow built beforehand,
+    JSON lines encoded beforehand: only the insert is timed)."""
+    import msgspec
+
+    from kvtrace.collector.store import Store
+
+    store = Store(f"chdb://{root}/raw?database=raw_{int(time.time() * 1000)}")
+    store.init()
+    parts = [events[i:i + BATCH] for i in range(0, len(events), BATCH)]
+    tables = [to_arrow(p) for p in parts]
+    lines = [msgspec.json.Encoder().encode_lines(p) for p in parts]
+    t = time.perf_counter()
+    for table in tables:
+        store.insert_arrow("events", table)
+    arrow = len(events) / (time.perf_counter() - t)
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    t = time.perf_counter()
+    for block in lines:
+        store.insert_json_lines("events", block)
+    json_rate = len(events) / (time.perf_counter() - t)
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    streams = []
+    for table in tables:  # Arrow IPC bytes handed to ClickHouse as they are: its fastest input here
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        streams.append(sink.getvalue().to_pybytes())
+    t = time.perf_counter()
+    for block in streams:
+        store.client.raw_insert(f"{store.db}.events", insert_block=block, fmt="ArrowStream")
+    ipc = len(events) / (time.perf_counter() - t)
+    store.command(f"DROP DATABASE {store.db}")
+    return {"arrow": arrow, "json": json_rate, "arrow_ipc": ipc}
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) -> dict[str, float]:
+    port = 20000 + random.randint(0, 20000)
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "KVTRACE_HOME": str(root), "KVTRACE_DSN": f"chdb://{root}/db",
+           "KVTRACE_COLLECTOR_SPOOL_DIR": str(root / "spool")}
+    env.pop("KVTRACE_COLLECTOR_TOKENS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli.main", "collector", "--port", str(port),
+                             "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "collector did not start"
+            time.sleep(0.1)
+        idle_rss = rss_kib(proc.pid)
+        rss: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.1):
+                rss.append(rss_kib(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        latencies: list[float] = []
+        lock = threading.Lock()
+        todo = list(range(len(bodies)))
+
+        def send() -> None:
+            with httpx.Client(timeout=60) as c:
+                while True:
+                    with lock:
+                        if not todo:
+                            return
+                        i = todo.pop(0)
+                    while True:
+                        t0 = time.perf_counter()
+                        r = c.post(url + "/v1/batches", content=bodies[i],
+                                   headers={"Content-Type": CONTENT_TYPE, "Content-Encoding": "gzip"})
+                        if r.status_code == 200:
+                            with lock:
+                                latencies.append(time.perf_counter() - t0)
+                            break
+                        time.sleep(float(r.headers.get("Retry-After", "0.5")))
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=send) for _ in range(clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        acked = time.perf_counter() - start
+        while httpx.get(url + "/readyz", timeout=10).json()["spool_pending_bytes"]:
+            time.sleep(0.05)
+        stored = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        half = rss[: max(1, len(rss) // 4)]
+        return {"events_per_s": n_events / stored, "ack_events_per_s": n_events / acked,
+                "p50_ms": statistics.median(latencies) * 1e3,
+                "p99_ms": statistics.quantiles(latencies, n=100)[98] * 1e3,
+                "rss_idle_mib": idle_rss / 1024, "rss_peak_first_quarter_mib": max(half) / 1024,
+                "rss_peak_mib": max(rss) / 1024}
+    finally:
+        proc.terminate()
+        proc.wait(120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    t = time.perf_counter()
+    events = workload(args.events)
+    bodies = [gzip.compress(encode_batch(Batch(source_id=events[0].source_id, batch_seq=i // BATCH + 1,
+                                               sent_ns=time.time_ns(), events=events[i:i + BATCH])), 1)
+              for i in range(0, len(events), BATCH)]
+    print(f"bench_collector: {len(events):,} events in {len(bodies)} batches of {BATCH} "
+          f"({sum(map(len, bodies)) / len(events):.0f} B/event on the wire, gzip'd); built in "
+          f"{time.perf_counter() - t:.1f} s; {platform.python_version()}, {os.cpu_count()} CPUs")
+    raws, runs = [], []
+    with tempfile.TemporaryDirectory(prefix="kvt-bench-collector-") as tmp:
+        for k in range(args.rounds):
+            raws.append(raw_insert(events, Path(tmp)))
+            root = Path(tmp) / f"c{k}"
+            root.mkdir()
+            runs.append(collector_run(bodies, len(events), args.clients, root))
+            raw_best = max(raws[-1].values())
+            c = runs[-1]
+            print(f"round {k + 1}: raw insert arrow {raws[-1]['arrow']:,.0f} rows/s, arrow IPC "
+                  f"{raws[-1]['arrow_ipc']:,.0f} rows/s, json {raws[-1]['json']:,.0f} rows/s | collector {c['events_per_s']:,.0f} events/s stored end to end "
+                  f"({c['ack_events_per_s']:,.0f}/s acknowledged), ratio {c['events_per_s'] / raw_best:.2f} | "
+                  f"request p50 {c['p50_ms']:.1f} ms p99 {c['p99_ms']:.1f} ms | RSS idle {c['rss_idle_mib']:.0f} "
+                  f"MiB, peak in first quarter {c['rss_peak_first_quarter_mib']:.0f} MiB, peak {c['rss_peak_mib']:.0f} MiB")
+    ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs)]
+    print(f"median collector / raw ClickHouse insert: {statistics.median(ratios):.2f} (target >= 0.50)")
+
+
+if __name__ == "__main__":
+    main()
