@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="turn on live reconstruction with these recipes (repeatable, as for analyze)")
     col.add_argument("--lateness-ms", type=_non_negative, default=2000,
                      help="live reconstruction waits this long for out-of-order events (default 2000)")
+    col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
+                                                      "(vLLM / SGLang), e.g. tcp://engine:5557")
+    col.add_argument("--zmq-replay", metavar="ENDPOINT", help="the publisher's replay socket, to fill sequence gaps")
+    col.add_argument("--zmq-instance", default="", help="instance name for the stream's events (default: the endpoint)")
+    col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
+    col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
     col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
@@ -474,14 +480,16 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_collector(args: argparse.Namespace) -> int:
     from kvtrace.collector.auth import AuthConfigError, TokenTable
     from kvtrace.collector.serve import serve
-    from kvtrace.collector.service import config_from_env
+    from kvtrace.collector.service import KvEventSource, config_from_env
     from kvtrace.schema.recipes import RecipeError
 
     try:
         config = config_from_env(
             dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
             tokens=TokenTable.from_env(path=args.tokens_file),
-            recipes=_recipes(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6)
+            recipes=_recipes(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6,
+            kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
+                                            args.zmq_tenant),) if args.zmq else None)
     except (AuthConfigError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

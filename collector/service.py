@@ -19,15 +19,28 @@ import msgspec
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.auth import Grant, TokenTable
 from kvtrace.collector.drain import Drain
-from kvtrace.collector.intake import Intake, IntakeError, decompress, intake_batch, intake_otlp
+from kvtrace.collector.intake import Intake, IntakeError, decompress, intake_batch, intake_events, intake_otlp
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
 from kvtrace.collector.store import Store, data_dir
 from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.wire import Batch
 
 log = logging.getLogger("kvtrace.collector")
 json_lines = msgspec.json.Encoder().encode_lines
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """One publisher to subscribe to, and what its events are about (the stream does not say)."""
+
+    endpoint: str  # e.g. tcp://engine-host:5557
+    replay_endpoint: str | None = None  # the publisher's replay socket, to fill sequence gaps
+    instance: str = ""
+    model: str = ""
+    tenant: str = ""  # events land in this tenant's namespace ("" keeps the stream's own)
+    topic: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +57,7 @@ class CollectorConfig:
     lateness_ns: int = 2_000_000_000
     rebuild_window_ns: int = 3600 * 10**9
     drain_timeout_s: float = 30.0
+    kv_event_sources: tuple[KvEventSource, ...] = ()  # ZMQ KV-event streams to subscribe to
 
 
 class Unavailable(Exception):
@@ -82,6 +96,7 @@ class Collector:
         self._started = False
         self._ticker: threading.Thread | None = None
         self._tick_stop = threading.Event()
+        self._subscriptions: list = []
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,6 +113,12 @@ class Collector:
             log.warning("no collector tokens configured: authentication is OFF (every request may write "
                         "and read every tenant); set KVTRACE_COLLECTOR_TOKENS or a token file in production")
         self.drain.start()
+        if self.config.kv_event_sources:
+            from kvtrace.collector.subscribe import Subscription
+
+            self._subscriptions = [Subscription(self, source) for source in self.config.kv_event_sources]
+            for sub in self._subscriptions:
+                sub.start()
         if self.live is not None:
             self._ticker = threading.Thread(target=self._tick, name="kvtrace-live-tick", daemon=True)
             self._ticker.start()
@@ -116,6 +137,8 @@ class Collector:
         Safe to call twice. Returns True when the spool was emptied."""
         if not self._started:
             return True
+        for sub in self._subscriptions:  # their last batches are spooled before the drain empties it
+            sub.stop()
         self._stopping = True
         emptied = self.drain.stop(drain=True, timeout_s=self.config.drain_timeout_s)
         self._tick_stop.set()
@@ -159,6 +182,19 @@ class Collector:
             intake, foreign = intake_otlp(payload, content_type or "", grant)
         else:
             intake, foreign = intake_batch(payload, content_type or "", grant), 0
+        self._spool(intake, grant, started)
+        return intake, foreign
+
+    def accept(self, batch: Batch, grant: Grant) -> Intake:
+        """Typed events from inside this process (the KV-event subscriber), validated and
+        placed like the rows of a request, then spooled."""
+        started = time.perf_counter()
+        self._admit(0)
+        intake = intake_events(batch, grant)
+        self._spool(intake, grant, started)
+        return intake
+
+    def _spool(self, intake: Intake, grant: Grant, started: float) -> None:
         tenant = grant.name
         self.metrics.received.labels(tenant).inc(intake.received)
         if intake.accepted or intake.quarantined or intake.batch.stats is not None:
@@ -179,7 +215,6 @@ class Collector:
         self.metrics.accepted.labels(tenant).inc(intake.accepted)
         self.metrics.quarantined.labels(tenant).inc(intake.quarantined)
         self.metrics.ingest_seconds.observe(time.perf_counter() - started)
-        return intake, foreign
 
     def refused(self, grant_name: str, status: int) -> None:
         self.metrics.rejected.labels(grant_name, str(status)).inc()

@@ -264,3 +264,82 @@ def test_a_poison_batch_in_the_spool_is_quarantined_and_the_drain_goes_on(store:
     assert store.count_events() == 7
     (row,) = store.query_arrow(f"SELECT origin, reason FROM {store.db}.quarantine").to_pylist()
     assert row["origin"].startswith("spool:") and "cannot store this record" in row["reason"]
+
+
+def _serve_requests(url: str, sim: CacheSimulator, requests: list[SimRequest]) -> None:
+    emitter = BatchEmitter(HttpSink(url), BatchConfig(max_export_batch_size=256, schedule_delay_millis=20))
+    sim._emitter = emitter  # the engine's stream moves to another collector, as a load balancer does
+    for r in requests:
+        sim.serve(r)
+    assert emitter.force_flush(30_000)
+    emitter.shutdown()
+
+
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_a_collector_taking_over_an_instance_rebuilds_its_state_from_the_store(
+        store: Store, store_dsn: str, tmp_path: Path, rebuild: bool) -> None:
+    recipe = load_recipe("mamba-hybrid")
+    prefix = list(range(5000, 5000 + 128))
+    requests = [SimRequest(request_id=f"r{i}", tokens=prefix + [i] * (16 + i % 40)) for i in range(30)]
+    sim = CacheSimulator(SimConfig(recipe=recipe, model="m", instance="engine-7"), BatchEmitter(HttpSink("http://x")))
+
+    def config(name: str) -> CollectorConfig:
+        return CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / name), recipes=recipe,
+                               lateness_ns=100_000_000)
+
+    with Served(config("first")) as first:
+        _serve_requests(first.url, sim, requests[:12])
+        first.settle()
+    second = Served(config("second"))
+    assert second.collector.live is not None
+    second.collector.live.rebuild = rebuild
+    with second:
+        _serve_requests(second.url, sim, requests[12:])
+        second.settle()
+    offline = {r.request_id: r for r in reconstruct(stored(store), recipe)}
+    live = {r["request_id"]: r for r in
+            store.query_arrow(f"SELECT * FROM {store.db}.verdicts FINAL").to_pylist()}
+    assert set(live) == set(offline) == {r.request_id for r in requests}
+    later = [r.request_id for r in requests[12:]]
+    same = [(live[k]["recoverable_hit_tokens"], live[k]["verdict"]) ==
+            (offline[k].recoverable_hit_tokens, offline[k].verdict.value) for k in later]
+    assert sum(offline[k].recoverable_hit_tokens for k in later) > 0  # the later requests reuse the prefix
+    if rebuild:
+        assert all(same)
+        assert second.collector.live.rebuilt_events > 0
+    else:  # the control: without the store's history the taken-over instance looks cold
+        assert not all(same)
+
+
+def test_subscriber_mode_stores_an_engines_kv_event_stream(store: Store, store_dsn: str, tmp_path: Path) -> None:
+    import zmq
+
+    from kvtrace.collector.service import KvEventSource
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    source = KvEventSource(endpoint=f"tcp://127.0.0.1:{port}", instance="engine-z", model="m", tenant="acme")
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), kv_event_sources=(source,))
+
+    def publish(seq: int, *events: dict) -> None:
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.5 + seq, list(events), 0])])
+
+    stored_ = {"type": "BlockStored", "parent_block_hash": None, "token_ids": [], "block_size": 16,
+               "lora_id": None, "medium": "GPU"}
+    try:
+        with Served(config) as s:
+            time.sleep(0.5)  # a SUB socket misses what is published before it has joined
+            publish(0, {**stored_, "block_hashes": [101, 102, 103]})
+            publish(1, {**stored_, "block_hashes": [104]}, {"type": "BlockRemoved", "block_hashes": [101],
+                                                             "medium": "GPU"})
+            deadline = time.monotonic() + 20
+            while s.collector.drain.stored_events < 3:
+                assert time.monotonic() < deadline, "the stream's events were not stored"
+                time.sleep(0.05)
+    finally:
+        pub.close()
+    got = sorted(stored(store), key=event_key)
+    assert [(e.kind, e.block_key, e.more_keys) for e in got] == [
+        (EventKind.COMMIT, 101, [102, 103]), (EventKind.COMMIT, 104, []), (EventKind.EVICT, 101, [])]
+    assert {(e.instance, e.model, e.tenant) for e in got} == {("engine-z", "m", "acme")}

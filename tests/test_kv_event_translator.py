@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvtrace.instrumentation.vllm.kv_events import KvEventTranslator, key_of, translate_all
+from kvtrace.instrumentation.kv_events import KvEventTranslator, key_of, translate_all
 from kvtrace.instrumentation.vllm.shim import Identity
 from kvtrace.schema import ComponentKind, EventKind, Reason, Tier
 

@@ -248,7 +248,7 @@ def test_http_sink_posts_gzip_msgpack_with_auth(collector: Collector) -> None:
     sink = HttpSink(collector.url, token="s3cret", timeout_s=5)
     events = stamped(5)
     events[0].block_key = 2**63 + 5
-    stats = EmitterStats(ts_ns=9, source_id=0xABCDEF, emitted=5)
+    stats = EmitterStats(ts_ns=9, source_id=0xABCDEF, emitted=5, instance="node-3:4242\n\u00e9")
     result = sink.export(Batch(source_id=0xABCDEF, batch_seq=3, sent_ns=11, events=events, stats=stats))
     assert result.status is ExportStatus.SUCCESS
     assert len(collector.requests) == 1
@@ -258,6 +258,7 @@ def test_http_sink_posts_gzip_msgpack_with_auth(collector: Collector) -> None:
     assert req.headers["Content-Encoding"] == "gzip"
     assert req.headers["Authorization"] == "Bearer s3cret"
     assert req.headers["User-Agent"] == "kvtrace-emitter"
+    assert req.headers["X-Kvtrace-Instance"] == "node-3:4242"  # for routing; unsafe characters dropped
     batch = decode_batch(gzip.decompress(req.body))
     assert (batch.source_id, batch.batch_seq, batch.sent_ns) == (0xABCDEF, 3, 11)
     assert decode_events(batch) == events

@@ -15,6 +15,7 @@ from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 
 INGEST_PATH = "/v1/batches"
+INSTANCE_HEADER = "X-Kvtrace-Instance"
 _TRANSIENT = {408, 425, 429, 500, 502, 503, 504}
 
 
@@ -46,6 +47,8 @@ class HttpSink:
             headers["Content-Encoding"] = "gzip"
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
+        if batch.stats is not None and batch.stats.instance:  # lets a load balancer keep an instance on one collector
+            headers[INSTANCE_HEADER] = "".join(c for c in batch.stats.instance if " " <= c <= "~")
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:

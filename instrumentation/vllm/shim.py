@@ -30,12 +30,12 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.identity import Identity
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -111,17 +111,6 @@ def component_of(spec: Any) -> ComponentKind:
     if "ChunkedLocal" in name:
         return ComponentKind.OTHER
     return ComponentKind.FULL_ATTENTION
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What every event of this engine carries; per-request parts (LoRA, salt) are added."""
-
-    instance: str = ""
-    model: str = ""
-    model_revision: str = ""
-    kv_dtype: str = ""
-    default_tenant: str = ""
 
 
 class CacheManagerShim:

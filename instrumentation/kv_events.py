@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 
 from kvtrace.instrumentation.api import Emitter
-from kvtrace.instrumentation.vllm.shim import Identity
+from kvtrace.instrumentation.identity import Identity
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
-log = logging.getLogger("kvtrace.vllm.kv_events")
+log = logging.getLogger("kvtrace.kv_events")
 _MASK = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
