@@ -339,3 +339,14 @@ def test_replay_through_vllm_says_where_vllm_lives(capsys, store, tmp_path):
     trace = _trace_file(tmp_path, rows=2)
     code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm")
     assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "engine-venv.sh vllm" in err
+
+
+def test_collector_refuses_bad_settings_before_serving(capsys, tmp_path):
+    code, _, err = run(capsys, "collector", "--tokens-file", str(tmp_path / "missing"))
+    assert code == 2 and "cannot read token file" in err and "missing" in err
+    tokens = tmp_path / "tokens"
+    tokens.write_text("only-a-token\n")
+    code, _, err = run(capsys, "collector", "--tokens-file", str(tokens))
+    assert code == 2 and f"{tokens}:1" in err and "only-a-token" not in err
+    code, _, err = run(capsys, "collector", "--recipe", "no-such-recipe")
+    assert code == 2 and "no-such-recipe" in err
