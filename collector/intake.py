@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 import zlib
 from collections.abc import Iterator
@@ -245,13 +246,17 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
         if kind == PROTOBUF_TYPE:
             request.ParseFromString(payload)
         elif kind == JSON_TYPE:
-            if not payload.lstrip().startswith(b"{"):
+            doc = json.loads(payload)  # the standard parser: JSON may escape lone surrogates in unknown keys
+            if not isinstance(doc, dict):
                 raise IntakeError(400, "not an OTLP ExportLogsServiceRequest: the JSON body must be an object")
-            json_format.Parse(payload, request, ignore_unknown_fields=True)
+            # Only the field that carries records is read; unknown fields are ignored, whatever they hold.
+            known = {k: v for k, v in doc.items() if k in ("resourceLogs", "resource_logs")}
+            json_format.ParseDict(known, request, ignore_unknown_fields=True)
         else:
             raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported on /v1/logs: send "
                                    f"{PROTOBUF_TYPE} or {JSON_TYPE}")
-    except (DecodeError, json_format.ParseError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (DecodeError, json_format.ParseError, msgspec.DecodeError, UnicodeDecodeError, ValueError, RecursionError,
+            SystemError) as exc:
         if isinstance(exc, IntakeError):
             raise
         raise IntakeError(400, f"not an OTLP ExportLogsServiceRequest: {exc}") from None
