@@ -31,6 +31,7 @@ from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch
 
 MAX_ROWS = 10_000
+_INT_PARAMS = {"limit", "since_ns"}
 
 
 class RowProblem(BaseModel):
@@ -91,6 +92,10 @@ class _Refused(Exception):
 
 
 def _grant(collector: Collector, request: Request) -> Grant:
+    for name, value in request.query_params.multi_items():
+        # pydantic reads "3\r" as 3; a number that is not just a number is refused, not guessed at
+        if name in _INT_PARAMS and value != value.strip():
+            raise _Refused(422, f"query parameter {name!r}: surrounding whitespace in {value!r}")
     grant = collector.authenticate(request.headers.get("authorization"))
     if grant is None:
         collector.refused("unauthenticated", 401)
