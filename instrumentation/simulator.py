@@ -13,6 +13,7 @@ what the analysis must reconstruct from the events alone.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,12 @@ class SimConfig:
     capacity_bytes: tuple[int, int, int] = (1 << 30, 4 << 30, 16 << 30)  # device, host, disk; 0 = no tier
     fetch_tiers: tuple[Tier, ...] = (Tier.HOST, Tier.DISK)  # tiers the engine loads back from
     load_bytes_per_s: tuple[float, float] = (20e9, 2e9)  # host, disk
+    load_latency_ns: tuple[int, int] = (0, 0)  # host, disk: fixed cost of each transfer
+    # Prefill of tokens [s, s + n): per_token * n + per_pair * n * (s + n / 2) (attention reads
+    # every earlier token), reported as the adopt's duration_ns; 0 and 0 report no timing.
+    prefill_ns_per_token: float = 0.0
+    prefill_ns_per_token_pair: float = 0.0
+    timing_noise: float = 0.0  # relative spread of reported timings (seeded: runs are repeatable)
     lease_ns: int = 0  # 0 = committed state never expires
     free_outside_window: bool = True  # free sliding-window blocks once the window has passed
     checkpoints: CheckpointPolicy = CheckpointPolicy.EVERY_BLOCK
@@ -147,6 +154,7 @@ class CacheSimulator:
         self._capacity = dict(zip(STORE_TIERS, config.capacity_bytes, strict=True))
         self.bytes_written: dict[Tier, int] = dict.fromkeys(STORE_TIERS, 0)
         self.events = 0
+        self._rng = random.Random(config.start_ns)
 
     @property
     def used_bytes(self) -> dict[Tier, int]:
@@ -209,8 +217,21 @@ class CacheSimulator:
 
     def _transfer_ns(self, block: _Block, src: Tier, dst: Tier) -> int:
         slow = max(STORE_TIERS.index(src), STORE_TIERS.index(dst))
-        rate = self.config.load_bytes_per_s[min(slow, 2) - 1] if slow else 1e12
-        return int(block.nbytes / rate * 1e9)
+        if not slow:
+            return int(block.nbytes / 1e12 * 1e9)
+        level = min(slow, 2) - 1
+        ns = self.config.load_latency_ns[level] + block.nbytes / self.config.load_bytes_per_s[level] * 1e9
+        return self._noisy(ns)
+
+    def prefill_ns(self, start: int, tokens: int) -> float:
+        """The simulated cost of computing tokens [start, start + tokens), without noise."""
+        c = self.config
+        return c.prefill_ns_per_token * tokens + c.prefill_ns_per_token_pair * tokens * (start + tokens / 2)
+
+    def _noisy(self, ns: float) -> int:
+        if self.config.timing_noise:
+            ns *= 1 + self._rng.uniform(-self.config.timing_noise, self.config.timing_noise)
+        return max(int(ns), 0)
 
     def _enforce_capacity(self) -> None:
         """Evict least-recently used blocks, writing them back one tier down while there is one."""
@@ -286,7 +307,8 @@ class CacheSimulator:
         by_tier = self._tokens_by_tier(adopted, loaded)
         self._emit(EventKind.ADOPT, reused_tiers=reused_tiers if adopted else [],
                    reused_tokens=[by_tier.get(t, 0) for t in reused_tiers] if adopted else [],
-                   recomputed_tokens=len(tokens) - adopted, **ident)
+                   recomputed_tokens=len(tokens) - adopted,
+                   duration_ns=self._noisy(self.prefill_ns(adopted, len(tokens) - adopted)), **ident)
         self._compute(chains, adopted, len(tokens), request, branch=runs[0] if runs else 0)
         self._enforce_capacity()
         return SimOutcome(request.request_id, len(tokens), hit, adopted, len(tokens) - adopted, loaded)
@@ -300,19 +322,43 @@ class CacheSimulator:
             while p > 0 and not self._complete_at(chains, p, fetchable=True):
                 p -= step
         for g in self.recipe.groups:
+            run: list[_Block] = []  # consecutive blocks from one tier go back as one transfer
+            run_src: Tier | None = None
             for i in g.needed(p):
                 chain = chains[g.group_id]
                 block = self._present(g, chain[i]) if i < len(chain) else None
                 if block is None:
                     continue
+                src = None
                 if Tier.DEVICE not in block.tiers:
                     src = next((t for t in self.config.fetch_tiers if t in block.tiers), None)
                     if src is None:
                         continue
-                    self._move(block, src, Tier.DEVICE)
+                if run and (src is not run_src or block.index != run[-1].index + 1):
+                    self._load_run(run, run_src)
+                    run = []
+                if src is not None:
+                    self._place(block, Tier.DEVICE, block.tiers[src])
+                    run.append(block)
+                    run_src = src
                     loaded[src] += block.nbytes
                 self._lru[Tier.DEVICE].move_to_end((g.group_id, block.key), last=True)
+            if run:
+                self._load_run(run, run_src)
         return p, loaded
+
+    def _load_run(self, run: list[_Block], src: Tier | None) -> None:
+        """Report blocks of one group, consecutive in the prompt and already placed on the
+        device, as loaded from one tier in one transfer (one event naming them all, as
+        engines' connectors report runs)."""
+        assert src is not None
+        level = min(STORE_TIERS.index(src), 2) - 1
+        total = sum(b.nbytes for b in run)
+        ns = self.config.load_latency_ns[level] + total / self.config.load_bytes_per_s[level] * 1e9
+        first = run[0]
+        self._emit(EventKind.LOAD, first, src_tier=src, dst_tier=Tier.DEVICE, checksum=first.tiers[src],
+                   more_keys=[b.key for b in run[1:]], token_end=(run[-1].index + 1) * first.group.block_size,
+                   duration_ns=self._noisy(ns))
 
     def _fetchable(self, block: _Block) -> bool:
         return Tier.DEVICE in block.tiers or any(t in block.tiers for t in self.config.fetch_tiers)
