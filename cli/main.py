@@ -22,6 +22,8 @@ examples:
   kvtrace experiment trace.jsonl --limit 300          retention policies compared on one trace
   kvtrace analyze --recipe mamba-hybrid logical vs recoverable vs adopted, and why they differ
   kvtrace analyze --recipe llama=dense --recipe jamba=mamba-hybrid --path duckdb events.parquet
+  kvtrace costs --recipe dense          load vs recompute: fitted costs, crossovers, seconds lost
+  kvtrace capacity --recipe dense       hit rate against capacity per group; the capacity 99% need
   kvtrace collector --port 4318         the ingest service a fleet's shims point at
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
@@ -133,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--bucket-s", type=_non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
+
+    costs = sub.add_parser("costs", help="load vs recompute: fitted costs, crossovers, seconds lost")
+    costs.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
+    costs.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE",
+                       help="as for analyze: the verdicts say what each lookup could have restored")
+    costs.add_argument("--starts", default="0,1024,8192,32768",
+                       help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
+    costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
+
+    capacity = sub.add_parser("capacity", help="hit rate against cache capacity per group, from stack distances")
+    capacity.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
+    capacity.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE")
+    capacity.add_argument("--capacities", default="64,256,1024,4096,16384,65536",
+                          help="capacities to evaluate, in blocks of each group (comma-separated)")
+    capacity.add_argument("--requests", type=float, default=0.99, help="share of requests to serve (default 0.99)")
+    capacity.add_argument("--prefix", type=float, default=0.99, help="share of their reusable prefix (default 0.99)")
 
     col = sub.add_parser("collector", help="run the ingest service (HTTP: kvtrace batches and OTLP logs)")
     col.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -477,6 +495,100 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{name}: expected non-negative integers, got {text!r}")
+    return values
+
+
+def _events_and_results(args: argparse.Namespace, recipes):  # noqa: ANN001, ANN202
+    from kvtrace.analysis.planning import event_frame
+    from kvtrace.analysis.run import AnalysisPath, lookup_results
+
+    if args.parquet:
+        return event_frame(parquet=args.parquet), lookup_results(AnalysisPath.DUCKDB, recipes, parquet=args.parquet)
+    with _store(args) as store:
+        store.require_schema()
+        return event_frame(store=store), lookup_results(AnalysisPath.CLICKHOUSE, recipes, store=store)
+
+
+def _table(frame) -> str:  # noqa: ANN001
+    import polars as pl
+
+    with pl.Config(tbl_rows=60, tbl_cols=20, tbl_width_chars=200, tbl_hide_dataframe_shape=True, float_precision=3,
+                   tbl_hide_column_data_types=True):
+        return str(frame) if frame.height else "  (none)"
+
+
+def cmd_costs(args: argparse.Namespace) -> int:
+    from kvtrace.analysis.planning import cost_report
+    from kvtrace.analysis.reconstruct import UnknownModel
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        recipes = _recipes(args.recipe)
+        starts = _int_list(args.starts, "--starts")
+        events, results = _events_and_results(args, recipes)
+    except (RecipeError, UnknownModel, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    report = cost_report(events, results, starts)
+    print("transfers (seconds = latency + bytes / bandwidth), from timed loads")
+    print(_table(report.transfer_table()))
+    print("\nprefill (seconds = fixed + per token + per token pair of attention), from timed adopts")
+    print(_table(report.prefill_table()))
+    print("\ncrossover: tokens to restore above which loading beats recomputing, by context position")
+    print(_table(report.crossovers))
+    print("\nrestore decisions on lookups with recoverable state off the device")
+    print(_table(report.lost()))
+    if report.waiting.height:
+        print("\nwaiting on loads still in flight at admission")
+        print(_table(report.waiting))
+    if not report.transfers or not report.prefills:
+        print("\n(no fitted model for some paths: they need at least 8 timed loads of varying size, and adopts "
+              "that report their recompute time; `kvtrace calibrate` measures them on this machine)")
+    if args.output:
+        report.decisions.write_parquet(args.output)
+        print(f"per-lookup decisions: {args.output}")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from kvtrace.analysis.planning import capacity_report, event_frame
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        recipes = _recipes(args.recipe)
+        capacities = _int_list(args.capacities, "--capacities")
+        if not (0 < args.requests <= 1 and 0 < args.prefix <= 1):
+            raise ValueError("--requests and --prefix are shares in (0, 1]")
+        if args.parquet:
+            events = event_frame(parquet=args.parquet)
+        else:
+            with _store(args) as store:
+                store.require_schema()
+                events = event_frame(store=store)
+    except (RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    reports = capacity_report(events, recipes, capacities, args.requests, args.prefix)
+    if not reports:
+        print("no lookups for the given recipes' models: nothing to size")
+    for r in reports:
+        print(f"model {r.model}: share of prompt tokens resumable, by each group's capacity (others unlimited)")
+        print(_table(r.curve))
+        for n in r.needs:
+            size = r.block_bytes.get(n.group)
+            gib = f" = {n.blocks * size / 2**30:.2f} GiB" if size else ""
+            print(f"  group {n.group} ({n.component}): {n.blocks} blocks{gib} keep {n.prefix:.0%} of the reusable "
+                  f"prefix for {n.requests:.0%} of requests")
+    return 0
+
+
 def cmd_collector(args: argparse.Namespace) -> int:
     from kvtrace.collector.auth import AuthConfigError, TokenTable
     from kvtrace.collector.serve import serve
@@ -512,6 +624,8 @@ COMMANDS = {
     "schema": cmd_schema,
     "demo": cmd_demo,
     "collector": cmd_collector,
+    "costs": cmd_costs,
+    "capacity": cmd_capacity,
 }
 
 

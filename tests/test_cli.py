@@ -350,3 +350,54 @@ def test_collector_refuses_bad_settings_before_serving(capsys, tmp_path):
     assert code == 2 and f"{tokens}:1" in err and "only-a-token" not in err
     code, _, err = run(capsys, "collector", "--recipe", "no-such-recipe")
     assert code == 2 and "no-such-recipe" in err
+
+
+def _timed(store: Store) -> None:
+    """A workload with known load and prefill costs (the simulator reports them)."""
+    import random
+
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.schema.recipes import BUILTIN
+
+    rng = random.Random(5)
+    emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, max_export_batch_size=1 << 14),
+                           register_atexit=False)
+    sim = CacheSimulator(SimConfig(recipe=BUILTIN["dense"], model="llama", capacity_bytes=(8 << 20, 64 << 20, 0),
+                                   load_latency_ns=(50_000, 0), load_bytes_per_s=(10e9, 1e9),
+                                   prefill_ns_per_token=40_000, prefill_ns_per_token_pair=4), emitter)
+    docs = [[d * 10_000 + i for i in range(rng.choice([256, 512, 1024]))] for d in range(12)]
+    for i in range(150):
+        doc = rng.choice(docs)
+        sim.serve(SimRequest(f"r{i}", doc[: rng.randint(len(doc) // 2, len(doc))] + [i] * rng.randint(1, 100)))
+    assert emitter.shutdown()
+
+
+def test_costs_and_capacity_read_the_store_and_parquet_alike(capsys, store, tmp_path):
+    _timed(store)
+    export = tmp_path / "events.parquet"
+    assert run(capsys, "--dsn", str(store.dsn), "export", "-o", str(export))[0] == 0
+    outs = []
+    for source in (["--dsn", str(store.dsn), "costs"], ["costs", str(export)]):
+        code, out, err = run(capsys, *source, "--recipe", "llama=dense", "--starts", "0,4096")
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert "host->device" in outs[0] and "10.0" in outs[0]  # 10 GB/s, as simulated
+    assert "lost_restoring_s" in outs[0]
+    caps = []
+    for source in (["--dsn", str(store.dsn), "capacity"], ["capacity", str(export)]):
+        code, out, err = run(capsys, *source, "--recipe", "llama=dense", "--capacities", "16,256,4096")
+        assert code == 0, err
+        caps.append(out)
+    assert caps[0] == caps[1] and "model llama" in caps[0] and "blocks" in caps[0] and "GiB" in caps[0]
+
+
+def test_costs_and_capacity_name_bad_input(capsys, store):
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "capacity", "--recipe", "dense", "--capacities", "1,x")
+    assert code == 2 and "--capacities" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "costs", "--recipe", "dense", "--starts", "-5")
+    assert code == 2 and "--starts" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "capacity", "--recipe", "dense", "--requests", "1.5")
+    assert code == 2 and "--requests" in err

@@ -1,0 +1,126 @@
+"""The money questions, from one event source (the store or Parquet files): what loading and
+recomputing cost and which the fleet should have done, and how much capacity each group needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvtrace.analysis.capacity import CapacityNeed, capacity_curve, capacity_needed, request_distances
+from kvtrace.analysis.costs import (
+    PrefillModel,
+    TransferModel,
+    crossover_curve,
+    fit_prefill,
+    fit_transfers,
+    restore_decisions,
+    waiting_seconds,
+)
+from kvtrace.collector.store import Store
+from kvtrace.schema.arrow import conform, from_arrow
+from kvtrace.schema.events import Event
+from kvtrace.schema.recipes import Recipe
+
+ORDER = ["ts_ns", "source_id", "seq"]
+
+
+def event_frame(store: Store | None = None, parquet: Sequence[str | Path] = ()) -> pl.DataFrame:
+    """Every event in stream order, as one frame (Parquet files win over the store when given)."""
+    if parquet:
+        tables = [conform(pq.read_table(p)) for p in parquet]
+        frame = pl.from_arrow(pa.concat_tables(tables))
+    elif store is not None:
+        frame = store.query_polars(store.events_sql())
+    else:
+        raise ValueError("give a store or Parquet files")
+    assert isinstance(frame, pl.DataFrame)
+    return frame.sort(ORDER)
+
+
+def iter_events(frame: pl.DataFrame, batch_rows: int = 65536) -> Iterator[Event]:
+    for start in range(0, frame.height, batch_rows):
+        yield from from_arrow(frame.slice(start, batch_rows).to_arrow())
+
+
+def bytes_per_token(events: pl.DataFrame) -> dict[str, float]:
+    """What restoring one token moves, per model: over its groups, a committed block's typical
+    size over the group's block size."""
+    commits = events.filter((pl.col("kind") == "commit") & (pl.col("nbytes") > 0) & (pl.col("block_size") > 0))
+    per_group = commits.group_by("model", "group_id").agg((pl.col("nbytes") / pl.col("block_size")).median().alias("bpt"))
+    return {str(m): float(v) for m, v in per_group.group_by("model").agg(pl.col("bpt").sum()).iter_rows()}
+
+
+@dataclass(frozen=True, slots=True)
+class CostReport:
+    transfers: list[TransferModel]
+    prefills: list[PrefillModel]
+    crossovers: pl.DataFrame
+    decisions: pl.DataFrame
+    waiting: pl.DataFrame
+
+    def transfer_table(self) -> pl.DataFrame:
+        rows = []
+        for t in self.transfers:
+            lo, hi = t.fit.ci95("latency_s")
+            blo, bhi = t.bandwidth_ci95()
+            rows.append({"model": t.model, "path": f"{t.src.value}->{t.dst.value}", "samples": t.fit.n,
+                         "latency_ms": t.latency_s * 1e3, "latency_ms_ci95": f"{lo * 1e3:.3f}..{hi * 1e3:.3f}",
+                         "GB_per_s": t.bytes_per_s / 1e9, "GB_per_s_ci95": f"{blo / 1e9:.3f}..{bhi / 1e9:.3f}"})
+        return pl.DataFrame(rows)
+
+    def prefill_table(self) -> pl.DataFrame:
+        rows = []
+        for p in self.prefills:
+            f = p.fit
+            lo, hi = f.ci95("per_pair_s")
+            rows.append({"model": p.model, "samples": f.n, "fixed_ms": f["fixed_s"] * 1e3,
+                         "us_per_token": f["per_token_s"] * 1e6, "ns_per_token_pair": f["per_pair_s"] * 1e9,
+                         "ns_per_pair_ci95": f"{lo * 1e9:.3f}..{hi * 1e9:.3f}", "r2": f.r2})
+        return pl.DataFrame(rows)
+
+    def lost(self) -> pl.DataFrame:
+        """Seconds the fleet lost, per model: restoring what was cheaper to recompute, and the reverse."""
+        d = self.decisions
+        return d.group_by("model").agg(
+            pl.len().alias("lookups_with_a_choice"),
+            pl.col("restore_cheaper").sum().alias("restore_was_cheaper"),
+            pl.col("lost_s").filter(pl.col("restored")).sum().alias("lost_restoring_s"),
+            pl.col("lost_s").filter(~pl.col("restored")).sum().alias("lost_recomputing_s"),
+        ).sort("model")
+
+
+def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[int] = (0, 1024, 8192, 32768)) -> CostReport:
+    transfers, prefills = fit_transfers(events), fit_prefill(events)
+    return CostReport(transfers, prefills, crossover_curve(transfers, prefills, bytes_per_token(events), starts),
+                      restore_decisions(results, transfers, prefills), waiting_seconds(events))
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReport:
+    model: str
+    curve: pl.DataFrame
+    needs: list[CapacityNeed]
+    block_bytes: dict[int, float]  # group -> bytes per block
+
+
+def capacity_report(events: pl.DataFrame, recipes: Recipe | Mapping[str, Recipe],
+                    capacities: Sequence[int], requests: float = 0.99, prefix: float = 0.99) -> list[CapacityReport]:
+    out = []
+    for (model,), part in events.group_by(["model"], maintain_order=True):
+        if not part.filter(pl.col("kind") == "lookup").height:
+            continue
+        recipe = recipes if isinstance(recipes, Recipe) else recipes.get(str(model))
+        if recipe is None:
+            continue
+        distances = request_distances(iter_events(part.sort(ORDER)), recipe)
+        commits = part.filter((pl.col("kind") == "commit") & (pl.col("nbytes") > 0))
+        block_bytes = {int(g): float(v) for g, v in
+                       commits.group_by("group_id").agg(pl.col("nbytes").median()).iter_rows()}
+        out.append(CapacityReport(str(model), capacity_curve(distances, recipe, capacities),
+                                  capacity_needed(distances, recipe, requests, prefix), block_bytes))
+    return out
