@@ -130,9 +130,34 @@ def prefill_samples(events: pl.DataFrame) -> pl.DataFrame:
             .collect())
 
 
-def fit_transfers(events: pl.DataFrame, min_samples: int = 8) -> list[TransferModel]:
-    """A model per (model, src, dst) with enough timed loads of varying size."""
+def _fill(samples: pl.DataFrame, measured: pl.DataFrame, keys: list[str], min_samples: int) -> pl.DataFrame:
+    """Event samples, plus calibration samples for the keys the events have too few of: timings
+    from production are the truth, a calibration only fills the gaps."""
+    if measured.is_empty():
+        return samples
+    enough = samples.group_by(keys).len().filter(pl.col("len") >= min_samples).select(keys)
+    return pl.concat([samples, measured.join(enough, on=keys, how="anti").select(samples.columns)], how="vertical_relaxed")
+
+
+def calibration_transfer_samples(calibrations: pl.DataFrame) -> pl.DataFrame:
+    return calibrations.filter(pl.col("kind") == "transfer").select(
+        "model", "src_tier", "dst_tier", pl.col("nbytes").cast(pl.Float64).alias("bytes"), "seconds",
+        pl.lit(False).alias("in_flight"))
+
+
+def calibration_prefill_samples(calibrations: pl.DataFrame) -> pl.DataFrame:
+    return calibrations.filter(pl.col("kind") == "prefill").select(
+        "model", pl.col("start").cast(pl.Float64), pl.col("tokens").cast(pl.Float64), "seconds")
+
+
+def fit_transfers(events: pl.DataFrame, min_samples: int = 8,
+                  calibrations: pl.DataFrame | None = None) -> list[TransferModel]:
+    """A model per (model, src, dst) with enough timed loads of varying size (calibrated copies
+    fill in where the events have too few)."""
     samples = transfer_samples(events)
+    if calibrations is not None:
+        samples = _fill(samples, calibration_transfer_samples(calibrations), ["model", "src_tier", "dst_tier"],
+                        min_samples)
     out = []
     for (model, src, dst), part in samples.group_by(["model", "src_tier", "dst_tier"], maintain_order=True):
         if part.height < min_samples:
@@ -146,9 +171,13 @@ def fit_transfers(events: pl.DataFrame, min_samples: int = 8) -> list[TransferMo
     return out
 
 
-def fit_prefill(events: pl.DataFrame, min_samples: int = 8) -> list[PrefillModel]:
-    """A model per model name with enough timed recomputes of varying length and depth."""
+def fit_prefill(events: pl.DataFrame, min_samples: int = 8,
+                calibrations: pl.DataFrame | None = None) -> list[PrefillModel]:
+    """A model per model name with enough timed recomputes of varying length and depth
+    (calibrated prefills fill in where the events have too few)."""
     samples = prefill_samples(events)
+    if calibrations is not None:
+        samples = _fill(samples, calibration_prefill_samples(calibrations), ["model"], min_samples)
     out = []
     for (model,), part in samples.group_by(["model"], maintain_order=True):
         if part.height < min_samples:

@@ -22,7 +22,7 @@ from kvtrace.analysis.costs import (
     waiting_seconds,
 )
 from kvtrace.collector.store import Store
-from kvtrace.schema.arrow import conform, from_arrow
+from kvtrace.schema.arrow import arrow_schema, conform, from_arrow
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
 
@@ -40,6 +40,12 @@ def event_frame(store: Store | None = None, parquet: Sequence[str | Path] = ()) 
         raise ValueError("give a store or Parquet files")
     assert isinstance(frame, pl.DataFrame)
     return frame.sort(ORDER)
+
+
+def empty_events() -> pl.DataFrame:
+    frame = pl.from_arrow(arrow_schema().empty_table())
+    assert isinstance(frame, pl.DataFrame)
+    return frame
 
 
 def iter_events(frame: pl.DataFrame, batch_rows: int = 65536) -> Iterator[Event]:
@@ -94,8 +100,10 @@ class CostReport:
         ).sort("model")
 
 
-def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[int] = (0, 1024, 8192, 32768)) -> CostReport:
-    transfers, prefills = fit_transfers(events), fit_prefill(events)
+def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[int] = (0, 1024, 8192, 32768),
+                calibrations: pl.DataFrame | None = None) -> CostReport:
+    transfers = fit_transfers(events, calibrations=calibrations)
+    prefills = fit_prefill(events, calibrations=calibrations)
     return CostReport(transfers, prefills, crossover_curve(transfers, prefills, bytes_per_token(events), starts),
                       restore_decisions(results, transfers, prefills), waiting_seconds(events))
 

@@ -144,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
 
+    cal = sub.add_parser("calibrate", help="measure prefill and copy costs on this machine (needs torch)")
+    cal.add_argument("--model", required=True, help="the model name events carry (what cost models join on)")
+    cal.add_argument("--layers", type=_positive, default=4)
+    cal.add_argument("--hidden", type=_positive, default=512)
+    cal.add_argument("--heads", type=_positive, default=8)
+    cal.add_argument("--kv-heads", type=_positive, default=2)
+    cal.add_argument("--head-dim", type=_positive, default=64)
+    cal.add_argument("--intermediate", type=_positive, default=1408)
+    cal.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    cal.add_argument("--device", default="cpu", help="cpu, or cuda[:N] when a GPU is present")
+    cal.add_argument("--starts", default="0,512,1024,2048", help="cached tokens before each timed chunk")
+    cal.add_argument("--chunks", default="64,128,256,512", help="tokens per timed chunk")
+    cal.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128", help="copy sizes for tier bandwidth")
+    cal.add_argument("--repeats", type=_positive, default=3)
+
     capacity = sub.add_parser("capacity", help="hit rate against cache capacity per group, from stack distances")
     capacity.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
     capacity.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE")
@@ -516,6 +531,19 @@ def _events_and_results(args: argparse.Namespace, recipes):  # noqa: ANN001, ANN
         return event_frame(store=store), lookup_results(AnalysisPath.CLICKHOUSE, recipes, store=store)
 
 
+def _calibrations(args: argparse.Namespace):  # noqa: ANN202
+    """Calibrated timings from the store (none when reading Parquet files only, or none stored)."""
+    from kvtrace.schema.clickhouse import CALIBRATIONS
+
+    if args.parquet and not args.dsn:
+        return None
+    with _store(args) as store:
+        if store.stored_schema_version() is None:
+            return None
+        frame = store.query_polars(f"SELECT * FROM {store.db}.{CALIBRATIONS.name}")
+    return frame if frame.height else None
+
+
 def _table(frame) -> str:  # noqa: ANN001
     import polars as pl
 
@@ -536,7 +564,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
     except (RecipeError, UnknownModel, ValueError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
-    report = cost_report(events, results, starts)
+    report = cost_report(events, results, starts, calibrations=_calibrations(args))
     print("transfers (seconds = latency + bytes / bandwidth), from timed loads")
     print(_table(report.transfer_table()))
     print("\nprefill (seconds = fixed + per token + per token pair of attention), from timed adopts")
@@ -554,6 +582,55 @@ def cmd_costs(args: argparse.Namespace) -> int:
     if args.output:
         report.decisions.write_parquet(args.output)
         print(f"per-lookup decisions: {args.output}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import uuid
+
+    import polars as pl
+
+    try:
+        import torch
+    except ImportError:
+        print("error: calibrate needs torch: pip install 'kvtrace[torch]' (or use your engine's torch)",
+              file=sys.stderr)
+        return 2
+    from kvtrace.analysis.calibrate import ModelShape, calibrate_prefill, calibrate_transfers
+    from kvtrace.analysis.costs import fit_prefill, fit_transfers
+    from kvtrace.analysis.planning import CostReport, empty_events
+    from kvtrace.schema.arrow import to_arrow
+    from kvtrace.schema.clickhouse import CALIBRATIONS
+    from kvtrace.schema.records import CalibrationSample
+
+    try:
+        shape = ModelShape(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate,
+                           args.dtype)
+        starts, chunks = _int_list(args.starts, "--starts"), _int_list(args.chunks, "--chunks")
+        sizes = [m << 20 for m in _int_list(args.sizes_mib, "--sizes-mib")]
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device here")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_id = uuid.uuid4().hex[:12]
+    samples = [*calibrate_prefill(shape, args.model, starts, chunks, args.device, args.repeats, run_id),
+               *calibrate_transfers(args.model, sizes, args.device, args.repeats, run_id)]
+    table = to_arrow(samples, CalibrationSample)
+    with _store(args) as store:
+        store.init()
+        store.insert_arrow(CALIBRATIONS.name, table)
+    measured = pl.from_arrow(table)
+    assert isinstance(measured, pl.DataFrame)
+    none = empty_events()
+    report = CostReport(fit_transfers(none, min_samples=3, calibrations=measured),
+                        fit_prefill(none, min_samples=4, calibrations=measured),
+                        pl.DataFrame(), pl.DataFrame(), pl.DataFrame())
+    print(f"calibration {run_id} on {samples[0].device}: {len(samples)} timings stored for model {args.model}")
+    print(_table(report.prefill_table()))
+    print(_table(report.transfer_table()))
+    print(f"KV bytes per token of this shape: {shape.kv_bytes_per_token()}")
+    print(f"next: kvtrace costs --recipe {args.model}=RECIPE   (uses these where events carry no timings)")
     return 0
 
 
@@ -626,6 +703,7 @@ COMMANDS = {
     "collector": cmd_collector,
     "costs": cmd_costs,
     "capacity": cmd_capacity,
+    "calibrate": cmd_calibrate,
 }
 
 

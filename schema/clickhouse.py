@@ -13,7 +13,7 @@ import msgspec
 
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
-from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
 from kvtrace.schema.verdicts import LookupResult
 
 DEFAULT_DATABASE = "kvtrace"
@@ -70,7 +70,14 @@ VERDICTS = TableSpec(  # written by the collector's live reconstruction, one row
     shard_key="cityHash64(instance)",
     replacing=True,  # a collector rebuilding an instance may write a lookup's row again
 )
-TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS)
+CALIBRATIONS = TableSpec(  # `kvtrace calibrate`: timings measured on a device, for cost models
+    name="calibrations",
+    struct=CalibrationSample,
+    time_column="ts_ns",
+    order_by=("model", "kind", "ts_ns"),
+    shard_key="rand()",
+)
+TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS)
 META_TABLE = "kvtrace_meta"
 
 

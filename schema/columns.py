@@ -51,3 +51,4 @@ Hash64 = Annotated[int, msgspec.Meta(ge=0), Column("UInt64", "uint64", 0, 2**64 
 Label = Annotated[str, Column("LowCardinality(String)", "string")]
 Text = Annotated[str, Column("String", "string", codec="CODEC(ZSTD(1))")]
 Flag = Annotated[bool, Column("Bool", "bool_")]
+F64 = Annotated[float, Column("Float64", "float64")]

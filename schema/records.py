@@ -10,7 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvtrace.schema.columns import U64, Hash64, Label, Text, TimeNs
+from kvtrace.schema.columns import F64, U64, Hash64, Label, Text, TimeNs
 
 
 class EmitterStats(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -59,3 +59,23 @@ class Rejection(msgspec.Struct, kw_only=True, omit_defaults=True):
     def message(self) -> str:
         where = f"{self.origin} row {self.row}"
         return f"{where}: {self.field}: {self.reason}" if self.field else f"{where}: {self.reason}"
+
+
+class CalibrationSample(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One timing measured by `kvtrace calibrate` on a real device, for a deployment that has no
+    timings in its events yet: a prefill of `tokens` tokens after `start` cached ones for a
+    model shape, or a copy of `nbytes` along a tier path. Cost models fit them like event
+    timings."""
+
+    ts_ns: TimeNs
+    run_id: Annotated[Label, msgspec.Meta(description="One calibrate run: its samples share it.")]
+    device: Annotated[Label, msgspec.Meta(description="Where it ran, e.g. 'cpu: AMD EPYC x2' or 'cuda: H200'.")]
+    model: Annotated[Label, msgspec.Meta(description="Model the shape stands for (what analysis joins on).")]
+    shape: Annotated[Text, msgspec.Meta(description="Layers, heads, sizes and dtype, as JSON.")] = ""
+    kind: Annotated[Label, msgspec.Meta(description="'prefill' or 'transfer'.")]
+    src_tier: Annotated[Label, msgspec.Meta(description="Transfer: from this tier.")] = ""
+    dst_tier: Annotated[Label, msgspec.Meta(description="Transfer: to this tier.")] = ""
+    start: Annotated[U64, msgspec.Meta(description="Prefill: tokens already cached before the chunk.")] = 0
+    tokens: Annotated[U64, msgspec.Meta(description="Prefill: tokens computed.")] = 0
+    nbytes: Annotated[U64, msgspec.Meta(description="Transfer: bytes moved.")] = 0
+    seconds: Annotated[F64, msgspec.Meta(description="Median of the repeats.")]

@@ -11,7 +11,7 @@ stamp=.venv/.kvtrace-pins
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,torch]'
   echo "$want" > "$stamp"
 fi
 status=0

@@ -174,7 +174,7 @@ def test_db_ddl_for_a_cluster(capsys, store):
     code, out, _ = run(capsys, "db", "ddl", "--cluster", "c1", "--database", "kvc", "--ttl-days", "3")
     assert code == 0
     statements = [s.strip() for s in out.strip().rstrip(";").split(";\n\n")]
-    assert len(statements) == 2 + 2 * 4  # database, meta, then a local and a distributed table each
+    assert len(statements) == 2 + 2 * 5  # database, meta, then a local and a distributed table each
     for stmt in statements:
         text = store.client.query("SELECT formatQuery({q:String})", parameters={"q": stmt}).result_rows[0][0]
         assert "ON CLUSTER c1" in text
