@@ -22,11 +22,29 @@ from kvtrace.analysis.costs import (
     waiting_seconds,
 )
 from kvtrace.collector.store import Store
-from kvtrace.schema.arrow import arrow_schema, conform, from_arrow
+from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
 
 ORDER = ["ts_ns", "source_id", "seq"]
+
+
+def as_parquet(paths: Sequence[str | Path], workdir: str | Path) -> list[Path]:
+    """The inputs as Parquet files: Parquet as given, JSONL and spool files converted (their
+    valid rows) into `workdir`, so offline analysis takes what `kvtrace ingest` takes."""
+    from kvtrace.collector.ingest import FileFormat, detect_format, iter_file_events
+
+    out = []
+    for i, path in enumerate(map(Path, paths)):
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        if detect_format(path) is FileFormat.PARQUET:
+            out.append(path)
+            continue
+        target = Path(workdir) / f"{i:04d}-{path.name}.parquet"
+        pq.write_table(to_arrow(list(iter_file_events(path))), target)
+        out.append(target)
+    return out
 
 
 def event_frame(store: Store | None = None, parquet: Sequence[str | Path] = ()) -> pl.DataFrame:

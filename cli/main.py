@@ -24,6 +24,7 @@ examples:
   kvtrace analyze --recipe llama=dense --recipe jamba=mamba-hybrid --path duckdb events.parquet
   kvtrace costs --recipe dense          load vs recompute: fitted costs, crossovers, seconds lost
   kvtrace capacity --recipe dense       hit rate against capacity per group; the capacity 99% need
+  kvtrace report --recipe dense -o r.html   the HTML report, from the store or Parquet files
   kvtrace collector --port 4318         the ingest service a fleet's shims point at
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("-o", "--output", help="also write the table to this Parquet file")
 
     analyze = sub.add_parser("analyze", help="hit funnel and gap reasons per lookup, by any of three paths")
-    analyze.add_argument("parquet", nargs="*", help="Parquet exports (the duckdb path reads these)")
+    analyze.add_argument("parquet", nargs="*", help="event files for the duckdb path: Parquet exports, JSONL or "
+                                                    "spool files")
     analyze.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE",
                          help="built-in recipe name or .json/.toml file; MODEL= scopes it to one model (repeatable)")
     analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
@@ -143,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
+
+    rep = sub.add_parser("report", help="write the HTML report (funnel, reasons, crossover, capacity)")
+    rep.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
+    rep.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE")
+    rep.add_argument("-o", "--output", default="kvtrace-report.html", help="where (default kvtrace-report.html)")
+    rep.add_argument("--bucket-s", type=_positive, default=60, help="funnel time buckets (default 60 s)")
 
     cal = sub.add_parser("calibrate", help="measure prefill and copy costs on this machine (needs torch)")
     cal.add_argument("--model", required=True, help="the model name events carry (what cost models join on)")
@@ -488,7 +496,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     path = AnalysisPath(args.path)
     try:
         if path is AnalysisPath.DUCKDB:
-            frame = lookup_results(path, recipes, policy, parquet=args.parquet)
+            import tempfile
+
+            from kvtrace.analysis.planning import as_parquet
+
+            with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
+                frame = lookup_results(path, recipes, policy, parquet=as_parquet(args.parquet, tmp))
         else:
             with _store(args) as store:
                 store.require_schema()
@@ -521,11 +534,15 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def _events_and_results(args: argparse.Namespace, recipes):  # noqa: ANN001, ANN202
-    from kvtrace.analysis.planning import event_frame
+    import tempfile
+
+    from kvtrace.analysis.planning import as_parquet, event_frame
     from kvtrace.analysis.run import AnalysisPath, lookup_results
 
     if args.parquet:
-        return event_frame(parquet=args.parquet), lookup_results(AnalysisPath.DUCKDB, recipes, parquet=args.parquet)
+        with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
+            files = as_parquet(args.parquet, tmp)
+            return event_frame(parquet=files), lookup_results(AnalysisPath.DUCKDB, recipes, parquet=files)
     with _store(args) as store:
         store.require_schema()
         return event_frame(store=store), lookup_results(AnalysisPath.CLICKHOUSE, recipes, store=store)
@@ -582,6 +599,36 @@ def cmd_costs(args: argparse.Namespace) -> int:
     if args.output:
         report.decisions.write_parquet(args.output)
         print(f"per-lookup decisions: {args.output}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvtrace.analysis.funnel import funnel
+    from kvtrace.analysis.planning import capacity_report, cost_report
+    from kvtrace.analysis.reconstruct import UnknownModel
+    from kvtrace.dashboards.report import write_report
+    from kvtrace.schema.recipes import RecipeError
+
+    try:
+        recipes = _recipes(args.recipe)
+        events, results = _events_and_results(args, recipes)
+    except (RecipeError, UnknownModel, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    costs = cost_report(events, results, calibrations=_calibrations(args))
+    capacity = capacity_report(events, recipes, [16, 64, 256, 1024, 4096, 16384, 65536, 262144])
+    totals = funnel(results).row(0, named=True) if results.height else {}
+    source = ", ".join(args.parquet) if args.parquet else str(args.dsn or "the default store")
+    summary = [("source", source), ("events", f"{events.height:,}"), ("lookups", f"{results.height:,}")]
+    summary += [(f"{name} rate", f"{totals[f'{name}_token_rate']:.1%}") for name in
+                ("logical", "recoverable", "resident", "adopted") if f"{name}_token_rate" in totals]
+    lost = costs.lost()
+    if lost.height:
+        summary.append(("seconds lost to the wrong restore choice",
+                        f"{lost['lost_restoring_s'].sum() + lost['lost_recomputing_s'].sum():.3f}"))
+    path = write_report(args.output, "kvtrace report", summary, results, bucket_ns=args.bucket_s * 10**9,
+                        crossovers=costs.crossovers, capacity=[(r.model, r.curve) for r in capacity])
+    print(f"report: {path}")
     return 0
 
 
@@ -644,7 +691,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         if not (0 < args.requests <= 1 and 0 < args.prefix <= 1):
             raise ValueError("--requests and --prefix are shares in (0, 1]")
         if args.parquet:
-            events = event_frame(parquet=args.parquet)
+            import tempfile
+
+            from kvtrace.analysis.planning import as_parquet
+
+            with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
+                events = event_frame(parquet=as_parquet(args.parquet, tmp))
         else:
             with _store(args) as store:
                 store.require_schema()
@@ -704,6 +756,7 @@ COMMANDS = {
     "costs": cmd_costs,
     "capacity": cmd_capacity,
     "calibrate": cmd_calibrate,
+    "report": cmd_report,
 }
 
 

@@ -63,6 +63,28 @@ def policy_comparison(policies: pl.DataFrame) -> go.Figure:
     return fig
 
 
+def crossover_chart(crossovers: pl.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    for (model, src), part in crossovers.sort("start").group_by(["model", "src_tier"], maintain_order=True):
+        fig.add_trace(go.Scatter(x=part["start"].to_list(), y=part["crossover_tokens"].to_list(),
+                                 name=f"{model}: {src} -> device", mode="lines+markers"))
+    fig.update_layout(title="Load vs recompute: restore beats recompute above this many tokens",
+                      xaxis_title="context position (tokens already cached)", yaxis_title="tokens to restore")
+    return fig
+
+
+def capacity_chart(curves: Sequence[tuple[str, pl.DataFrame]]) -> go.Figure:
+    fig = go.Figure()
+    for model, curve in curves:
+        for (group, component), part in curve.group_by(["group", "component"], maintain_order=True):
+            fig.add_trace(go.Scatter(x=part["capacity_blocks"].to_list(), y=(part["hit_rate"] * 100).to_list(),
+                                     name=f"{model}: group {group} ({component})", mode="lines+markers"))
+    fig.update_layout(title="Resumable share of prompt tokens against each group's capacity (LRU)",
+                      xaxis={"title": "capacity (blocks of the group)", "type": "log"},
+                      yaxis_title="% of prompt tokens")
+    return fig
+
+
 def write_report(
     path: str | Path,
     title: str,
@@ -71,9 +93,15 @@ def write_report(
     occupancy: Sequence[tuple[int, dict[str, int]]] = (),
     policies: pl.DataFrame | None = None,
     bucket_ns: int = 60 * 10**9,
+    crossovers: pl.DataFrame | None = None,
+    capacity: Sequence[tuple[str, pl.DataFrame]] = (),
 ) -> Path:
     """One HTML file with plotly.js inlined once; returns its path."""
     figures = [funnel_over_time(results, bucket_ns), reason_breakdown(results)]
+    if crossovers is not None and crossovers.height:
+        figures.append(crossover_chart(crossovers))
+    if capacity:
+        figures.append(capacity_chart(capacity))
     if occupancy:
         figures.append(tier_occupancy(occupancy))
     if policies is not None and policies.height:

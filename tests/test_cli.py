@@ -401,3 +401,65 @@ def test_costs_and_capacity_name_bad_input(capsys, store):
     assert code == 2 and "--starts" in err
     code, _, err = run(capsys, "--dsn", str(store.dsn), "capacity", "--recipe", "dense", "--requests", "1.5")
     assert code == 2 and "--requests" in err
+
+
+def test_report_from_the_store_and_from_parquet(capsys, store, tmp_path):
+    _timed(store)
+    export = tmp_path / "events.parquet"
+    assert run(capsys, "--dsn", str(store.dsn), "export", "-o", str(export))[0] == 0
+    for name, source in (("store", ["--dsn", str(store.dsn), "report"]), ("parquet", ["report", str(export)])):
+        out_file = tmp_path / f"{name}.html"
+        code, out, err = run(capsys, *source, "--recipe", "llama=dense", "-o", str(out_file))
+        assert code == 0, err
+        text = out_file.read_text()
+        for title in ("Hit funnel over time", "Load vs recompute", "against each group's capacity"):
+            assert title in text, (name, title)
+
+
+def test_offline_analysis_reads_jsonl_and_spool_files_like_parquet(capsys, store, tmp_path):
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.simulator import CacheSimulator, Fault, SimConfig, SimRequest
+    from kvtrace.instrumentation.sinks.spool import SpoolSink
+    from kvtrace.schema.recipes import BUILTIN
+
+    spool = tmp_path / "spool"
+    emitter = BatchEmitter(SpoolSink(str(spool)), BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    sim = CacheSimulator(SimConfig(recipe=BUILTIN["mamba-hybrid"], model="jamba"), emitter)
+    prefix = list(range(1, 1025))
+    sim.serve(SimRequest("a", [*prefix, 7, 7, 7], tenant="t"))
+    sim.inject(Fault.SKIP_CHECKPOINT, SimRequest("b", prefix), 1024)
+    sim.serve(SimRequest("b", [*prefix, 8, 8, 8], tenant="t"))
+    assert emitter.shutdown()
+    files = sorted(str(f) for f in spool.iterdir())
+    assert run(capsys, "--dsn", str(store.dsn), "ingest", *files)[0] == 0
+    parquet, jsonl = tmp_path / "e.parquet", tmp_path / "e.jsonl"
+    assert run(capsys, "--dsn", str(store.dsn), "export", "-o", str(parquet))[0] == 0
+    assert run(capsys, "--dsn", str(store.dsn), "export", "--format", "jsonl", "-o", str(jsonl))[0] == 0
+    rows = {}
+    for name, inputs in (("parquet", [str(parquet)]), ("jsonl", [str(jsonl)]), ("spool", files)):
+        out_file = tmp_path / f"{name}.out.parquet"
+        code, _, err = run(capsys, "analyze", "--recipe", "mamba-hybrid", "--path", "duckdb", *inputs,
+                           "-o", str(out_file))
+        assert code == 0, err
+        rows[name] = pq.read_table(out_file).to_pylist()
+    assert rows["parquet"] == rows["jsonl"] == rows["spool"] and len(rows["spool"]) == 2
+    code, _, err = run(capsys, "analyze", "--recipe", "mamba-hybrid", "--path", "duckdb", str(tmp_path / "nope"))
+    assert code == 2 and "no such file" in err
+
+
+def test_the_readmes_duckdb_queries_run(capsys, store, tmp_path, monkeypatch):
+    import duckdb
+
+    _timed(store)
+    monkeypatch.chdir(tmp_path)
+    assert run(capsys, "--dsn", str(store.dsn), "export", "-o", "events.parquet")[0] == 0
+    assert run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "llama=dense", "-o", "results.parquet")[0] == 0
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Offline, in DuckDB", 1)[1].split("\n## ", 1)[0]
+    queries = re.findall(r"```sql\n(.*?)```", section, re.S)
+    assert len(queries) == 4
+    answers = [duckdb.sql(sql).fetchall() for sql in queries]
+    assert answers[0] and answers[1] and answers[3]  # (this clean workload loses nothing to a reason)
+    assert answers[1][0][0] == "llama" and 0 < answers[1][0][2] <= answers[1][0][1]
+    bandwidth = dict(((r[0], r[1]), r[3]) for r in duckdb.sql(queries[3]).fetchall())
+    assert 1.0 < bandwidth[("host", "device")] < 10.0  # the simulated 10 GB/s link, slowed by its latency
