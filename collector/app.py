@@ -216,6 +216,21 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
     def _rows(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         return collector.store.query_arrow(sql, params).to_pylist()
 
+    async def _select(request: Request, table: str, filters: dict[str, str | None], since_ns: int,
+                      limit: int) -> Response:
+        """Rows of one table for the token's tenants, in stream order, filtered by equality."""
+        grant = _grant(collector, request)
+        params: dict[str, Any] = {"since": since_ns, "limit": limit}
+        where = [_tenant_filter(grant, params), "ts_ns >= {since:Int64}"]
+        for name, value in filters.items():
+            if value is not None:
+                params[name] = value
+                where.append(f"{name} = {{{name}:String}}")
+        sql = (f"SELECT * FROM {collector.store.db}.{table} FINAL WHERE {' AND '.join(where)} "
+               "ORDER BY ts_ns, source_id, seq LIMIT {limit:UInt32}")
+        rows = await run_in_threadpool(_rows, sql, params)
+        return Response(msgspec.json.encode(rows), media_type=JSON_TYPE)
+
     @app.get("/v1/events", responses=_ERRORS, summary="Stored events of the token's tenants")
     async def get_events(
         request: Request,
@@ -225,18 +240,8 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
         since_ns: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
     ) -> Response:
-        grant = _grant(collector, request)
-        params: dict[str, Any] = {"since": since_ns, "limit": limit}
-        where = [_tenant_filter(grant, params), "ts_ns >= {since:Int64}"]
-        for name, value in (("instance", instance), ("request_id", request_id),
-                            ("kind", kind.value if kind else None)):
-            if value is not None:
-                params[name] = value
-                where.append(f"{name} = {{{name}:String}}")
-        sql = (f"SELECT * FROM {collector.store.db}.{EVENTS.name} FINAL WHERE {' AND '.join(where)} "
-               "ORDER BY ts_ns, source_id, seq LIMIT {limit:UInt32}")
-        rows = await run_in_threadpool(_rows, sql, params)
-        return Response(msgspec.json.encode(rows), media_type=JSON_TYPE)
+        filters = {"instance": instance, "request_id": request_id, "kind": kind.value if kind else None}
+        return await _select(request, EVENTS.name, filters, since_ns, limit)
 
     @app.get("/v1/verdicts", responses=_ERRORS, summary="Live per-lookup verdicts of the token's tenants")
     async def get_verdicts(
@@ -246,17 +251,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
         since_ns: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
     ) -> Response:
-        grant = _grant(collector, request)
-        params: dict[str, Any] = {"since": since_ns, "limit": limit}
-        where = [_tenant_filter(grant, params), "ts_ns >= {since:Int64}"]
-        for name, value in (("instance", instance), ("request_id", request_id)):
-            if value is not None:
-                params[name] = value
-                where.append(f"{name} = {{{name}:String}}")
-        sql = (f"SELECT * FROM {collector.store.db}.{VERDICTS.name} FINAL WHERE {' AND '.join(where)} "
-               "ORDER BY ts_ns, source_id, seq LIMIT {limit:UInt32}")
-        rows = await run_in_threadpool(_rows, sql, params)
-        return Response(msgspec.json.encode(rows), media_type=JSON_TYPE)
+        return await _select(request, VERDICTS.name, {"instance": instance, "request_id": request_id}, since_ns, limit)
 
     @app.get("/v1/hit-rates", response_model=list[HitRates], responses=_ERRORS,
              summary="Logical, recoverable and adopted hit rates from the live verdicts")

@@ -84,6 +84,9 @@ _typed = msgspec.msgpack.Decoder(Batch)
 
 
 class _JsonBatch(msgspec.Struct, kw_only=True):
+    """RawBatch as a sender may write it: no `rejections` (only the collector's spool carries
+    them), and unknown fields ignored."""
+
     wire_version: int
     source_id: int
     batch_seq: int
