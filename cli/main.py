@@ -25,6 +25,7 @@ examples:
   kvtrace costs --recipe dense          load vs recompute: fitted costs, crossovers, seconds lost
   kvtrace capacity --recipe dense       hit rate against capacity per group; the capacity 99% need
   kvtrace report --recipe dense -o r.html   the HTML report, from the store or Parquet files
+  kvtrace alerts --webhook URL          alert on divergence, unsafe reuse, gaps and drops
   kvtrace collector --port 4318         the ingest service a fleet's shims point at
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
@@ -145,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
+
+    al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to a webhook")
+    al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
+    al.add_argument("--show-default-rules", action="store_true", help="print the built-in rules and exit")
+    al.add_argument("--recipe", action="append", default=[], metavar="[MODEL=]RECIPE",
+                    help="compute verdicts from events with these recipes (default: the collector's live verdicts)")
+    al.add_argument("--webhook", default="", help="Alertmanager-compatible webhook URL for firing/resolved alerts")
+    al.add_argument("--interval-s", type=_positive, default=30, help="seconds between evaluations (default 30)")
+    al.add_argument("--once", action="store_true", help="evaluate once and exit")
+    al.add_argument("--metrics-port", type=_positive, help="also serve the rule values as Prometheus metrics here")
 
     rep = sub.add_parser("report", help="write the HTML report (funnel, reasons, crossover, capacity)")
     rep.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
@@ -602,6 +613,43 @@ def cmd_costs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from kvtrace.dashboards.alerts import (
+        DEFAULT_RULES,
+        AlertLoop,
+        Evaluator,
+        RuleError,
+        computed_verdicts,
+        rules_from_path,
+    )
+    from kvtrace.schema.recipes import RecipeError
+
+    if args.show_default_rules:
+        print(DEFAULT_RULES, end="")
+        return 0
+    try:
+        rules = rules_from_path(args.rules)
+        recipes = _recipes(args.recipe) if args.recipe else None
+    except (RuleError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = _store(args)
+    store.require_schema()
+    loop = AlertLoop(Evaluator(store, rules, computed_verdicts(store, recipes) if recipes else None), args.webhook)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=loop.registry)
+    if args.once:
+        loop.cycle()
+        firing = loop.state.firing()
+        print(f"{len(rules)} rules evaluated; {len(firing)} firing")
+        return 0
+    print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
+    loop.run(args.interval_s)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from kvtrace.analysis.funnel import funnel
     from kvtrace.analysis.planning import capacity_report, cost_report
@@ -757,6 +805,7 @@ COMMANDS = {
     "capacity": cmd_capacity,
     "calibrate": cmd_calibrate,
     "report": cmd_report,
+    "alerts": cmd_alerts,
 }
 
 

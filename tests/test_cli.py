@@ -463,3 +463,18 @@ def test_the_readmes_duckdb_queries_run(capsys, store, tmp_path, monkeypatch):
     assert answers[1][0][0] == "llama" and 0 < answers[1][0][2] <= answers[1][0][1]
     bandwidth = dict(((r[0], r[1]), r[3]) for r in duckdb.sql(queries[3]).fetchall())
     assert 1.0 < bandwidth[("host", "device")] < 10.0  # the simulated 10 GB/s link, slowed by its latency
+
+
+def test_alerts_once_and_bad_rules(capsys, store, tmp_path):
+    _simulated(store)  # a skipped checkpoint: recoverable below logical
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - {name: div, kind: divergence, threshold: 0.01, window_s: 3600}\n")
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "alerts", "--once", "--rules", str(rules),
+                         "--recipe", "jamba=mamba-hybrid")
+    assert code == 0, err
+    assert "FIRING   div model=jamba" in out and "1 firing" in out
+    rules.write_text("rules:\n  - {name: div, kind: divergence, threshold: nope}\n")
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "alerts", "--once", "--rules", str(rules))
+    assert code == 2 and "rule div: threshold:" in err
+    code, out, _ = run(capsys, "alerts", "--show-default-rules")
+    assert code == 0 and "recoverable-below-logical" in out

@@ -1,0 +1,188 @@
+"""Alert rules end to end: a replay with an injected fault fires the divergence alert to a local
+webhook receiver within one evaluation, a clean replay resolves it, an engine that reuses
+beyond what is recoverable fires the unsafe-reuse alert; bad rule files name rule and field."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvtrace.collector.store import Store
+from kvtrace.dashboards.alerts import (
+    AlertLoop,
+    AlertState,
+    Evaluator,
+    RuleError,
+    Sample,
+    Status,
+    computed_verdicts,
+    load_rules,
+)
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
+from kvtrace.instrumentation.sinks.store import StoreSink
+from kvtrace.schema.recipes import BUILTIN
+
+RULES = """
+rules:
+  - name: divergence
+    kind: divergence
+    threshold: 0.01
+    window_s: 60
+  - name: unsafe
+    kind: unsafe_reuse
+    window_s: 60
+    severity: critical
+"""
+PREFIX = list(range(1, 1025))
+S = 10**9
+
+
+class Receiver:
+    """A local Alertmanager-webhook receiver that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self) -> list[tuple[str, str]]:
+        return [(a["status"], a["labels"]["alertname"]) for body in self.received for a in body["alerts"]]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+class Engine:
+    """The reference simulator writing into the store, with a clock the test moves."""
+
+    def __init__(self, store: Store, adopt: AdoptPolicy = AdoptPolicy.COMPLETE) -> None:
+        self.emitter = BatchEmitter(StoreSink(store), BatchConfig(schedule_delay_millis=10), register_atexit=False)
+        self.sim = CacheSimulator(SimConfig(recipe=BUILTIN["mamba-hybrid"], model="jamba", adopt=adopt), self.emitter)
+        self.n = 0
+
+    def serve(self, at_s: float, fault: bool = False) -> None:
+        self.n += 1
+        arrival = self.sim.config.start_ns + int(at_s * S)
+        request = SimRequest(f"r{self.n}", [*PREFIX, self.n, self.n], arrival_ns=arrival)
+        if fault:
+            self.sim.inject(Fault.SKIP_CHECKPOINT, request, 1024)
+        self.sim.serve(request)
+        assert self.emitter.force_flush(10_000)
+
+
+def loop_for(store: Store, receiver: Receiver) -> AlertLoop:
+    rules = load_rules(RULES)
+    return AlertLoop(Evaluator(store, rules, computed_verdicts(store, BUILTIN["mamba-hybrid"])), receiver.url,
+                     out=lambda line: None)
+
+
+def test_divergence_fires_within_one_cycle_and_resolves_after_a_clean_replay(store: Store, receiver: Receiver) -> None:
+    engine = Engine(store)
+    loop = loop_for(store, receiver)
+    for t in range(4):
+        engine.serve(t)  # clean: everything hit is recoverable
+    assert loop.cycle() == [] and receiver.received == []
+    engine.serve(10, fault=True)  # the Mamba checkpoint at the hit boundary is gone
+    changed = loop.cycle()
+    assert [(a.rule.name, a.status) for a in changed] == [("divergence", Status.FIRING)]
+    assert receiver.alerts() == [("firing", "divergence")]
+    body = receiver.received[-1]
+    assert body["version"] == "4" and body["status"] == "firing"
+    assert body["alerts"][0]["labels"] == {"alertname": "divergence", "severity": "warning", "kind": "divergence",
+                                           "model": "jamba"}
+    assert loop.cycle() == []  # still firing: not sent again
+    for t in range(200, 204):  # a clean replay, after the faulty lookup left the window
+        engine.serve(t)
+    assert [(a.rule.name, a.status) for a in loop.cycle()] == [("divergence", Status.RESOLVED)]
+    assert receiver.alerts() == [("firing", "divergence"), ("resolved", "divergence")]
+    assert receiver.received[-1]["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
+
+
+def test_unsafe_reuse_fires(store: Store, receiver: Receiver) -> None:
+    engine = Engine(store, adopt=AdoptPolicy.LOGICAL)  # an engine that trusts the hash hit
+    loop = loop_for(store, receiver)
+    engine.serve(0)
+    engine.serve(1, fault=True)
+    fired = {a.rule.name for a in loop.cycle() if a.status is Status.FIRING}
+    assert "unsafe" in fired
+    unsafe = next(a for body in receiver.received for a in body["alerts"] if a["labels"]["alertname"] == "unsafe")
+    assert unsafe["labels"]["severity"] == "critical" and float(unsafe["annotations"]["value"]) >= 1
+
+
+def test_pending_until_the_condition_holds_for_its_duration() -> None:
+    (rule,) = load_rules("rules: [{name: d, kind: divergence, threshold: 0.1, for_s: 30}]")
+    state = AlertState()
+    breach = [Sample("d", (("model", "m"),), 0.5, True)]
+    assert state.update([rule], breach, 0) == []  # pending
+    assert state.update([rule], breach, 29 * S) == []
+    (fired,) = state.update([rule], breach, 30 * S)
+    assert fired.status is Status.FIRING
+    assert state.update([rule], [Sample("d", (("model", "m"),), 0.5, True)], 40 * S) == []
+    (resolved,) = state.update([rule], [Sample("d", (("model", "m"),), 0.0, False)], 50 * S)
+    assert resolved.status is Status.RESOLVED
+    # a breach that clears while pending never reaches the receiver
+    assert state.update([rule], breach, 60 * S) == [] and state.update([rule], [], 61 * S) == []
+
+
+@pytest.mark.parametrize("text, where", [
+    ("rules: [{name: a, kind: divergence, threshold: -1}]", "rule a: threshold:"),
+    ("rules: [{name: a, kind: divergance}]", "rule a: kind:"),
+    ("rules: [{name: a, kind: divergence, windw_s: 5}]", "rule a: windw_s:"),
+    ("rules: [{kind: divergence}]", "rule #1: name:"),
+    ("rules: [{name: a, kind: divergence}, {name: a, kind: unsafe_reuse}]", "rule a: name:"),
+    ("rules: [{name: g, kind: stream_gap}]", "rule g: by:"),
+    ("rules: [{name: b, kind: recoverable_drop, window_s: 600, baseline_s: 60}]", "rule b: baseline_s:"),
+    ("rules: [{name: c, kind: divergence, severity: loud}]", "rule c: severity:"),
+    ("- just a list", "expected a mapping"),
+])
+def test_bad_rule_files_name_the_rule_and_field(text: str, where: str) -> None:
+    with pytest.raises(RuleError) as err:
+        load_rules(text, "rules.yaml")
+    assert str(err.value).startswith("rules.yaml: ") and where in str(err.value)
+
+
+def test_stream_health_rules_find_gaps_silence_and_drops(store: Store) -> None:
+    from kvtrace.schema.events import Event
+    from kvtrace.schema.kinds import EventKind
+    from kvtrace.schema.records import EmitterStats
+
+    t0 = 1_760_000_000 * S
+
+    def lookups(instance: str, source: int, seqs: range | list[int], at_s: float) -> list[Event]:
+        return [Event(kind=EventKind.LOOKUP, ts_ns=t0 + int(at_s * S) + i, source_id=source, seq=q, instance=instance,
+                      model="m", request_id=f"{instance}-{q}", prompt_tokens=16) for i, q in enumerate(seqs)]
+
+    store.insert_events(lookups("steady", 1, range(0, 50), 0) + lookups("steady", 1, range(50, 100), 290))
+    store.insert_events(lookups("gappy", 2, [0, 1, 2, 6, 7], 280))  # 3 events never arrived
+    store.insert_events(lookups("quiet", 3, range(10), 100))  # nothing in the last 120 s
+    store.insert_stats([EmitterStats(ts_ns=t0 + 200 * S, source_id=1, instance="steady", dropped_queue_full=0),
+                        EmitterStats(ts_ns=t0 + 290 * S, source_id=1, instance="steady", dropped_queue_full=5)])
+    rules = load_rules("""
+rules:
+  - {name: gaps, kind: stream_gap, by: [instance], window_s: 300}
+  - {name: silent, kind: silent, by: [instance], window_s: 120}
+  - {name: drops, kind: emitter_drops, by: [instance], window_s: 300}
+""")
+    samples = Evaluator(store, rules).evaluate()
+    breaching = sorted((s.rule, dict(s.labels)["instance"], s.value) for s in samples if s.breaching)
+    assert breaching == [("drops", "steady", 5.0), ("gaps", "gappy", 3.0), ("silent", "quiet", pytest.approx(190, abs=1))]
