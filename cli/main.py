@@ -26,6 +26,7 @@ examples:
   kvtrace capacity --recipe dense       hit rate against capacity per group; the capacity 99% need
   kvtrace report --recipe dense -o r.html   the HTML report, from the store or Parquet files
   kvtrace alerts --webhook URL          alert on divergence, unsafe reuse, gaps and drops
+  kvtrace dashboard                     the web dashboard (and `kvtrace grafana` for Grafana)
   kvtrace collector --port 4318         the ingest service a fleet's shims point at
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--bucket-s", type=_non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
+    analyze.add_argument("--write-verdicts", action="store_true",
+                         help="also store the per-lookup rows in the verdicts table (what dashboards and alerts read "
+                              "when no collector reconstructs live)")
 
     costs = sub.add_parser("costs", help="load vs recompute: fitted costs, crossovers, seconds lost")
     costs.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
@@ -146,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
+
+    dash = sub.add_parser("dashboard", help="serve the web dashboard over the store")
+    dash.add_argument("--host", default="127.0.0.1")
+    dash.add_argument("--port", type=_positive, default=8050)
+    graf = sub.add_parser("grafana", help="write the Grafana dashboards (ClickHouse data source) as JSON")
+    graf.add_argument("-o", "--output", default="grafana", help="directory (default ./grafana)")
+    graf.add_argument("--database", default="", help="database the panels query (default: the store's)")
 
     al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to a webhook")
     al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
@@ -522,6 +533,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     if args.output:
         frame.write_parquet(args.output)
+    if args.write_verdicts:
+        from kvtrace.schema.arrow import conform
+        from kvtrace.schema.verdicts import LookupResult
+
+        with _store(args) as store:
+            store.init()
+            store.insert_arrow("verdicts", conform(frame.to_arrow(), LookupResult))
     with pl.Config(tbl_rows=50, tbl_cols=20, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
                    float_precision=3, tbl_hide_column_data_types=True):
         print(f"{frame.height} lookups ({path.value} path)")
@@ -610,6 +628,28 @@ def cmd_costs(args: argparse.Namespace) -> int:
     if args.output:
         report.decisions.write_parquet(args.output)
         print(f"per-lookup decisions: {args.output}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvtrace.dashboards.web import create_dashboard_app
+
+    store = _store(args)
+    store.require_schema()
+    print(f"dashboard on http://{args.host}:{args.port}/ over {store.dsn}")
+    uvicorn.run(create_dashboard_app(store), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_grafana(args: argparse.Namespace) -> int:
+    from kvtrace.collector.store import parse_dsn
+    from kvtrace.dashboards.grafana import write_dashboards
+
+    db = args.database or parse_dsn(args.dsn or default_dsn()).database
+    for path in write_dashboards(args.output, db):
+        print(f"wrote {path} (import it in Grafana with the ClickHouse data source)")
     return 0
 
 
@@ -806,6 +846,8 @@ COMMANDS = {
     "calibrate": cmd_calibrate,
     "report": cmd_report,
     "alerts": cmd_alerts,
+    "dashboard": cmd_dashboard,
+    "grafana": cmd_grafana,
 }
 
 

@@ -14,6 +14,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,torch]'
   echo "$want" > "$stamp"
 fi
+# Headless Chromium for the dashboard tests: Debian's package (CI runs as root).
+if ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get install -y -q chromium >/dev/null 2>&1 || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null; }
+fi
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 for engine in vllm; do

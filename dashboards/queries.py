@@ -1,0 +1,145 @@
+"""The dashboards' panels, defined once: the web dashboard and the Grafana dashboards run the
+same SQL, so they cannot disagree.
+
+Each query is written for Grafana's ClickHouse data source: `$__fromTime` / `$__toTime` (the
+plugin expands them to `toDateTime(<unix seconds>)`), `$__interval_s`, and the dashboard
+variables `${model}`, `${instance}`, `${tenant}`, `${engine}` (empty means all). `render` makes
+the same substitutions for the web dashboard and for tests, escaping values as literals.
+Everything aggregates inside the store: pages stay fast on tens of millions of events.
+Quantiles are ClickHouse's deterministic sampling ones, so two readers of the same rows (the
+web page and Grafana) show the same number.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+VARIABLES = ("model", "instance", "tenant", "engine")
+
+
+class PanelKind(StrEnum):
+    TIMESERIES = "timeseries"
+    BARS = "bars"
+    TABLE = "table"
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    key: str
+    title: str
+    kind: PanelKind
+    sql: str  # with Grafana macros and variables; `{db}` is the database
+    x: str  # the column plotted along x (or the first table column)
+    series: tuple[str, ...]  # value columns, one trace each
+    description: str = ""
+    group_by: str = ""  # a column whose values split the series (one trace per value)
+
+
+def filters(table: str) -> str:
+    """Time range and variable filters; verdict rows know their engine through their instance."""
+    clauses = ["ts_ns >= toUnixTimestamp($__fromTime) * 1000000000",
+               "ts_ns < (toUnixTimestamp($__toTime) + 1) * 1000000000",
+               "('${model}' = '' OR model = '${model}')",
+               "('${instance}' = '' OR instance = '${instance}')",
+               "('${tenant}' = '' OR tenant = '${tenant}')"]
+    if table == "events":
+        clauses.append("('${engine}' = '' OR engine = '${engine}')")
+    else:
+        clauses.append("('${engine}' = '' OR instance IN (SELECT DISTINCT instance FROM {db}.events "
+                       "WHERE engine = '${engine}'))")
+    return " AND ".join(clauses)
+
+
+_BUCKET = "toStartOfInterval(fromUnixTimestamp64Nano(ts_ns), toIntervalSecond($__interval_s))"
+
+PANELS: tuple[Panel, ...] = (
+    Panel(
+        key="funnel", title="Hit funnel: logical -> recoverable -> resident -> adopted (share of prompt tokens)",
+        kind=PanelKind.TIMESERIES, x="time",
+        series=("logical", "recoverable", "resident", "adopted", "divergence"),
+        description="Logical above recoverable is recompute the hash hit hides; adopted above recoverable is "
+                    "reuse of state that was not valid.",
+        sql=f"SELECT {_BUCKET} AS time, "
+            "sum(logical_hit_tokens) / sum(prompt_tokens) AS logical, "
+            "sum(recoverable_hit_tokens) / sum(prompt_tokens) AS recoverable, "
+            "sum(resident_hit_tokens) / sum(prompt_tokens) AS resident, "
+            "sum(adopted_tokens) / sum(prompt_tokens) AS adopted, "
+            "(sum(logical_hit_tokens) - sum(recoverable_hit_tokens)) / sum(prompt_tokens) AS divergence "
+            f"FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')} GROUP BY time ORDER BY time"),
+    Panel(
+        key="reasons", title="Why the gap: tokens lost between logical and recoverable, by reason and group",
+        kind=PanelKind.BARS, x="reason", series=("tokens_lost",), group_by="group",
+        sql="SELECT reason, toString(reason_group) AS group, "
+            "sum(logical_hit_tokens - recoverable_hit_tokens) AS tokens_lost, count() AS lookups "
+            f"FROM {{db}}.verdicts FINAL WHERE reason != '' AND {filters('verdicts')} "
+            "GROUP BY reason, group ORDER BY tokens_lost DESC"),
+    Panel(
+        key="unsafe", title="Unsafe reuse: requests that adopted beyond what was recoverable",
+        kind=PanelKind.TABLE, x="time",
+        series=("instance", "request_id", "model", "tenant", "logical_hit_tokens", "recoverable_hit_tokens",
+                "adopted_tokens", "reason", "reason_detail"),
+        sql="SELECT fromUnixTimestamp64Nano(ts_ns) AS time, instance, request_id, model, tenant, "
+            "logical_hit_tokens, recoverable_hit_tokens, adopted_tokens, reason, reason_detail "
+            f"FROM {{db}}.verdicts FINAL WHERE unsafe_reuse AND {filters('verdicts')} ORDER BY ts_ns DESC LIMIT 500"),
+    Panel(
+        key="tiers", title="Tier traffic: bytes written into and evicted from each tier",
+        kind=PanelKind.TIMESERIES, x="time", series=("written_gib", "evicted_gib"), group_by="tier",
+        description="Writes are commits (every engine reports them; a tentative create that never commits "
+                    "does not count) and transfers in; the difference over time is how the tier fills.",
+        sql=f"SELECT {_BUCKET} AS time, "
+            "if(kind IN ('offload', 'load'), dst_tier, tier) AS tier, "
+            "sumIf(nbytes * (1 + length(more_keys)), kind IN ('commit', 'offload', 'load')) / 1073741824 AS written_gib, "
+            "sumIf(nbytes * (1 + length(more_keys)), kind = 'evict') / 1073741824 AS evicted_gib "
+            f"FROM {{db}}.events FINAL WHERE kind IN ('commit', 'offload', 'load', 'evict') AND {filters('events')} "
+            "GROUP BY time, tier ORDER BY time, tier"),
+    Panel(
+        key="transfers", title="Lifecycle timings: transfer time per tier path (p50 and p99)",
+        kind=PanelKind.BARS, x="path", series=("p50_ms", "p99_ms"),
+        sql="SELECT concat(src_tier, ' -> ', dst_tier) AS path, count() AS transfers, "
+            "quantileDeterministic(0.5)(duration_ns, block_key) / 1e6 AS p50_ms, "
+            "quantileDeterministic(0.99)(duration_ns, block_key) / 1e6 AS p99_ms "
+            f"FROM {{db}}.events FINAL WHERE kind IN ('load', 'offload') AND duration_ns > 0 AND {filters('events')} "
+            "GROUP BY path ORDER BY path"),
+    Panel(
+        key="residency", title="Lifecycle timings: how long a block stays on a tier before eviction (seconds)",
+        kind=PanelKind.BARS, x="tier", series=("p50_s", "p90_s", "p99_s"),
+        sql="SELECT e.tier AS tier, count() AS evictions, "
+            "quantileDeterministic(0.5)(e.ts_ns - w.ts_ns, e.block_key) / 1e9 AS p50_s, "
+            "quantileDeterministic(0.9)(e.ts_ns - w.ts_ns, e.block_key) / 1e9 AS p90_s, "
+            "quantileDeterministic(0.99)(e.ts_ns - w.ts_ns, e.block_key) / 1e9 AS p99_s "
+            f"FROM (SELECT tier, group_id, block_key, ts_ns FROM {{db}}.events FINAL WHERE kind = 'evict' "
+            f"AND {filters('events')}) AS e "
+            "ASOF JOIN (SELECT if(kind IN ('offload', 'load'), dst_tier, tier) AS tier, group_id, block_key, ts_ns "
+            "FROM {db}.events FINAL WHERE kind IN ('create', 'commit', 'offload', 'load')) AS w "
+            "ON e.tier = w.tier AND e.group_id = w.group_id AND e.block_key = w.block_key AND e.ts_ns >= w.ts_ns "
+            "GROUP BY tier ORDER BY tier"),
+)
+
+
+def by_key(key: str) -> Panel:
+    for p in PANELS:
+        if p.key == key:
+            return p
+    raise KeyError(key)
+
+
+def _literal(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def render(panel: Panel, db: str, from_s: int, to_s: int, interval_s: int = 60,
+           variables: dict[str, str] | None = None) -> str:
+    """The panel's SQL as Grafana's ClickHouse plugin would send it, for these settings."""
+    return substitute(panel.sql, db, from_s, to_s, interval_s, variables)
+
+
+def substitute(text: str, db: str, from_s: int, to_s: int, interval_s: int = 60,
+               variables: dict[str, str] | None = None) -> str:
+    values = {name: "" for name in VARIABLES} | (variables or {})
+    sql = text.replace("{db}", db)
+    sql = sql.replace("$__fromTime", f"toDateTime({int(from_s)})").replace("$__toTime", f"toDateTime({int(to_s)})")
+    sql = sql.replace("$__interval_s", str(max(1, int(interval_s))))
+    sql = re.sub(r"\$\{(\w+)\}", lambda m: _literal(values.get(m.group(1), "")), sql)
+    return sql
