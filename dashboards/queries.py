@@ -84,16 +84,23 @@ PANELS: tuple[Panel, ...] = (
             "logical_hit_tokens, recoverable_hit_tokens, adopted_tokens, reason, reason_detail "
             f"FROM {{db}}.verdicts FINAL WHERE unsafe_reuse AND {filters('verdicts')} ORDER BY ts_ns DESC LIMIT 500"),
     Panel(
-        key="tiers", title="Tier traffic: bytes written into and evicted from each tier",
-        kind=PanelKind.TIMESERIES, x="time", series=("written_gib", "evicted_gib"), group_by="tier",
-        description="Writes are commits (every engine reports them; a tentative create that never commits "
-                    "does not count) and transfers in; the difference over time is how the tier fills.",
-        sql=f"SELECT {_BUCKET} AS time, "
-            "if(kind IN ('offload', 'load'), dst_tier, tier) AS tier, "
-            "sumIf(nbytes * (1 + length(more_keys)), kind IN ('commit', 'offload', 'load')) / 1073741824 AS written_gib, "
-            "sumIf(nbytes * (1 + length(more_keys)), kind = 'evict') / 1073741824 AS evicted_gib "
-            f"FROM {{db}}.events FINAL WHERE kind IN ('commit', 'offload', 'load', 'evict') AND {filters('events')} "
-            "GROUP BY time, tier ORDER BY time, tier"),
+        key="tiers", title="Tier occupancy: bytes resident on each tier (GiB)",
+        kind=PanelKind.TIMESERIES, x="time", series=("resident_gib", "in_flight_gib"), group_by="tier",
+        description="Resident is every committed or transferred-in byte minus every evicted one, counted from the "
+                    "start of the stream; in flight is what loads still running at admission were moving. How much "
+                    "is locked by running requests and how much is free needs the engine's allocator state, which "
+                    "no event carries yet.",
+        sql="SELECT time, tier, resident_gib, in_flight_gib FROM (SELECT time, tier, "
+            "sum(delta) OVER (PARTITION BY tier ORDER BY time) / 1073741824 AS resident_gib, "
+            "in_flight / 1073741824 AS in_flight_gib FROM (SELECT "
+            f"{_BUCKET} AS time, if(kind IN ('offload', 'load'), dst_tier, tier) AS tier, "
+            "sum(if(kind = 'evict', -1, 1) * nbytes * (1 + length(more_keys))) AS delta, "
+            "sumIf(nbytes * (1 + length(more_keys)), kind = 'load' AND in_flight) AS in_flight "
+            "FROM {db}.events FINAL WHERE kind IN ('commit', 'offload', 'load', 'evict') "
+            "AND ts_ns < (toUnixTimestamp($__toTime) + 1) * 1000000000 "
+            "AND ('${model}' = '' OR model = '${model}') AND ('${instance}' = '' OR instance = '${instance}') "
+            "AND ('${tenant}' = '' OR tenant = '${tenant}') AND ('${engine}' = '' OR engine = '${engine}') "
+            "GROUP BY time, tier)) WHERE time >= $__fromTime ORDER BY time, tier"),
     Panel(
         key="transfers", title="Lifecycle timings: transfer time per tier path (p50 and p99)",
         kind=PanelKind.BARS, x="path", series=("p50_ms", "p99_ms"),

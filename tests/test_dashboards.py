@@ -114,6 +114,11 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     assert {r["instance"] for r in rows["unsafe"]} == {"engine-b"}
     assert any(r["reason"] == "no_checkpoint_at_boundary" for r in rows["reasons"])
     assert {r["tier"] for r in rows["tiers"]} >= {"device", "host"}
+    one = client.get("/api/panels/tiers", params={"from": lo, "to": hi, "interval_s": 30, "instance": "engine-a"}).json()
+    device = [r["resident_gib"] for r in one if r["tier"] == "device"]
+    assert max(device) == pytest.approx(12 / 1024)  # one engine's device tier fills to its 12 MiB and stays there
+    both = [r["resident_gib"] for r in rows["tiers"] if r["tier"] == "device"]
+    assert max(both) == pytest.approx(2 * 12 / 1024)
     assert rows["transfers"] and rows["residency"]
     # a filter that matches nothing says so
     page = client.get("/unsafe", params={"instance": "engine-a"}).text
