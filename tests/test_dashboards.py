@@ -162,3 +162,13 @@ def test_every_page_draws_in_headless_chromium(store: Store) -> None:
             subprocess.run([*args, "--window-size=1300,1800", f"--screenshot={shot}", url], capture_output=True,
                            timeout=120, check=True)
             assert shot.stat().st_size > 10_000, shot
+
+
+def test_an_empty_store_says_there_is_no_data(store: Store) -> None:
+    from starlette.testclient import TestClient
+
+    client = TestClient(create_dashboard_app(store))
+    for path in PAGES:
+        page = client.get(f"/{path}")
+        assert page.status_code == 200 and ("No data" in page.text or "No fitted" in page.text), path
+    assert client.get("/api/panels/nope").status_code == 404
