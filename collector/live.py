@@ -53,7 +53,7 @@ class _Instance:
 class LiveReconstruction:
     def __init__(self, store: Store, recipes: Recipe | Mapping[str, Recipe], metrics: CollectorMetrics,
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
-                 rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True) -> None:
+                 rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0) -> None:
         self.store = store
         self.recipes = recipes
         self.metrics = metrics
@@ -61,6 +61,7 @@ class LiveReconstruction:
         self.lateness_ns = lateness_ns
         self.rebuild_window_ns = rebuild_window_ns
         self.rebuild = rebuild
+        self.idle_s = idle_s  # an instance quiet this long is finished and forgotten (memory stays bounded)
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()
         self.late_events = 0
@@ -93,15 +94,20 @@ class LiveReconstruction:
             return self._write(results)
 
     def tick(self, force: bool = False) -> int:
-        """Release what quiet instances still hold (or everything, when `force`)."""
+        """Release what quiet instances still hold (or everything, when `force`); finish and
+        forget instances idle for `idle_s` (one that comes back is rebuilt from the store)."""
         with self._lock:
             now = time.monotonic()
             results: list[LookupResult] = []
-            for inst in self._instances.values():
-                if force or now - inst.last_seen_s >= self.lateness_ns / 1e9:
+            for name, inst in list(self._instances.items()):
+                quiet = now - inst.last_seen_s
+                if force or quiet >= self.lateness_ns / 1e9:
                     self._release(inst, None, results)
-                    if force:
-                        results.extend(inst.reconstructor.finish())
+                if force or quiet >= self.idle_s:
+                    results.extend(inst.reconstructor.finish())
+                    if not force:
+                        del self._instances[name]
+            self.metrics.live_instances.set(len(self._instances))
             return self._write(results)
 
     def _start(self, name: str, first: Event, results: list[LookupResult]) -> _Instance:

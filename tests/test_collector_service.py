@@ -343,3 +343,17 @@ def test_subscriber_mode_stores_an_engines_kv_event_stream(store: Store, store_d
     assert [(e.kind, e.block_key, e.more_keys) for e in got] == [
         (EventKind.COMMIT, 101, [102, 103]), (EventKind.COMMIT, 104, []), (EventKind.EVICT, 101, [])]
     assert {(e.instance, e.model, e.tenant) for e in got} == {("engine-z", "m", "acme")}
+
+
+def test_idle_instances_are_finished_and_forgotten(store: Store, store_dsn: str, tmp_path: Path) -> None:
+    from kvtrace.collector.live import LiveReconstruction
+    from kvtrace.collector.metrics import CollectorMetrics
+
+    live = LiveReconstruction(store, load_recipe("dense"), CollectorMetrics(), lateness_ns=0, idle_s=0.0)
+    evs = events(3, instance="gone-soon")
+    store.insert_events(evs)
+    live.feed(evs)
+    assert live.instances() == ["gone-soon"]
+    written = live.tick()
+    assert live.instances() == [] and written == 3  # its lookups got their (adopt-less) verdicts first
+    assert store.scalar(f"SELECT count() FROM {store.db}.verdicts") == 3
