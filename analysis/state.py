@@ -91,7 +91,7 @@ class CacheState:
 
     def apply(self, event: Event, ord: int) -> None:
         kind = event.kind
-        if kind is EventKind.LOOKUP or kind is EventKind.ADOPT:
+        if kind is EventKind.LOOKUP or kind is EventKind.ADOPT or kind is EventKind.USAGE:
             return
         if kind is EventKind.INVALIDATE and event.block_key == 0:
             scopes = self.bulk.setdefault(event.instance, {})

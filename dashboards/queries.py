@@ -102,6 +102,17 @@ PANELS: tuple[Panel, ...] = (
             "AND ('${tenant}' = '' OR tenant = '${tenant}') AND ('${engine}' = '' OR engine = '${engine}') "
             "GROUP BY time, tier)) WHERE time >= $__fromTime ORDER BY time, tier"),
     Panel(
+        key="usage", title="Tier usage: locked by running requests, evictable cache, free (GiB)",
+        kind=PanelKind.TIMESERIES, x="time", series=("locked_gib", "evictable_gib", "free_gib"), group_by="tier",
+        description="From the usage samples engines report: per bucket, each instance's last sample, summed over "
+                    "instances.",
+        sql="SELECT time, tier, sum(locked) / 1073741824 AS locked_gib, sum(evictable) / 1073741824 AS evictable_gib, "
+            "sum(free) / 1073741824 AS free_gib FROM (SELECT "
+            f"{_BUCKET} AS time, instance, tier, argMax(locked_bytes, ts_ns) AS locked, "
+            "argMax(evictable_bytes, ts_ns) AS evictable, argMax(free_bytes, ts_ns) AS free "
+            f"FROM {{db}}.events FINAL WHERE kind = 'usage' AND {filters('events')} GROUP BY time, instance, tier) "
+            "GROUP BY time, tier ORDER BY time, tier"),
+    Panel(
         key="transfers", title="Lifecycle timings: transfer time per tier path (p50 and p99)",
         kind=PanelKind.BARS, x="path", series=("p50_ms", "p99_ms"),
         sql="SELECT concat(src_tier, ' -> ', dst_tier) AS path, count() AS transfers, "

@@ -28,7 +28,7 @@ PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("Hit funnel", ("funnel",)),
     "gaps": ("Why the gap", ("reasons",)),
     "unsafe": ("Unsafe reuse", ("unsafe",)),
-    "tiers": ("Tiers", ("tiers",)),
+    "tiers": ("Tiers", ("usage", "tiers")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
     "costs": ("Load vs recompute", ()),
 }

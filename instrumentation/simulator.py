@@ -243,6 +243,14 @@ class CacheSimulator:
                     self._move(block, tier, lower)
                 self._remove(block, tier, Reason.CAPACITY)
 
+    def _usage(self) -> None:
+        """What each tier holds now (one request at a time: nothing stays locked between them)."""
+        for tier in STORE_TIERS:
+            capacity = self._capacity[tier]
+            if capacity:
+                used = self._used[tier]
+                self._emit(EventKind.USAGE, tier=tier, evictable_bytes=used, free_bytes=max(capacity - used, 0))
+
     def _victim(self, tier: Tier) -> _Block:
         """The least recently used block, sparing branch-point checkpoints while others remain."""
         lru = self._lru[tier]
@@ -311,6 +319,7 @@ class CacheSimulator:
                    duration_ns=self._noisy(self.prefill_ns(adopted, len(tokens) - adopted)), **ident)
         self._compute(chains, adopted, len(tokens), request, branch=runs[0] if runs else 0)
         self._enforce_capacity()
+        self._usage()
         return SimOutcome(request.request_id, len(tokens), hit, adopted, len(tokens) - adopted, loaded)
 
     def _fetch(self, chains: list[list[int]], hit: int) -> tuple[int, dict[Tier, int]]:

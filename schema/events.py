@@ -31,7 +31,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bump when fields are added; readers accept every version up to this one."""
 
 
@@ -125,6 +125,11 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
              "their keys, after block_key. Lets a shim report a whole run as one event; nbytes stays per block."),
     ] = []
 
+    # -- usage samples (schema version 3) --------------------------------------------------------
+    locked_bytes: Annotated[U64, _doc("Bytes of the tier held by running requests (usage).")] = 0
+    evictable_bytes: Annotated[U64, _doc("Bytes of the tier holding reusable state nobody holds (usage).")] = 0
+    free_bytes: Annotated[U64, _doc("Bytes of the tier holding nothing (usage).")] = 0
+
 
 WIRE_REQUIRED: tuple[str, ...] = ("kind", "ts_ns", "source_id", "seq")
 """Fields a stored or transmitted event must carry explicitly: without its id an event could
@@ -142,6 +147,7 @@ REQUIRED_BY_KIND: dict[EventKind, tuple[str, ...]] = {
     EventKind.INVALIDATE: ("reason",),
     EventKind.LOOKUP: ("request_id", "prompt_tokens"),
     EventKind.ADOPT: ("request_id",),
+    EventKind.USAGE: ("tier",),
 }
 """Fields that must differ from their empty default for each kind."""
 

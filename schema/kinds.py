@@ -21,6 +21,7 @@ class EventKind(StrEnum):
     EVICT = "evict"  # removed from one tier
     LOOKUP = "lookup"  # a request asked for its prefix
     ADOPT = "adopt"  # the engine reused and/or recomputed tokens for a request
+    USAGE = "usage"  # a tier's occupancy at one moment: locked, evictable and free bytes (sampled)
 
 
 OBJECT_KINDS = frozenset(

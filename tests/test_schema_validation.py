@@ -33,6 +33,7 @@ GOOD: dict[EventKind, dict] = {
     EventKind.INVALIDATE: {"reason": "weight_update"},
     EventKind.LOOKUP: {"request_id": "r1", "prompt_tokens": 64, "reported_hit_tokens": 32},
     EventKind.ADOPT: {"request_id": "r1", "reused_tiers": ["host"], "reused_tokens": [32]},
+    EventKind.USAGE: {"tier": "device", "locked_bytes": 1 << 20, "evictable_bytes": 1 << 30, "free_bytes": 0},
 }
 
 

@@ -472,8 +472,9 @@ def test_full_spool_fails_exports_and_is_counted(tmp_path: Path) -> None:
     assert st.dropped_export_failed > 0
     assert st.exported > 0
     assert st.exported + st.dropped_export_failed == 1000
-    assert st.dropped_export_failed % 20 == 0  # whole batches refused...
-    assert st.export_errors == st.dropped_export_failed // 20  # ...once each: FAILURE is not retried
+    # Whole batches are refused, once each (FAILURE is not retried): one error per refused batch of
+    # at most 20 events. (Batches may be smaller when the worker's timer fires mid-burst.)
+    assert -(-st.dropped_export_failed // 20) <= st.export_errors <= st.dropped_export_failed
     assert em.shutdown() is False
     assert sum(f.stat().st_size for f in tmp_path.glob(f"*{SPOOL_SUFFIX}")) <= 4096
     stored = [e for b in spool_batches(tmp_path) for e in decode_events(b)]

@@ -13,6 +13,9 @@ Where each fact comes from (vLLM 0.32):
 - commit: `BlockPool.cache_full_blocks`, when full blocks are published in the hash map
   (vLLM publishes blocks when their chunk is scheduled, before the forward pass).
 
+- usage: at a lookup, at most once per `usage_interval_s`, the device pool split into blocks
+  held by running requests, evictable cached blocks and free blocks (vLLM's own counts).
+
 Commits and evictions are reported as runs, one event per call and group naming every block
 (`block_key` + `more_keys`): per block the shim then only reads a key and appends it.
 - evict: `BlockPool.get_new_blocks` (and `evict_blocks`), when reusing a block takes its key
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,7 +121,7 @@ class CacheManagerShim:
     """Instruments one vLLM `KVCacheManager`; `install()` once, `uninstall()` to restore."""
 
     def __init__(self, manager: Any, emitter: Emitter, identity: Identity = Identity(),
-                 sample_rate: float = 1.0) -> None:
+                 sample_rate: float = 1.0, usage_interval_s: float = 1.0) -> None:
         self.manager = manager
         self.emitter = emitter
         self.identity = identity
@@ -143,6 +147,14 @@ class CacheManagerShim:
             for gid, (_, component, _) in enumerate(self.groups)
         ]
         self._same_chain = all(size == self.hash_block_size for size, _, _ in self.groups)
+        # Usage samples: at most one per interval, taken at a lookup (0 turns them off). A pool
+        # block's bytes are the KV tensors' total over the blocks, whatever groups share them.
+        self.usage_interval_ns = int(usage_interval_s * 1e9)
+        self._usage_due_ns = 0
+        tensors = getattr(config, "kv_cache_tensors", None) or []
+        total = sum(int(getattr(t, "size", 0)) for t in tensors)
+        self.pool_block_bytes = total // max(int(getattr(config, "num_blocks", 0) or 0), 1) if total else \
+            sum(b for _, _, b in self.groups)
 
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CacheManagerShim:
@@ -248,6 +260,26 @@ class CacheManagerShim:
         event.group_hit_tokens = tuple(hits.get(g, 0) for g in range(len(self.groups)))  # type: ignore[assignment]
         event.reported_hit_tokens = int(hit)
         self.emitter.emit(event)
+        if self.usage_interval_ns:
+            self.sample_usage()
+
+    def sample_usage(self, force: bool = False) -> None:
+        """Emit the device pool's split (held by running requests, evictable cached blocks,
+        free) when the interval has passed. Counting cached blocks walks the pool: O(blocks),
+        once per interval."""
+        now = time.monotonic_ns()
+        if not force and now < self._usage_due_ns:
+            return
+        self._usage_due_ns = now + self.usage_interval_ns
+        pool = self.manager.block_pool
+        blocks = pool.blocks
+        free = int(pool.get_num_free_blocks())
+        evictable = sum(1 for b in blocks if b.ref_cnt == 0 and b._block_hash is not None and not b.is_null)
+        usable = int(pool.num_gpu_blocks) - 1  # the null block is never handed out
+        size = self.pool_block_bytes
+        self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE,
+                                  locked_bytes=max(usable - free, 0) * size, evictable_bytes=evictable * size,
+                                  free_bytes=max(free - evictable, 0) * size))
 
     def _after_adopt(self, result: Any, request: Any, num_hits: int, *args: Any, **kwargs: Any) -> None:
         if not self._sampled(request):

@@ -17,7 +17,7 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
 from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
-from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
+from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity, bytes_per_block
 from kvtrace.schema import ComponentKind, EventKind
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -146,3 +146,29 @@ def test_sampling_keeps_whole_requests_and_all_state() -> None:
     assert emitter.stats().dropped_sampled_out == 2 * (40 - len(looked))
     results = reconstruct(events, recipe_from_kv_cache_config(manager.kv_cache_config))
     assert all(r.recoverable_hit_tokens == r.adopted_tokens for r in results)  # state is complete
+
+
+def test_usage_samples_split_the_device_pool() -> None:
+    """Held by running requests, evictable cached blocks and free blocks add up to the pool, as
+    vLLM's own block pool counts them."""
+    config = DriverConfig(layout=Layout.DENSE, num_blocks=2048)
+    manager = build_manager(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    shim = CacheManagerShim(manager, emitter, Identity(instance="vllm-0", model="tiny"), usage_interval_s=0.0).install()
+    driver = Driver(manager, config)
+    for r in read_trace(str(TRACE), limit=10):
+        driver.serve(r.request_id, tokens_of(r))
+    shim.sample_usage(force=True)
+    assert emitter.shutdown() and shim.errors == 0
+    samples = [e for e in sink.events if e.kind is EventKind.USAGE]
+    pool = manager.block_pool
+    total = (pool.num_gpu_blocks - 1) * shim.pool_block_bytes
+    assert samples and all(e.locked_bytes + e.evictable_bytes + e.free_bytes == total for e in samples)
+    last = samples[-1]
+    cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    assert last.locked_bytes == 0  # the driver finishes each request before the next
+    assert last.evictable_bytes == cached * shim.pool_block_bytes > 0
+    # the no-model driver allocates no KV tensors: a pool block is then its groups' pages
+    assert not manager.kv_cache_config.kv_cache_tensors
+    assert shim.pool_block_bytes == sum(bytes_per_block(g) for g in manager.kv_cache_config.kv_cache_groups) > 0

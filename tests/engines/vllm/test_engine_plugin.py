@@ -63,6 +63,10 @@ def test_plugin_events_reconstruct_the_engines_cached_tokens(name: str, config: 
     for p in prompts:  # one at a time: the engine's order is the submission order
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
         reported.append(out.num_cached_tokens)
+    shim = scheduler._kvtrace_shim
+    shim.sample_usage(force=True)  # the pool after the last request: its blocks cached, none held
+    pool = scheduler.kv_cache_manager.block_pool
+    pool_bytes = (pool.num_gpu_blocks - 1) * shim.pool_block_bytes
     assert get_emitter().force_flush(timeout_millis=30_000)
     assert sum(reported) > 0
 
@@ -71,7 +75,11 @@ def test_plugin_events_reconstruct_the_engines_cached_tokens(name: str, config: 
         assert [g.component for g in recipe.groups] == [ComponentKind.SLIDING_WINDOW] * 3 + [ComponentKind.FULL_ATTENTION]
     events = sorted((e for f in sorted(spool.iterdir()) for e in iter_file_events(f) if e.model == str(model)),
                     key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    assert {EventKind.LOOKUP, EventKind.ADOPT, EventKind.COMMIT} <= {e.kind for e in events}
+    assert {EventKind.LOOKUP, EventKind.ADOPT, EventKind.COMMIT, EventKind.USAGE} <= {e.kind for e in events}
+    usage = [e for e in events if e.kind is EventKind.USAGE]
+    # the real engine's KV tensors over its blocks: held + evictable + free is the whole pool
+    assert all(e.locked_bytes + e.evictable_bytes + e.free_bytes == pool_bytes for e in usage)
+    assert usage[-1].locked_bytes == 0 and usage[-1].evictable_bytes > 0
     results = sorted((r for r in reconstruct(events, recipe) if r.adopt_seen), key=lambda r: r.seq)
     assert [r.adopted_tokens for r in results] == reported
     assert [r.recoverable_hit_tokens for r in results] == reported
