@@ -35,6 +35,7 @@ class Panel:
     series: tuple[str, ...]  # value columns, one trace each
     description: str = ""
     group_by: str = ""  # a column whose values split the series (one trace per value)
+    right_axis: tuple[str, ...] = ()  # series in another unit, drawn against a second y axis
 
 
 def filters(table: str) -> str:
@@ -75,6 +76,19 @@ PANELS: tuple[Panel, ...] = (
             "sum(logical_hit_tokens - recoverable_hit_tokens) AS tokens_lost, count() AS lookups "
             f"FROM {{db}}.verdicts FINAL WHERE reason != '' AND {filters('verdicts')} "
             "GROUP BY reason, group ORDER BY tokens_lost DESC"),
+    Panel(
+        key="restore", title="Why the gap, by tier: tokens recoverable only by restoring, and bytes to move",
+        kind=PanelKind.BARS, x="tier", series=("tokens", "gib"), right_axis=("gib",),
+        description="Recoverable but not resident: the state exists, on a lower tier; using it costs a load.",
+        sql="SELECT tier, tokens, gib FROM (SELECT "
+            "sumIf(recoverable_hit_tokens - resident_hit_tokens, restore_host_bytes > 0) AS host_t, "
+            "sumIf(recoverable_hit_tokens - resident_hit_tokens, restore_disk_bytes > 0) AS disk_t, "
+            "sumIf(recoverable_hit_tokens - resident_hit_tokens, restore_remote_bytes > 0) AS remote_t, "
+            "sum(restore_host_bytes) / 1073741824 AS host_b, sum(restore_disk_bytes) / 1073741824 AS disk_b, "
+            "sum(restore_remote_bytes) / 1073741824 AS remote_b "
+            f"FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')}) "
+            "ARRAY JOIN ['host', 'disk', 'remote'] AS tier, [host_t, disk_t, remote_t] AS tokens, "
+            "[host_b, disk_b, remote_b] AS gib WHERE tokens > 0 OR gib > 0 ORDER BY tier"),
     Panel(
         key="unsafe", title="Unsafe reuse: requests that adopted beyond what was recoverable",
         kind=PanelKind.TABLE, x="time",

@@ -26,7 +26,7 @@ from kvtrace.dashboards.queries import PANELS, Panel, PanelKind, by_key, filters
 
 PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("Hit funnel", ("funnel",)),
-    "gaps": ("Why the gap", ("reasons",)),
+    "gaps": ("Why the gap", ("reasons", "restore")),
     "unsafe": ("Unsafe reuse", ("unsafe",)),
     "tiers": ("Tiers", ("usage", "tiers")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
@@ -73,9 +73,14 @@ def _figure(panel: Panel, rows: pl.DataFrame) -> dict[str, Any]:
         for column in panel.series:
             name = column if key[0] is None else f"{column} ({panel.group_by} {key[0]})"
             traces.append({"type": kind, "name": name, "x": x, "y": part[column].to_list(),
-                           **({"mode": "lines+markers"} if kind == "scatter" else {})})
-    layout = {"title": {"text": panel.title}, "height": 420, "margin": {"l": 60, "r": 20, "t": 60, "b": 80},
-              "barmode": "group"}
+                           **({"mode": "lines+markers"} if kind == "scatter" else {}),
+                           **({"yaxis": "y2", "offsetgroup": "right"} if column in panel.right_axis else
+                              {"offsetgroup": "left"} if panel.right_axis else {})})
+    layout: dict[str, Any] = {"title": {"text": panel.title}, "height": 420,
+                              "margin": {"l": 60, "r": 60, "t": 60, "b": 80}, "barmode": "group"}
+    if panel.right_axis:
+        layout["yaxis"] = {"title": {"text": ", ".join(c for c in panel.series if c not in panel.right_axis)}}
+        layout["yaxis2"] = {"title": {"text": ", ".join(panel.right_axis)}, "overlaying": "y", "side": "right"}
     return {"data": traces, "layout": layout}
 
 

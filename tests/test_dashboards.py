@@ -120,6 +120,7 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     both = [r["resident_gib"] for r in rows["tiers"] if r["tier"] == "device"]
     assert max(both) == pytest.approx(2 * 12 / 1024)
     assert rows["transfers"] and rows["residency"]
+    assert {r["tier"] for r in rows["restore"]} == {"host"} and rows["restore"][0]["tokens"] > 0
     usage = [r for r in rows["usage"] if r["tier"] == "device"]
     # two engines, each with a 12 MiB device tier: what is held plus what is free is the capacity
     assert usage and all(r["evictable_gib"] + r["free_gib"] + r["locked_gib"] == pytest.approx(24 / 1024)
