@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--zmq-instance", default="", help="instance name for the stream's events (default: the endpoint)")
     col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
     col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
+    col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
     col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
@@ -818,7 +819,7 @@ def cmd_collector(args: argparse.Namespace) -> int:
             tokens=TokenTable.from_env(path=args.tokens_file),
             recipes=_recipes(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6,
             kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
-                                            args.zmq_tenant),) if args.zmq else None)
+                                            args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
     except (AuthConfigError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

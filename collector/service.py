@@ -41,6 +41,7 @@ class KvEventSource:
     model: str = ""
     tenant: str = ""  # events land in this tenant's namespace ("" keeps the stream's own)
     topic: str = ""
+    engine: str = ""  # the publishing engine (vllm, sglang): the wire format does not say
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ class Subscription:
         self.emitter = BatchEmitter(CollectorSink(collector, grant), BatchConfig(schedule_delay_millis=100),
                                     instance=identity.instance, engine="kv-events", register_atexit=False)
         self.bridge = KvEventBridge(source.endpoint, self.emitter, identity, topic=source.topic,
-                                    replay_endpoint=source.replay_endpoint)
+                                    replay_endpoint=source.replay_endpoint, engine=source.engine)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvtrace-sub-{source.endpoint}", daemon=True)
 

@@ -36,7 +36,7 @@ Hash = int | bytes
 class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
-    token_ids: list[int] = []
+    token_ids: list[Any] = []  # ints; SGLang's EAGLE pages publish [token, next token] pairs
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -45,6 +45,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None  # SGLang: the request's namespace (kvtrace's tenant)
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
@@ -66,7 +67,8 @@ class _Batch(msgspec.Struct, array_like=True):
 _DECODER = msgspec.msgpack.Decoder(_Batch)
 
 TIER_OF_MEDIUM = {None: Tier.DEVICE, "GPU": Tier.DEVICE, "CPU": Tier.HOST, "CPU_PINNED": Tier.HOST,
-                  "STORAGE": Tier.DISK}
+                  "STORAGE": Tier.DISK, "DISK": Tier.DISK, "EXTERNAL": Tier.REMOTE}
+"""Publishers' storage media (vLLM's and SGLang's names) as kvtrace tiers."""
 COMPONENT_OF_KIND = {"full_attention": ComponentKind.FULL_ATTENTION, "sliding_window": ComponentKind.SLIDING_WINDOW,
                      "mamba": ComponentKind.MAMBA, "mla_attention": ComponentKind.FULL_ATTENTION,
                      "cross_attention": ComponentKind.CROSS_ATTENTION}
@@ -84,13 +86,15 @@ class KvEventTranslator:
     """Pure translation of decoded batches into kvtrace events, with per-key reference counts."""
 
     identity: Identity = Identity()
+    engine: str = ""  # what published the stream (vllm, sglang); the wire format does not say
     refs: dict[tuple[Tier, int, int], int] = field(default_factory=dict)
     components: dict[int, ComponentKind] = field(default_factory=dict)  # learned from store events
+    unknown_media: int = 0  # events skipped because their medium names no known tier
 
     def translate(self, payload: bytes) -> list[Event]:
         batch = _DECODER.decode(payload)
         ident = self.identity
-        base = Event(kind=EventKind.COMMIT, engine="vllm", instance=ident.instance, model=ident.model,
+        base = Event(kind=EventKind.COMMIT, engine=self.engine, instance=ident.instance, model=ident.model,
                      model_revision=ident.model_revision, kv_dtype=ident.kv_dtype, tenant=ident.default_tenant)
         ts = int(batch.ts * 1e9)
         out: list[Event] = []
@@ -99,7 +103,13 @@ class KvEventTranslator:
                 self.refs.clear()
                 out.append(msgspec.structs.replace(base, kind=EventKind.INVALIDATE, reason=Reason.RESET, ts_ns=ts))
                 continue
-            tier = TIER_OF_MEDIUM.get(ev.medium, Tier.DEVICE)
+            tier = TIER_OF_MEDIUM.get(ev.medium)
+            if tier is None:  # guessing a tier would put the block where it is not
+                self.unknown_media += 1
+                if self.unknown_media == 1:
+                    log.warning("kvtrace bridge: medium %r names no known tier; such events are skipped and counted",
+                                ev.medium)
+                continue
             group = ev.group_idx or 0
             keys = [key_of(h) for h in ev.block_hashes]
             if isinstance(ev, _Stored):
@@ -111,7 +121,7 @@ class KvEventTranslator:
                     out.append(msgspec.structs.replace(
                         base, kind=EventKind.COMMIT, ts_ns=ts, component=component, group_id=group,
                         block_size=ev.block_size, block_key=keys[0], more_keys=keys[1:], tier=tier,
-                        adapter=ev.lora_name or ""))
+                        adapter=ev.lora_name or "", tenant=ev.cache_salt or base.tenant))
             else:
                 gone = []
                 for k in keys:
@@ -142,12 +152,13 @@ class KvEventBridge:
     """Subscribes to one publisher and emits what it publishes; `poll()` handles what arrived."""
 
     def __init__(self, endpoint: str, emitter: Emitter, identity: Identity = Identity(), topic: str = "",
-                 replay_endpoint: str | None = None, bind: bool = False, expect_seq: int | None = None) -> None:
+                 replay_endpoint: str | None = None, bind: bool = False, expect_seq: int | None = None,
+                 engine: str = "") -> None:
         import zmq
 
         self._zmq = zmq
         self.emitter = emitter
-        self.translator = KvEventTranslator(identity)
+        self.translator = KvEventTranslator(identity, engine)
         self.stats = BridgeStats()
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -208,7 +219,7 @@ class KvEventBridge:
         self._sub.close(linger=0)
 
 
-def translate_all(payloads: Iterable[bytes], identity: Identity = Identity()) -> list[Event]:
+def translate_all(payloads: Iterable[bytes], identity: Identity = Identity(), engine: str = "vllm") -> list[Event]:
     """Translate a sequence of payloads in order (for tests and offline captures)."""
-    translator = KvEventTranslator(identity)
+    translator = KvEventTranslator(identity, engine)
     return [e for p in payloads for e in translator.translate(p)]

@@ -60,3 +60,19 @@ def test_clear_resets_counts_and_invalidates() -> None:
 def test_undecodable_payloads_are_refused_with_the_reason(bad: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError), match=r".+"):
         KvEventTranslator().translate(bad)
+
+
+def test_sglang_shaped_batches_keep_namespace_tiers_and_engine() -> None:
+    """What SGLang publishes that vLLM does not: a cache salt (kvtrace's tenant), EAGLE pages whose
+    token ids are [token, next token] pairs, and its storage media DISK and EXTERNAL."""
+    translator = KvEventTranslator(Identity(instance="sg", model="m"), engine="sglang")
+    events = translator.translate(payload(
+        stored([1, 2], cache_salt="acme"),
+        stored([3], token_ids=[[5, 6], [6, 7]]),  # one EAGLE page: the whole batch must still decode
+        stored([4], medium="DISK"),
+        stored([5], medium="EXTERNAL"),
+        stored([6], medium="NVME_OF_THE_FUTURE"),  # no such tier: skipped and counted, never guessed
+    ))
+    assert [(e.block_key, e.tier, e.tenant) for e in events] == [
+        (1, Tier.DEVICE, "acme"), (3, Tier.DEVICE, ""), (4, Tier.DISK, ""), (5, Tier.REMOTE, "")]
+    assert {e.engine for e in events} == {"sglang"} and translator.unknown_media == 1

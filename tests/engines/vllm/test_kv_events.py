@@ -65,7 +65,8 @@ def test_a_late_subscriber_recovers_missed_batches_from_the_replay_socket() -> N
         time.sleep(0.5)
         sink = MemorySink()
         emitter = BatchEmitter(sink, BatchConfig(schedule_delay_millis=10), register_atexit=False)
-        bridge = KvEventBridge(f"tcp://127.0.0.1:{pub_port}", emitter, replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        bridge = KvEventBridge(f"tcp://127.0.0.1:{pub_port}", emitter, engine="vllm",
+                               replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
                                expect_seq=0)
         time.sleep(0.5)  # let the subscription reach the publisher
         for batch in batches[8:]:
