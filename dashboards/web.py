@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+from urllib.parse import urlencode
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -44,8 +45,9 @@ class View:
     variables: dict[str, str]
 
     def query(self) -> str:
+        """The view as a query string, escaped for an HTML attribute."""
         items = {"from": self.from_s, "to": self.to_s, **{k: v for k, v in self.variables.items() if v}}
-        return "&".join(f"{k}={html.escape(str(v))}" for k, v in items.items())
+        return html.escape(urlencode(items))
 
 
 def _bounds(store: Store) -> tuple[int, int]:

@@ -177,3 +177,10 @@ def test_an_empty_store_says_there_is_no_data(store: Store) -> None:
         page = client.get(f"/{path}")
         assert page.status_code == 200 and ("No data" in page.text or "No fitted" in page.text), path
     assert client.get("/api/panels/nope").status_code == 404
+
+
+def test_links_keep_filters_with_any_characters(store: Store) -> None:
+    from starlette.testclient import TestClient
+
+    page = TestClient(create_dashboard_app(store)).get("/", params={"model": "a&b c", "from": 1, "to": 2}).text
+    assert "href='/gaps?from=1&amp;to=2&amp;model=a%26b+c'" in page
