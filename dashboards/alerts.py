@@ -350,12 +350,13 @@ class AlertState:
 def webhook_payload(alerts: Sequence[Alert], receiver: str = "kvtrace") -> dict[str, Any]:
     """Alertmanager's webhook JSON (version 4), so any receiver built for it accepts ours."""
     firing = any(a.status is Status.FIRING for a in alerts)
+    payloads = [a.payload() for a in alerts]
     common = {}
-    if alerts:
-        first = alerts[0].payload()["labels"]
-        common = {k: v for k, v in first.items() if all(a.payload()["labels"].get(k) == v for a in alerts)}
+    if payloads:
+        common = {k: v for k, v in payloads[0]["labels"].items()
+                  if all(p["labels"].get(k) == v for p in payloads)}
     return {"version": "4", "receiver": receiver, "status": "firing" if firing else "resolved",
-            "alerts": [a.payload() for a in alerts], "groupLabels": {}, "commonLabels": common,
+            "alerts": payloads, "groupLabels": {}, "commonLabels": common,
             "commonAnnotations": {}, "externalURL": "", "groupKey": "kvtrace", "truncatedAlerts": 0}
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import polars as pl
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
