@@ -10,7 +10,8 @@ pins=scripts/engines/$engine.txt
 [ -f "$pins" ] || { echo "no pins for engine '$engine' ($pins)" >&2; exit 2; }
 venv=.venvs/$engine
 stamp=$venv/.kvtrace-pins
-want=$(cat "$pins" constraints.txt pyproject.toml | sha256sum | cut -c1-16)
+nodeps=scripts/engines/$engine.nodeps.txt
+want=$(cat "$pins" $( [ -f "$nodeps" ] && echo "$nodeps" ) constraints.txt pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "$venv: up to date"
   exit 0
@@ -21,6 +22,8 @@ pip=("$venv/bin/python" -m pip install --quiet -c constraints.txt)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -r "$pins"
+# Packages whose metadata pins accelerator builds go in without their dependencies.
+[ -f "$nodeps" ] && "${pip[@]}" --no-deps -r "$nodeps"
 # PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to import here; the
 # engines' text paths run without them.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,0 +1,1 @@
+"""SGLang instrumentation: the radix-cache shim, its recipe, the replay driver and the plugin."""

@@ -1,0 +1,188 @@
+"""Drive SGLang's own `UnifiedRadixCache` with no model, the way its scheduler uses it.
+
+This is how a trace is replayed through the real SGLang cache logic (page hashing, the radix
+tree on either core, per-component matching and reconciliation, LRU eviction, sliding-window
+tombstones, Mamba checkpoints and copy-on-write, HiCache's host tier) in seconds, on CPU pools,
+without weights or a forward pass. One request at a time:
+`match_prefix` (the prompt less its last token, as the scheduler asks) -> lock the match ->
+make room (`evict`) -> allocate KV slots for the rest of the prompt -> `insert` the prompt's
+pages -> unlock, and the engine's own split of what it reused (`record_admission`).
+
+The pools come from SGLang's test kit (`sglang.test.kits.unified_radix_cache`), which builds
+the real allocator, KV pool and request pool for a component mix on a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvtrace.instrumentation.sglang.cpu import install_vision_stand_in
+
+install_vision_stand_in()
+os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+import sglang.test.kits.unified_radix_cache.fixtures as kit  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+
+kit.get_device = lambda *args, **kwargs: "cpu"  # the kit asks for an accelerator; the pools run on CPU
+
+
+class Mix(StrEnum):
+    """The component mixes the replay builds (SGLang chooses them from the model)."""
+
+    FULL = "full"
+    SWA = "full+swa"
+    MAMBA = "full+mamba"
+    SWA_MAMBA = "full+swa+mamba"
+
+
+COMPONENTS = {
+    Mix.FULL: (ComponentType.FULL,),
+    Mix.SWA: (ComponentType.FULL, ComponentType.SWA),
+    Mix.MAMBA: (ComponentType.FULL, ComponentType.MAMBA),
+    Mix.SWA_MAMBA: (ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DriverConfig:
+    mix: Mix = Mix.FULL
+    page_size: int = 16
+    window: int = 64  # sliding window, tokens
+    kv_tokens: int = 1 << 17  # device KV slots
+    mamba_states: int = 64  # Mamba state slots
+    tree_core: str = "rust"  # SGLang's default; "python" is its reference core
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    request_id: str
+    prompt_tokens: int
+    device_hit: int  # MatchResult.device_prefix_len: reusable now, every component agreeing
+    host_hit: int  # MatchResult.host_hit_length: full-attention KV on host after the device hit
+    full_kv_hit: int  # MatchResult.full_kv_hit_length: full-attention KV alone, device or host
+    loaded: int  # tokens loaded back from host before the request ran
+    reused: int  # what the request really reused: device hit + loaded
+
+
+def build_cache(config: DriverConfig, enable_kv_cache_events: bool = False) -> tuple[Any, Any, Any]:
+    """(cache, KV allocator, request pool) on CPU, with the chosen tree core."""
+    comps = COMPONENTS[config.mix]
+    has_swa = ComponentType.SWA in comps
+    cfg = CacheConfig(page_size=config.page_size, components=comps,
+                      sliding_window_size=config.window if has_swa else None, kv_size=config.kv_tokens,
+                      num_layers=4, full_attention_layer_ids=(3,), head_num=1, head_dim=8,
+                      mamba_cache_size=config.mamba_states, max_num_reqs=config.mamba_states + 8,
+                      max_context_len=64, mamba_intermediate_size=32, mamba_num_heads=1, mamba_head_dim=8,
+                      mamba_state_size=8)
+    cache, allocator, req_pool = kit.build_fixture(cfg, enable_kv_cache_events=enable_kv_cache_events,
+                                                   tree_core_backend="python")
+    if config.tree_core != "python":  # the kit builds its inspector on the Python core only
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        params = dataclasses.replace(cache.cache_init_params, tree_core_backend=config.tree_core)
+        cache = UnifiedRadixCache(params)
+        cache.cache_init_params = params
+    return cache, allocator, req_pool
+
+
+class Driver:
+    """Serves token-id requests on one cache, one at a time."""
+
+    def __init__(self, cache: Any, allocator: Any, req_pool: Any, config: DriverConfig, shim: Any = None) -> None:
+        self.cache, self.allocator, self.req_pool, self.config = cache, allocator, req_pool, config
+        self.shim = shim  # told what each request reused, as the engine's scheduler would
+        self.page = int(cache.page_size)
+        comps = COMPONENTS[config.mix]
+        self.has_swa = ComponentType.SWA in comps
+        self.has_mamba = ComponentType.MAMBA in comps
+
+    def _req(self, request_id: str, tokens: array) -> Req:
+        req = Req(rid=request_id, origin_input_text="", origin_input_ids=tokens,
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        if self.has_mamba:  # the request's own state slot; the tree gives one back when none is free
+            if self.req_pool.mamba_allocator.available_size() < 1:
+                self.cache.evict(EvictParams(mamba_num=1))
+                if self.req_pool.mamba_allocator.available_size() < 1:
+                    raise RuntimeError(f"{request_id}: no Mamba state slot; raise DriverConfig.mamba_states")
+            self.req_pool.alloc([req])
+        return req
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """n KV slots, page-aligned; evicts what the tree can give back first."""
+        aligned = -(-n // self.page) * self.page
+        short = aligned - int(self.allocator.available_size())
+        if short > 0:
+            self.cache.evict(EvictParams(num_tokens=short, swa_num_tokens=short if self.has_swa else 0))
+        if self.has_swa and self.page > 1:
+            full = self.allocator.full_attn_allocator.alloc(aligned)
+            swa = self.allocator.swa_attn_allocator.alloc(aligned)
+            if full is None or swa is None:
+                raise RuntimeError(f"out of KV slots for {n} tokens; raise DriverConfig.kv_tokens")
+            self.allocator.full_to_swa_index_mapping[full] = swa
+            return full
+        got = self.allocator.alloc(aligned)
+        if got is None:
+            raise RuntimeError(f"out of KV slots for {n} tokens; raise DriverConfig.kv_tokens")
+        return got
+
+    def serve(self, request_id: str, tokens: Sequence[int]) -> Served:
+        cache, page = self.cache, self.page
+        prompt = array("q", tokens)
+        req = self._req(request_id, prompt)
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:-1]), cow_mamba=self.has_mamba, req=req))
+        device, host = int(match.device_prefix_len), int(match.host_hit_length)
+        node, loaded = match.last_device_node, 0
+        if host and getattr(cache, "cache_controller", None) is not None:
+            req.prefix_len, req.last_node, req.last_host_node = device, node, match.last_host_node
+            req.best_match_node, req.host_hit_length = match.best_match_node, host
+            req.swa_host_hit_length = match.swa_host_hit_length
+            req.mamba_host_hit_length = match.mamba_host_hit_length
+            loaded_tokens, node = cache.init_load_back(InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=host, req=req))
+            loaded = int(loaded_tokens)
+            cache.ready_to_load_host_cache()
+            cache.loading_check()
+        reused = device + loaded
+        lock = cache.inc_lock_ref(node)
+        try:
+            prefix = cache.path_device_indices(node)[:reused] if reused else None
+            fresh = self._alloc(len(prompt) - reused)
+            value = torch.cat([prefix, fresh]) if prefix is not None else fresh
+            pages = len(prompt) // page * page
+            kept = False
+            if pages:
+                # [0, reused) is the tree's own KV (prev_prefix_len says so); pages it already
+                # holds past that are duplicates the insert frees itself.
+                insert = InsertParams(key=RadixKey(prompt[:pages]), value=value[:pages].clone(), prev_prefix_len=reused)
+                if self.has_mamba:
+                    insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
+                kept = not cache.insert(insert).mamba_exist
+            if len(value) > pages:  # the partial last page is never cached
+                self.allocator.free(value[pages:])
+            if self.has_mamba:
+                if not kept:  # the tree kept its own state: this one is ours to free
+                    self.req_pool.free_mamba_cache(req)
+                self.req_pool.free(req)
+        finally:
+            cache.dec_lock_ref(node, lock.to_dec_params())
+        if self.shim is not None:
+            self.shim.record_admission(request_id, len(prompt), device=device, host=loaded)
+        return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)

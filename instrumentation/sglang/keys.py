@@ -1,0 +1,57 @@
+"""Page keys of an SGLang request: SGLang's own storage hash chain, one 64-bit key per page.
+
+SGLang names a page by a SHA-256 chained over the pages before it, seeded by the request's
+namespace (LoRA `extra_key`, `cache_salt`). HiCache's storage tier files pages under these
+hashes and SGLang's KV events carry their first 64 bits (when the request has no namespace), so
+kvtrace keys made the same way name the same pages as the engine, its storage and the KV-event
+bridge, and never collide across namespaces.
+
+The chain is computed once per request, natively (SGLang's C++ hasher), and extended as the
+request grows; lookups and commits of that request share it. Turning 256 hex digests into ints
+costs about as much as hashing, so it is one `bytes.fromhex` and one `struct.unpack` per call.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+
+def keys_of_hex(hexes: list[str]) -> list[int]:
+    """kvtrace keys of SGLang page hashes: their first 64 bits, never 0."""
+    if not hexes:
+        return []
+    keys = list(struct.unpack(f">{len(hexes)}Q", bytes.fromhex("".join([h[:16] for h in hexes]))))
+    if 0 in keys:
+        keys = [k or 1 for k in keys]
+    return keys
+
+
+@dataclass(slots=True)
+class Chain:
+    """The page hashes and keys of one token sequence in one namespace, grown page by page."""
+
+    seed: str | None  # SGLang's namespace seed (None: no namespace)
+    hexes: list[str] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+    def extend(self, token_ids: Any, page_size: int) -> list[int]:
+        """Keys of every full page of `token_ids` (a prefix of what earlier calls saw, or an
+        extension of it); only pages not hashed yet are hashed."""
+        pages = len(token_ids) // page_size
+        done = len(self.keys)
+        if pages > done:
+            prior = self.hexes[-1] if self.hexes else self.seed
+            new = get_hash_str(token_ids[done * page_size : pages * page_size], prior, page_size)
+            if isinstance(new, str):
+                new = [new]
+            self.hexes.extend(new)
+            self.keys.extend(keys_of_hex(new))
+        return self.keys
+
+
+def new_chain(extra_key: str | None, cache_salt: str | None) -> Chain:
+    return Chain(storage_namespace_seed(extra_key, cache_salt))

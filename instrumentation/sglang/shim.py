@@ -1,0 +1,523 @@
+"""The SGLang radix-cache shim: lookups, adopts, commits, evictions, tier moves and resets.
+
+It wraps methods of one `UnifiedRadixCache` instance (never the class: the scheduler's
+simulated waiting-queue tree must stay untouched), calls the original first and then records
+what happened. Every hook is fenced: an error in kvtrace is counted and logged once, and the
+cache goes on as if kvtrace were not there.
+
+Which tree core runs (SGLang's Rust core by default, or the Python one) does not matter: the
+shim never reads tree nodes. It keeps a ledger per component and tier, pool slot -> page key,
+filled from the values the cache hands around and emptied by the frees it performs:
+- commit: `insert` (the scheduler's `checkpoint` ends there): pages [prefix_len, len) take the
+  slots of `params.value`; a sliding-window rebuild (`SWARebuild`) names the slots whose window
+  state was (re)written; a Mamba state `params.mamba_value` is committed at the key's end when
+  the tree kept it (`not result.mamba_exist`);
+- evict: every slot the cache frees goes through `_apply_cache_action` (`FreeDeviceKV`,
+  `FreeDeviceKVFullOnly`, `FreeComponentDeviceSlot`) or a component's `free_host_values`; the
+  ledger names the page that slot held. Frees and re-installs inside one call are netted, so a
+  rebuild that moves a page to new slots is not reported as an eviction;
+- lookup: `match_prefix`, once per request (repeats with the same result are dropped), with
+  the request's key chain and SGLang's hits: full-attention KV on device or host, and the
+  boundary every component agrees on;
+- adopt: `record_admission`, called where the engine settles what it reused per tier;
+- invalidate: `reset`.
+
+Keys are SGLang's storage page hashes (see `keys`), so the bridge, HiCache's storage and this
+shim agree on names.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from msgspec.structs import replace
+
+from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.sglang.keys import Chain, new_chain
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+
+log = logging.getLogger("kvtrace.sglang")
+
+COMPONENT_OF = {"FULL": ComponentKind.FULL_ATTENTION, "SWA": ComponentKind.SLIDING_WINDOW,
+                "MAMBA": ComponentKind.MAMBA}
+"""SGLang's component types (by name) as kvtrace components."""
+
+
+def component_of(component_type: Any) -> ComponentKind:
+    return COMPONENT_OF.get(getattr(component_type, "name", str(component_type)), ComponentKind.OTHER)
+
+
+def _ints(values: Any) -> list[int]:
+    """Slot indices of a tensor, a list of tensors, or ints."""
+    if values is None:
+        return []
+    if isinstance(values, (list, tuple)):
+        out: list[int] = []
+        for v in values:
+            out.extend(_ints(v))
+        return out
+    if hasattr(values, "tolist"):
+        got = values.tolist()
+        return got if isinstance(got, list) else [got]
+    return [int(values)]
+
+
+@dataclass(slots=True)
+class _Scope:
+    """What one top-level cache call did to the ledgers, reported when it returns."""
+
+    freed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)  # (group, tier) -> keys
+    installed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)
+    reason: Reason = Reason.CAPACITY
+    insert_pages: list[int] | None = None  # slot -> page position of the insert in progress
+    insert_keys: list[int] | None = None
+
+
+class RadixCacheShim:
+    """Instruments one SGLang `UnifiedRadixCache`; `install()` once, `uninstall()` to restore."""
+
+    def __init__(self, cache: Any, emitter: Emitter, identity: Identity = Identity(), sample_rate: float = 1.0,
+                 usage_interval_s: float = 1.0, engine_version: str = "") -> None:
+        self.cache = cache
+        self.emitter = emitter
+        self.identity = identity
+        self.sample_rate = sample_rate
+        self.errors = 0
+        self.page = int(cache.page_size)
+        self.component_types = list(getattr(cache, "tree_components", ()) or ())
+        self.group_of = {ct: g for g, ct in enumerate(self.component_types)}
+        self.components = [component_of(ct) for ct in self.component_types]
+        self._full = self.group_of.get(self._type("FULL"), 0)
+        self._swa = self.group_of.get(self._type("SWA"))
+        self._mamba = self.group_of.get(self._type("MAMBA"))
+        # slot -> key, per (group, tier). FULL and SWA slots are the first token slot of a page.
+        self.ledger: dict[tuple[int, Tier], dict[int, int]] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
+        self._scope: _Scope | None = None
+        self._current_req: Any = None
+        self._recent: OrderedDict[int, tuple[Any, Chain]] = OrderedDict()  # chains of recent lookups
+        self._looked_up: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> (device, host) reported
+        self.page_bytes = self._page_bytes()
+        self.usage_interval_ns = int(usage_interval_s * 1e9)
+        self._usage_due_ns = 0
+        self._base = Event(kind=EventKind.LOOKUP, engine="sglang", engine_version=engine_version,
+                           instance=identity.instance, model=identity.model, model_revision=identity.model_revision,
+                           kv_dtype=identity.kv_dtype, tenant=identity.default_tenant, block_size=self.page,
+                           group_block_keys=(), group_hit_tokens=(), reused_tiers=(), reused_tokens=(),  # type: ignore[arg-type]
+                           more_keys=())  # type: ignore[arg-type]
+
+    @staticmethod
+    def _type(name: str) -> Any:
+        try:
+            from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+            return ComponentType[name]
+        except (ImportError, KeyError):
+            return None
+
+    def _page_bytes(self) -> list[int]:
+        """Bytes of one page of each group's state on device (0 where SGLang does not say)."""
+        out = []
+        allocator = getattr(self.cache, "token_to_kv_pool_allocator", None)
+        for ct in self.component_types:
+            nbytes = 0
+            try:
+                name = getattr(ct, "name", "")
+                pool = allocator.get_kvcache() if allocator is not None else None
+                if name == "FULL" and pool is not None:
+                    sizes = pool.get_kv_size_bytes()
+                    total = sum(sizes) if isinstance(sizes, tuple) else int(sizes)
+                    nbytes = total // max(int(getattr(pool, "size", 0)) + self.page, 1) * self.page
+            except Exception:  # noqa: BLE001 - a size is a nicety, never a reason to fail
+                nbytes = 0
+            out.append(int(nbytes))
+        return out
+
+    # -- install -----------------------------------------------------------------------------------
+    def install(self) -> RadixCacheShim:
+        c = self.cache
+        self._wrap_scoped(c, "match_prefix", self._after_lookup)
+        self._wrap_scoped(c, "checkpoint", self._after_checkpoint, before=self._before_checkpoint)
+        self._wrap_scoped(c, "insert", self._after_insert, before=self._before_insert)
+        self._wrap_scoped(c, "evict", None)
+        self._wrap_scoped(c, "evict_for_alloc", None)
+        self._wrap_scoped(c, "evict_host", None)
+        self._wrap_scoped(c, "reset", self._after_reset)
+        self._wrap_action(c)
+        for ct, comp in (getattr(c, "components", None) or {}).items():
+            self._wrap_host_free(comp, ct)
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name, original in reversed(self._saved):
+            setattr(obj, name, original)
+        self._saved.clear()
+
+    def _failed(self, hook: str) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("kvtrace: the SGLang %s hook failed; counting further failures silently", hook)
+
+    def _wrap_scoped(self, obj: Any, name: str, after: Callable[..., None] | None,
+                     before: Callable[..., Any] | None = None) -> None:
+        """Wrap a cache entry point: frees it performs are collected and reported (netted) when
+        the outermost wrapped call returns."""
+        original = getattr(obj, name, None)
+        if original is None:
+            log.warning("kvtrace: SGLang's %s has no %s; that hook is off", type(obj).__name__, name)
+            return
+        shim = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            top = shim._depth == 0
+            if top:
+                shim._scope = _Scope()
+            shim._depth += 1
+            token = None
+            try:
+                if before is not None:
+                    try:
+                        token = before(*args, **kwargs)
+                    except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                        shim._failed(name)
+                result = original(*args, **kwargs)
+            finally:
+                shim._depth -= 1
+            try:
+                if after is not None:
+                    after(result, token, *args, **kwargs)
+                if top:
+                    shim._flush()
+            except Exception:  # noqa: BLE001
+                shim._failed(name)
+            finally:
+                if top:
+                    shim._scope = None
+            return result
+
+        self._saved.append((obj, name, original))
+        setattr(obj, name, wrapper)
+
+    def _wrap_action(self, cache: Any) -> None:
+        original = getattr(cache, "_apply_cache_action", None)
+        if original is None:
+            log.warning("kvtrace: SGLang's cache has no _apply_cache_action; evictions are off")
+            return
+        shim = self
+
+        def _apply_cache_action(action: Any) -> Any:
+            name = type(action).__name__
+            try:
+                if name in ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot"):
+                    shim._on_device_free(name, action)
+            except Exception:  # noqa: BLE001
+                shim._failed(name)
+            result = original(action)
+            try:
+                if name == "SWARebuild":
+                    shim._on_swa_rebuild(action)
+            except Exception:  # noqa: BLE001
+                shim._failed(name)
+            return result
+
+        self._saved.append((cache, "_apply_cache_action", original))
+        cache._apply_cache_action = _apply_cache_action
+
+    def _wrap_host_free(self, component: Any, component_type: Any) -> None:
+        original = getattr(component, "free_host_values", None)
+        group = self.group_of.get(component_type)
+        if original is None or group is None:
+            return
+        shim = self
+
+        def free_host_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                shim._free(group, Tier.HOST, _ints(values))
+            except Exception:  # noqa: BLE001
+                shim._failed("free_host_values")
+            return original(values, *args, **kwargs)
+
+        self._saved.append((component, "free_host_values", original))
+        component.free_host_values = free_host_values
+
+    # -- ledger ------------------------------------------------------------------------------------
+    def _slots(self, group: int, indices: list[int]) -> list[int]:
+        """The ledger slots of freed or installed indices: one per page for token pools."""
+        if group == self._mamba or self.page == 1:
+            return indices
+        return indices[:: self.page]
+
+    def _free(self, group: int, tier: Tier, indices: list[int]) -> None:
+        book = self.ledger.get((group, tier))
+        if not book:
+            return
+        keys = [k for s in self._slots(group, indices) if (k := book.pop(s, None)) is not None]
+        if not keys:
+            return
+        if self._scope is None:  # a free outside every wrapped call: reported at once
+            self._emit_run(EventKind.EVICT, group, tier, keys, reason=Reason.CAPACITY)
+        else:
+            self._record(self._scope.freed, (group, tier), keys)
+
+    def install_slots(self, group: int, tier: Tier, slots: list[int], keys: list[int]) -> None:
+        """Record that `slots` of a group's pool on a tier now hold the pages `keys`."""
+        book = self.ledger.setdefault((group, tier), {})
+        for s, k in zip(slots, keys, strict=True):
+            book[s] = k
+        if self._scope is None:
+            self._emit_run(EventKind.COMMIT, group, tier, keys)
+        else:
+            self._record(self._scope.installed, (group, tier), keys)
+
+    @staticmethod
+    def _record(into: dict[tuple[int, Tier], list[int]], where: tuple[int, Tier], keys: list[int]) -> None:
+        got = into.get(where)
+        if got is None:
+            into[where] = list(keys)
+        else:
+            got.extend(keys)
+
+    def _on_device_free(self, name: str, action: Any) -> None:
+        indices = _ints(action.indices)
+        if name == "FreeComponentDeviceSlot":
+            group = self.group_of.get(action.component_type)
+            if group is not None:
+                self._free(group, Tier.DEVICE, indices)
+        else:  # a KV segment: full attention, and the window's copy unless FullOnly
+            self._free(self._full, Tier.DEVICE, indices)
+            if name == "FreeDeviceKV" and self._swa is not None:
+                self._free(self._swa, Tier.DEVICE, indices)
+
+    def _on_swa_rebuild(self, action: Any) -> None:
+        """A rebuild writes window state for a node's pages (and gives its full-attention KV
+        those slots): names come from the insert in progress."""
+        scope = self._scope
+        if scope is None or scope.insert_pages is None or scope.insert_keys is None:
+            return
+        slots = self._slots(-1, _ints(action.source_value))
+        positions = scope.insert_pages
+        keys, where = [], []
+        for s in slots:
+            p = positions.get(s)  # type: ignore[union-attr]
+            if p is not None and p < len(scope.insert_keys):
+                keys.append(scope.insert_keys[p])
+                where.append(s)
+        if not keys:
+            return
+        if self._swa is not None:
+            self.install_slots(self._swa, Tier.DEVICE, where, keys)
+        # A rebuild over a node whose full-attention slots were just freed moves that KV to the
+        # rebuilt slots: the page stays resident under new slots.
+        moved = set(scope.freed.get((self._full, Tier.DEVICE), ()))
+        if moved:
+            pairs = [(s, k) for s, k in zip(where, keys, strict=True) if k in moved]
+            if pairs:
+                self.install_slots(self._full, Tier.DEVICE, [s for s, _ in pairs], [k for _, k in pairs])
+
+    def _flush(self) -> None:
+        """Report one call's net effect: keys freed and not re-installed are evicted, keys
+        installed that were not resident before are committed (or loaded, see hicache)."""
+        scope = self._scope
+        self._scope = None
+        if scope is None:
+            return
+        for (group, tier), keys in scope.freed.items():
+            back = set(scope.installed.get((group, tier), ()))
+            gone = [k for k in dict.fromkeys(keys) if k not in back]
+            if gone:
+                self._emit_run(EventKind.EVICT, group, tier, gone, reason=scope.reason)
+        for (group, tier), keys in scope.installed.items():
+            freed = set(scope.freed.get((group, tier), ()))
+            new = [k for k in dict.fromkeys(keys) if k not in freed]
+            if new:
+                self._emit_run(EventKind.COMMIT, group, tier, new)
+
+    def _emit_run(self, kind: EventKind, group: int, tier: Tier, keys: list[int], reason: Reason = Reason.NONE,
+                  **fields: Any) -> None:
+        self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group, tier=tier,
+                                  nbytes=self.page_bytes[group] if tier is Tier.DEVICE else 0, block_key=keys[0],
+                                  more_keys=tuple(keys[1:]), reason=reason, **fields))
+
+    # -- key chains --------------------------------------------------------------------------------
+    def _chain_of(self, key: Any, req: Any) -> Chain:
+        """The request's chain (kept on the request), else one of a recent lookup whose tokens
+        this key extends, else a new one."""
+        extra, salt = getattr(key, "extra_key", None), getattr(key, "cache_salt", None)
+        tokens = key.token_ids
+        if req is not None:
+            chain = getattr(req, "_kvtrace_chain", None)
+            if chain is None:
+                chain = new_chain(extra, salt)
+                try:
+                    req._kvtrace_chain = chain
+                except AttributeError:
+                    pass
+            return chain
+        n = len(tokens) // self.page * self.page
+        fresh = new_chain(extra, salt)
+        for recent_tokens, chain in reversed(self._recent.values()):
+            if chain.seed != fresh.seed or type(recent_tokens) is not type(tokens):
+                continue
+            m = min(n, len(recent_tokens) // self.page * self.page)
+            if m and tokens[:m] == recent_tokens[:m]:
+                if m < n:  # this key goes further: a copy of the shared part, extended
+                    return Chain(chain.seed, chain.hexes[: m // self.page], chain.keys[: m // self.page])
+                return chain
+        return fresh
+
+    def _remember(self, tokens: Any, chain: Chain) -> None:
+        self._recent[id(chain)] = (tokens, chain)
+        self._recent.move_to_end(id(chain))
+        while len(self._recent) > 8:
+            self._recent.popitem(last=False)
+
+    # -- lookups and adopts ------------------------------------------------------------------------
+    def _sampled(self, rid: str) -> bool:
+        return self.sample_rate >= 1.0 or self.emitter.sampled(hash(rid) & 0xFFFFFFFFFFFFFFFF, self.sample_rate)
+
+    def _request_tokens(self, key: Any, req: Any) -> Any:
+        """The request's tokens so far (prompt, then output), which its chain covers."""
+        if req is None:
+            return key.token_ids
+        ids = getattr(req, "origin_input_ids", None)
+        if ids is None:
+            return key.token_ids
+        out = getattr(req, "output_ids", None)
+        if not out:
+            return ids
+        return ids + out if type(ids) is type(out) else list(ids) + list(out)
+
+    def _after_lookup(self, result: Any, _token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        req = getattr(params, "req", None)
+        key = params.key
+        rid = str(getattr(req, "rid", "")) if req is not None else ""
+        device, host = int(result.device_prefix_len), int(result.host_hit_length)
+        if rid and self._looked_up.get(rid) == (device, host):
+            return  # the scheduler asks again each round; one lookup per answer
+        tokens = self._request_tokens(key, req)
+        chain = self._chain_of(key, req)
+        keys = chain.extend(tokens, self.page)
+        self._remember(tokens, chain)
+        if not rid:
+            rid = f"anon-{id(key):x}"
+        self._looked_up[rid] = (device, host)
+        while len(self._looked_up) > 65536:
+            self._looked_up.popitem(last=False)
+        if not self._sampled(rid):
+            return
+        full = int(getattr(result, "full_kv_hit_length", 0) or 0) or device + host
+        hits = [full if g == self._full else device + host for g in range(len(self.components))]
+        prompt = len(tokens) + (1 if req is None else 0)  # a bare key is the prompt less its last token
+        self.emitter.emit(replace(
+            self._base, kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=prompt,
+            tenant=getattr(key, "cache_salt", None) or self.identity.default_tenant,
+            adapter=str(getattr(key, "extra_key", None) or ""), block_size=0,
+            group_block_keys=tuple([keys] * len(self.components)), group_hit_tokens=tuple(hits),
+            reported_hit_tokens=device + host))
+        if self.usage_interval_ns:
+            self.sample_usage()
+
+    def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
+                         tenant: str | None = None) -> None:
+        """What the engine reused for one admitted request, per tier (SGLang's own split:
+        `cached_tokens_device`, `_host`, `_storage`); the rest was recomputed."""
+        try:
+            rid = str(request_id)
+            self._looked_up.pop(rid, None)
+            if not self._sampled(rid):
+                return
+            tiers, tokens = [], []
+            for tier, n in ((Tier.DEVICE, device), (Tier.HOST, host), (Tier.DISK, storage)):
+                if n:
+                    tiers.append(tier)
+                    tokens.append(int(n))
+            self.emitter.emit(replace(
+                self._base, kind=EventKind.ADOPT, request_id=rid, block_size=0,
+                tenant=tenant or self.identity.default_tenant, reused_tiers=tuple(tiers), reused_tokens=tuple(tokens),
+                recomputed_tokens=max(int(prompt_tokens) - sum(tokens), 0)))
+        except Exception:  # noqa: BLE001
+            self._failed("record_admission")
+
+    # -- commits -----------------------------------------------------------------------------------
+    def _before_checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+        self._current_req = req  # the insert inside names its pages with this request's chain
+        return None
+
+    def _after_checkpoint(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
+        self._current_req = None
+
+    def _before_insert(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        key, value = params.key, params.value
+        if key is None or value is None:
+            return None
+        pages = len(key) // self.page
+        chain = self._chain_of(key, self._current_req)
+        keys = chain.extend(key.token_ids, self.page)
+        slots = self._slots(-1, _ints(value))[:pages]
+        scope = self._scope
+        if scope is not None:
+            scope.insert_pages = {s: i for i, s in enumerate(slots)}  # type: ignore[assignment]
+            scope.insert_keys = keys
+        return keys, slots, pages
+
+    def _after_insert(self, result: Any, token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        if token is None:
+            return
+        keys, slots, pages = token
+        start = int(result.prefix_len) // self.page
+        if start < pages:
+            self.install_slots(self._full, Tier.DEVICE, slots[start:pages], keys[start:pages])
+        mamba_value = getattr(params, "mamba_value", None)
+        if self._mamba is not None and mamba_value is not None and pages and not result.mamba_exist:
+            self.install_slots(self._mamba, Tier.DEVICE, _ints(mamba_value)[:1], [keys[pages - 1]])
+
+    # -- reset and usage ---------------------------------------------------------------------------
+    def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
+        tiers = {tier for (_, tier) in self.ledger} or {Tier.DEVICE}
+        self.ledger.clear()
+        if self._scope is not None:
+            self._scope.freed.clear()
+            self._scope.installed.clear()
+        self._recent.clear()
+        for tier in sorted(tiers):
+            self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=Reason.RESET, tier=tier,
+                                      block_size=0))
+
+    def sample_usage(self, force: bool = False) -> None:
+        """The device KV pool split into slots locked by running requests, evictable cached
+        pages and free slots (SGLang's own O(1) counters), at most once per interval."""
+        now = time.monotonic_ns()
+        if not force and now < self._usage_due_ns:
+            return
+        self._usage_due_ns = now + self.usage_interval_ns
+        c = self.cache
+        per_token = self.page_bytes[self._full] // self.page if self.page_bytes else 0
+        locked = int(c.full_protected_size()) if hasattr(c, "full_protected_size") else 0
+        evictable = int(c.full_evictable_size()) if hasattr(c, "full_evictable_size") else 0
+        allocator = getattr(c, "token_to_kv_pool_allocator", None)
+        free = int(allocator.available_size()) if allocator is not None else 0
+        self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
+                                  component=ComponentKind.FULL_ATTENTION, locked_bytes=locked * per_token,
+                                  evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def resident_keys(shim: RadixCacheShim, group: int = 0, tier: Tier = Tier.DEVICE) -> set[int]:
+    """The pages the shim believes a group holds on a tier (for tests and debugging)."""
+    return set(shim.ledger.get((group, tier), {}).values())
+
+
+def all_keys(events: Iterable[Event]) -> list[int]:
+    out: list[int] = []
+    for e in events:
+        if e.block_key:
+            out.append(e.block_key)
+            out.extend(e.more_keys)
+    return out
