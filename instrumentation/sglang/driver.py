@@ -186,3 +186,38 @@ class Driver:
         if self.shim is not None:
             self.shim.record_admission(request_id, len(prompt), device=device, host=loaded)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
+
+
+def enable_hicache(cache: Any, storage_dir: str | None = None, write_policy: str = "write_through",
+                   host_ratio: float = 2.0) -> Any:
+    """Give the cache HiCache's host tier (and a file storage tier under `storage_dir`), on CPU.
+
+    Every page is backed up to host at its first insert (write-through threshold 1) and any host
+    hit is loaded back, so each tier move happens on the first chance; prefetches wait for their
+    whole span. Returns the cache's controller.
+    """
+    import json
+
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from kvtrace.instrumentation.sglang.cpu import patch_hicache_for_cpu
+
+    patch_hicache_for_cpu()
+    extra = None
+    if storage_dir is not None:
+        get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir).__enter__()
+        extra = json.dumps({"prefetch_threshold": int(cache.page_size)})
+    args = ServerArgs(model_path="dummy", page_size=int(cache.page_size), hicache_io_backend="direct",
+                      hicache_mem_layout="layer_first", hicache_write_policy=write_policy,
+                      hicache_storage_backend="file" if storage_dir is not None else None,
+                      hicache_storage_backend_extra_config=extra, hicache_storage_prefetch_policy="wait_complete",
+                      hicache_ratio=host_ratio)
+    set_global_server_args_for_scheduler(args)
+    cache.init_hicache(args, cache.cache_init_params)
+    kit.drop_hicache_atexit_pin(cache)
+    cache.write_through_threshold = 1
+    cache.load_back_threshold = 0
+    return cache.cache_controller

@@ -103,6 +103,7 @@ class RadixCacheShim:
         self._depth = 0
         self._scope: _Scope | None = None
         self._current_req: Any = None
+        self.hicache: Any = None
         self._recent: OrderedDict[int, tuple[Any, Chain]] = OrderedDict()  # chains of recent lookups
         self._looked_up: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> (device, host) reported
         self.page_bytes = self._page_bytes()
@@ -154,7 +155,16 @@ class RadixCacheShim:
         self._wrap_action(c)
         for ct, comp in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(comp, ct)
+        if getattr(c, "cache_controller", None) is not None:
+            self._install_hicache()
+        elif hasattr(c, "init_hicache"):  # tiers added later: follow them once they exist
+            self._wrap_plain(c, "init_hicache", lambda *a, **k: self._install_hicache())
         return self
+
+    def _install_hicache(self) -> None:
+        from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
+
+        self.hicache = HiCacheHooks(self).install()
 
     def uninstall(self) -> None:
         for obj, name, original in reversed(self._saved):
@@ -206,6 +216,25 @@ class RadixCacheShim:
         self._saved.append((obj, name, original))
         setattr(obj, name, wrapper)
 
+    def _wrap_plain(self, obj: Any, name: str, after: Callable[..., None]) -> None:
+        """Wrap a method whose result (and arguments) `after` reads; no scope of its own."""
+        original = getattr(obj, name, None) if obj is not None else None
+        if original is None:
+            log.warning("kvtrace: SGLang's %s has no %s; that hook is off", type(obj).__name__, name)
+            return
+        shim = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                after(result, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                shim._failed(name)
+            return result
+
+        self._saved.append((obj, name, original))
+        setattr(obj, name, wrapper)
+
     def _wrap_action(self, cache: Any) -> None:
         original = getattr(cache, "_apply_cache_action", None)
         if original is None:
@@ -218,6 +247,10 @@ class RadixCacheShim:
             try:
                 if name in ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot"):
                     shim._on_device_free(name, action)
+                elif name == "FreeComponentHostSlot":
+                    group = shim.group_of.get(action.component_type)
+                    if group is not None:
+                        shim._free(group, Tier.HOST, _ints(action.host_indices))
             except Exception:  # noqa: BLE001
                 shim._failed(name)
             result = original(action)
@@ -267,11 +300,14 @@ class RadixCacheShim:
         else:
             self._record(self._scope.freed, (group, tier), keys)
 
-    def install_slots(self, group: int, tier: Tier, slots: list[int], keys: list[int]) -> None:
-        """Record that `slots` of a group's pool on a tier now hold the pages `keys`."""
+    def install_slots(self, group: int, tier: Tier, slots: list[int], keys: list[int], report: bool = True) -> None:
+        """Record that `slots` of a group's pool on a tier now hold the pages `keys`; reported
+        as commits unless a transfer reports them (`report=False`)."""
         book = self.ledger.setdefault((group, tier), {})
         for s, k in zip(slots, keys, strict=True):
             book[s] = k
+        if not report:
+            return
         if self._scope is None:
             self._emit_run(EventKind.COMMIT, group, tier, keys)
         else:
@@ -339,6 +375,15 @@ class RadixCacheShim:
             new = [k for k in dict.fromkeys(keys) if k not in freed]
             if new:
                 self._emit_run(EventKind.COMMIT, group, tier, new)
+
+    def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: list[int],
+                       duration_ns: int) -> None:
+        self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group,
+                                  src_tier=src, dst_tier=dst, nbytes=self.page_bytes[group], block_key=keys[0],
+                                  more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0)))
+
+    def _emit_invalidate(self, tier: Tier, reason: Reason) -> None:
+        self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=reason, tier=tier, block_size=0))
 
     def _emit_run(self, kind: EventKind, group: int, tier: Tier, keys: list[int], reason: Reason = Reason.NONE,
                   **fields: Any) -> None:
@@ -488,8 +533,7 @@ class RadixCacheShim:
             self._scope.installed.clear()
         self._recent.clear()
         for tier in sorted(tiers):
-            self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=Reason.RESET, tier=tier,
-                                      block_size=0))
+            self._emit_invalidate(tier, Reason.RESET)
 
     def sample_usage(self, force: bool = False) -> None:
         """The device KV pool split into slots locked by running requests, evictable cached

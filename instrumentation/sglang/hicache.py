@@ -1,0 +1,175 @@
+"""HiCache's tiers in the SGLang shim: host (L2) backups and load-backs, storage (L3) writes
+and prefetches.
+
+Each copy is read where SGLang pairs source and destination slots, so the shim's ledgers
+follow pages between tiers without SGLang's KV events (which carry no slots, and are silent
+about storage):
+- offload device -> host: `cache_controller.write(device_indices, node_id=...)` returns host
+  slots aligned with the device slots; reported at the acknowledgement
+  (`_finish_write_through_ack(node_id)`), when the copy is there, with the time it took. Under
+  write-through the write is submitted inside `insert`, before the pages have keys, so keys are
+  read at the acknowledgement;
+- load host -> device: `cache_controller.load(host_indices, node_id=...)` returns the device
+  slots; reported when `loading_check` retires the load;
+- offload host -> disk: `cache_controller.write_storage(host_indices, token_ids, hash_value)`
+  names the pages by SGLang's storage hashes (kvtrace's keys); reported when the controller's
+  storage acknowledgement queue hands back the operation, for the pages it completed;
+- load disk -> host: a finished prefetch lands through `tree_core.insert_host(...)`; prefetches
+  started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
+- invalidate: `clear_storage_backend()` empties the disk tier.
+Evictions from host come through the shim's component `free_host_values` hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvtrace.instrumentation.sglang.keys import keys_of_hex
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim, _ints
+from kvtrace.schema.kinds import EventKind, Reason, Tier
+
+log = logging.getLogger("kvtrace.sglang")
+
+
+class HiCacheHooks:
+    """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`."""
+
+    def __init__(self, shim: RadixCacheShim) -> None:
+        self.shim = shim
+        self.cache = shim.cache
+        self.controller = getattr(self.cache, "cache_controller", None)
+        self.page = shim.page
+        self.full = shim._full
+        self._writes: dict[int, list[tuple[list[int], list[int], int]]] = {}  # ack id -> (dev, host, t0)
+        self._loads: dict[int, tuple[list[int], list[int], int]] = {}  # ack id -> (host, dev slots, t0)
+        self._storage: dict[int, tuple[list[int], int]] = {}  # op id -> (keys, t0)
+        self.disk: set[int] = set()  # pages the storage tier holds
+        self.prefetches_started = 0
+        self.prefetches_revoked = 0
+
+    def install(self) -> HiCacheHooks:
+        c, cc = self.cache, self.controller
+        if cc is None:
+            log.warning("kvtrace: this SGLang cache has no HiCache controller; host and storage tiers are off")
+            return self
+        s = self.shim
+        s._wrap_plain(cc, "write", self._after_write)
+        s._wrap_plain(c, "_finish_write_through_ack", self._after_write_ack)
+        s._wrap_plain(cc, "load", self._after_load)
+        s._wrap_scoped(c, "loading_check", self._after_loading_check, before=self._before_loading_check)
+        s._wrap_scoped(c, "check_hicache_events", None)
+        s._wrap_scoped(c, "init_load_back", None)
+        s._wrap_plain(cc, "write_storage", self._after_write_storage)
+        queue = getattr(cc, "ack_backup_queue", None)
+        if queue is not None:
+            s._wrap_plain(queue, "get", self._after_storage_ack)
+        s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
+        s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
+        s._wrap_plain(c, "revoke_pending_prefetch", self._after_prefetch_revoke)
+        s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
+        s._wrap_plain(c, "reset", self._after_reset)
+        return self
+
+    # -- device -> host ----------------------------------------------------------------------------
+    def _after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
+        if host is None:
+            return  # the host was full: no backup
+        dev = self.shim._slots(self.full, _ints(device_indices))
+        slots = self.shim._slots(self.full, _ints(host))
+        self._writes.setdefault(int(node_id), []).append((dev, slots, time.monotonic_ns()))
+
+    def _after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
+        pending = self._writes.pop(int(ack_id), None)
+        if not pending:
+            return
+        book = self.shim.ledger.get((self.full, Tier.DEVICE), {})
+        now = time.monotonic_ns()
+        for dev, host, t0 in pending:
+            pairs = [(h, k) for d, h in zip(dev, host, strict=False) if (k := book.get(d)) is not None]
+            if pairs:
+                self.shim.install_slots(self.full, Tier.HOST, [h for h, _ in pairs], [k for _, k in pairs],
+                                        report=False)
+                self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.DEVICE, Tier.HOST,
+                                         [k for _, k in pairs], now - t0)
+
+    # -- host -> device ----------------------------------------------------------------------------
+    def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
+        if device is None:
+            return
+        host = self.shim._slots(self.full, _ints(host_indices))
+        dev = self.shim._slots(self.full, _ints(device))
+        book = self.shim.ledger.get((self.full, Tier.HOST), {})
+        pairs = [(d, k) for h, d in zip(host, dev, strict=False) if (k := book.get(h)) is not None]
+        if pairs:  # the device slots hold these pages from now on (SGLang publishes them at once)
+            self.shim.install_slots(self.full, Tier.DEVICE, [d for d, _ in pairs], [k for _, k in pairs], report=False)
+            self._loads[int(node_id)] = ([k for _, k in pairs], [d for d, _ in pairs], time.monotonic_ns())
+
+    def _before_loading_check(self, *args: Any, **kwargs: Any) -> Any:
+        return set(getattr(self.cache, "ongoing_load_back", {}) or {})
+
+    def _after_loading_check(self, _result: Any, before: Any, *args: Any, **kwargs: Any) -> None:
+        if before is None:
+            return
+        still = set(getattr(self.cache, "ongoing_load_back", {}) or {})
+        now = time.monotonic_ns()
+        for ack_id in before - still:
+            load = self._loads.pop(int(ack_id), None) if isinstance(ack_id, int) else None
+            if load is not None:
+                keys, _, t0 = load
+                self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.HOST, Tier.DEVICE, keys, now - t0)
+        if not still:  # anything left was retired without an id we saw: report it done now
+            for ack_id, (keys, _, t0) in list(self._loads.items()):
+                if ack_id not in before:
+                    continue
+                self._loads.pop(ack_id)
+                self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.HOST, Tier.DEVICE, keys, now - t0)
+
+    # -- host -> disk ------------------------------------------------------------------------------
+    def _after_write_storage(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None,
+                             *args: Any, **kwargs: Any) -> None:
+        if op_id is None or not hash_value:
+            return
+        self._storage[int(op_id)] = (keys_of_hex(list(hash_value)), time.monotonic_ns())
+
+    def _after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
+        pending = self._storage.pop(int(getattr(op, "id", -1)), None)
+        if pending is None:
+            return
+        keys, t0 = pending
+        done = int(getattr(op, "completed_tokens", len(keys) * self.page)) // self.page
+        keys = keys[:done]  # a batch stops at its first failed page
+        if keys:
+            self.disk.update(keys)
+            self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.HOST, Tier.DISK, keys,
+                                     time.monotonic_ns() - t0)
+
+    # -- disk -> host ------------------------------------------------------------------------------
+    def _after_prefetch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_started += 1
+
+    def _after_prefetch_revoke(self, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_revoked += 1
+
+    def _after_insert_host(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any,
+                           *args: Any, **kwargs: Any) -> None:
+        if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
+            return
+        start = int(result.prefix_len)
+        slots = self.shim._slots(self.full, _ints(host_value))[start // self.page :]
+        keys = keys_of_hex(list(hash_value))[start // self.page :]
+        n = min(len(slots), len(keys))
+        if n:
+            self.shim.install_slots(self.full, Tier.HOST, slots[:n], keys[:n], report=False)
+            self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[:n], 0)
+
+    def _after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
+        if cleared:
+            self.disk.clear()
+            self.shim._emit_invalidate(Tier.DISK, Reason.RESET)
+
+    def _after_reset(self, *args: Any, **kwargs: Any) -> None:
+        self._writes.clear()
+        self._loads.clear()
+        self._storage.clear()
