@@ -143,6 +143,21 @@ class Driver:
             raise RuntimeError(f"out of KV slots for {n} tokens; raise DriverConfig.kv_tokens")
         return got
 
+    def _checkpoint_at(self, prompt: array, value: torch.Tensor, branch: int) -> None:
+        """The scheduler keeps a Mamba state at the branching point a match reported (the
+        longest checkpoint-grid position the full KV already covers), so the next request with
+        that prefix can resume there: insert the prefix again with that state."""
+        slot = self.req_pool.mamba_allocator.alloc(1)
+        if slot is None:
+            self.cache.evict(EvictParams(mamba_num=1))
+            slot = self.req_pool.mamba_allocator.alloc(1)
+            if slot is None:
+                return
+        result = self.cache.insert(InsertParams(key=RadixKey(prompt[:branch]), value=value[:branch].clone(),
+                                                mamba_value=slot, prev_prefix_len=branch))
+        if result.mamba_exist:
+            self.req_pool.mamba_allocator.free(slot)
+
     def serve(self, request_id: str, tokens: Sequence[int]) -> Served:
         cache, page = self.cache, self.page
         prompt = array("q", tokens)
@@ -175,6 +190,9 @@ class Driver:
                 if self.has_mamba:
                     insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
                 kept = not cache.insert(insert).mamba_exist
+                branch = int(match.mamba_branching_seqlen or 0) if self.has_mamba else 0
+                if reused < branch <= pages:
+                    self._checkpoint_at(prompt, value, branch)
             if len(value) > pages:  # the partial last page is never cached
                 self.allocator.free(value[pages:])
             if self.has_mamba:

@@ -1,0 +1,251 @@
+"""SGLang's own radix cache, driven with a real trace, against what kvtrace reconstructs.
+
+Runs in the SGLang venv (scripts/test.sh does it):
+`.venvs/sglang/bin/python -m pytest -o addopts=-ra tests/engines/sglang`.
+Both tree cores are exercised: SGLang's default Rust core and its Python reference core.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from importlib import resources
+
+import pytest
+
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.analysis.reconstruct import reconstruct
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.kv_events import KvEventTranslator
+from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.instrumentation.sinks.memory import MemorySink
+from kvtrace.instrumentation.traces import read_trace
+from kvtrace.schema import ComponentKind, EventKind
+from kvtrace.schema.kinds import Tier
+from kvtrace.schema.verdicts import GapReason
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
+CORES = ("rust", "python")
+
+
+def replay(config: DriverConfig, requests: int, events: bool = False):  # noqa: ANN201
+    cache, allocator, pool = build_cache(config, enable_kv_cache_events=events)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0", model="tiny")).install()
+    driver = Driver(cache, allocator, pool, config, shim)
+    own: list = []  # SGLang's own KV events, drained after each request as its scheduler does
+    served = []
+    for r in read_trace(str(TRACE), limit=requests):
+        served.append(driver.serve(r.request_id, tokens_of(r)))
+        if events:
+            own.extend(cache.take_events())
+    assert emitter.shutdown() and shim.errors == 0
+    assert emitter.stats().dropped == 0
+    return cache, served, sink.events, own
+
+
+def _config(mix: Mix, core: str, kv_tokens: int = 100_000) -> DriverConfig:
+    page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else 16  # SGLang's Mamba state needs page 1 (no extra buffer)
+    return DriverConfig(mix=mix, tree_core=core, page_size=page, kv_tokens=kv_tokens)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("mix", list(Mix))
+def test_reconstruction_matches_sglang_hits_request_by_request(mix: Mix, core: str) -> None:
+    # 100k slots: room for the longest prompt (87k tokens), and the trace still evicts.
+    requests = 80 if mix in (Mix.FULL, Mix.SWA) else 40
+    cache, served, events, _ = replay(_config(mix, core), requests)
+    recipe = recipe_from_cache(cache)
+    results = sorted((r for r in reconstruct(events, recipe) if r.adopt_seen), key=lambda r: r.seq)
+    assert [r.request_id for r in results] == [s.request_id for s in served]
+    lookups = {e.request_id: e for e in events if e.kind is EventKind.LOOKUP}
+    for r, s in zip(results, served, strict=True):
+        # logical: SGLang's own full-attention match (device or host); recoverable: what SGLang
+        # let the request reuse, with every component agreeing; adopted: what it did reuse.
+        assert r.group_logical_tokens[0] == s.full_kv_hit, r.request_id
+        assert r.recoverable_hit_tokens == s.reused == r.adopted_tokens, r.request_id
+        assert lookups[r.request_id].reported_hit_tokens == s.device_hit + s.host_hit, r.request_id
+        assert not r.unsafe_reuse
+    assert sum(s.reused for s in served) > 0
+    evicted = {e.component for e in events if e.kind is EventKind.EVICT}
+    assert ComponentKind.FULL_ATTENTION in evicted  # the trace outgrows the pool
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_missing_mamba_checkpoints_are_hidden_recompute(core: str) -> None:
+    """Requests sharing a prefix resume from the Mamba state kept at its branching point; once
+    Mamba states are evicted the full KV of the prefix is still there but SGLang recomputes.
+    kvtrace shows the hash hit it could not use, with the reason."""
+    config = DriverConfig(mix=Mix.MAMBA, tree_core=core, page_size=1, kv_tokens=8192)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    driver = Driver(cache, allocator, pool, config, shim)
+    shared = list(range(1000, 1200))
+    served = [driver.serve(f"r{i}", shared + list(range(5000 + 100 * i, 5050 + 100 * i))) for i in range(3)]
+    cache.evict(EvictParams(mamba_num=64))  # every Mamba state goes; shared full KV stays
+    served.append(driver.serve("after", shared + list(range(9000, 9050))))
+    assert emitter.shutdown() and shim.errors == 0
+    assert served[2].reused == 192 and served[3].reused == 0 and served[3].full_kv_hit >= 192
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.adopt_seen}
+    assert results["r2"].recoverable_hit_tokens == 192 == results["r2"].adopted_tokens
+    gap = results["after"]
+    assert gap.logical_hit_tokens == served[3].full_kv_hit and gap.recoverable_hit_tokens == 0
+    assert gap.reason is GapReason.NO_CHECKPOINT
+    commits = [e for e in sink.events if e.kind is EventKind.COMMIT and e.component is ComponentKind.MAMBA]
+    assert any(e.block_key == shim_key(shared[:192]) for e in commits)  # the branching-point checkpoint
+
+
+def shim_key(tokens: list[int]) -> int:
+    from kvtrace.instrumentation.sglang.keys import new_chain
+
+    return new_chain(None, None).extend(array("q", tokens), 1)[-1]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_state_matches_sglangs_own_kv_events(core: str) -> None:
+    """The shim's commits and evictions leave the same device pages resident as SGLang's own KV
+    events say, page for page (without a namespace the keys are the same 64 bits)."""
+    _, served, events, own = replay(_config(Mix.FULL, core, kv_tokens=100_000), 80, events=True)
+    assert own, "SGLang published no events"
+    import msgspec
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=own))  # what its publisher sends
+    translator = KvEventTranslator(engine="sglang")
+    theirs: set[int] = set()
+    for e in translator.translate(payload):
+        keys = {e.block_key, *e.more_keys}
+        if e.kind is EventKind.COMMIT:
+            theirs |= keys
+        elif e.kind is EventKind.EVICT:
+            theirs -= keys
+    ours: set[int] = set()
+    for e in events:
+        keys = {e.block_key, *e.more_keys}
+        if e.kind is EventKind.COMMIT and e.tier is Tier.DEVICE:
+            ours |= keys
+        elif e.kind is EventKind.EVICT and e.tier is Tier.DEVICE:
+            ours -= keys
+    assert ours == theirs and len(ours) > 100
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_window_lost_under_full_kv_is_a_gap_with_its_reason(core: str) -> None:
+    config = DriverConfig(mix=Mix.SWA, tree_core=core, page_size=4, window=8, kv_tokens=512)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    driver = Driver(cache, allocator, pool, config, shim)
+    tokens = list(range(100, 133))
+    driver.serve("a", tokens)
+    cache.evict(EvictParams(swa_num_tokens=512))  # the window's state goes, full attention stays
+    again = driver.serve("b", tokens)
+    assert emitter.shutdown() and shim.errors == 0
+    assert again.full_kv_hit > again.reused  # full attention would resume further than the window allows
+    result = next(r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.request_id == "b")
+    assert result.logical_hit_tokens == again.full_kv_hit
+    assert result.recoverable_hit_tokens == again.reused == result.adopted_tokens
+    assert result.reason is GapReason.WINDOW_OUT_OF_RANGE
+    swa_evicts = [e for e in sink.events if e.kind is EventKind.EVICT and e.component is ComponentKind.SLIDING_WINDOW]
+    assert swa_evicts
+
+
+def test_recipe_is_derived_from_the_cache() -> None:
+    for mix, kinds in ((Mix.FULL, ["full_attention"]), (Mix.SWA, ["full_attention", "sliding_window"]),
+                       (Mix.SWA_MAMBA, ["full_attention", "sliding_window", "mamba"])):
+        cache, _, _ = build_cache(_config(mix, "rust", kv_tokens=4096))
+        recipe = recipe_from_cache(cache)
+        assert [g.component.value for g in recipe.groups] == kinds
+        assert all(g.block_size == cache.page_size for g in recipe.groups)
+        assert all(g.window == 64 for g in recipe.groups if g.component is ComponentKind.SLIDING_WINDOW)
+
+
+def _run(cache: object, allocator: object, pool: object, config: DriverConfig, shim: object) -> list:
+    driver = Driver(cache, allocator, pool, config, shim)
+    tokens = list(range(1000, 1400))
+    out = [driver.serve(f"r{i}", tokens[: 200 + 40 * i]) for i in range(5)]
+    cache.evict(EvictParams(num_tokens=1 << 20))  # type: ignore[attr-defined]
+    out.append(driver.serve("again", tokens))
+    return [(s.device_hit, s.full_kv_hit, s.reused) for s in out]
+
+
+def test_a_failing_emitter_never_reaches_the_engine() -> None:
+    class Broken:
+        enabled = True
+
+        def emit(self, event):  # noqa: ANN001, ANN202
+            raise RuntimeError("sink on fire")
+
+        def sampled(self, key, rate):  # noqa: ANN001, ANN202
+            return True
+
+    config = DriverConfig(mix=Mix.SWA, page_size=4, window=8, kv_tokens=4096)
+    plain = _run(*build_cache(config), config, None)
+    cache, allocator, pool = build_cache(config)
+    shim = RadixCacheShim(cache, Broken(), Identity()).install()  # type: ignore[arg-type]
+    assert _run(cache, allocator, pool, config, shim) == plain
+    assert shim.errors > 0
+    shim.uninstall()
+    assert "wrapper" not in repr(cache.match_prefix)
+
+
+def test_a_full_buffer_drops_and_counts_but_never_blocks_the_engine() -> None:
+    config = DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=4096)
+    plain = _run(*build_cache(config), config, None)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    sink.delay_s = 2.0  # the exporter is stuck
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=4, max_export_batch_size=4, schedule_delay_millis=1),
+                           register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity()).install()
+    started = time.monotonic()
+    assert _run(cache, allocator, pool, config, shim) == plain
+    assert time.monotonic() - started < 1.5  # never waited for the stuck exporter
+    assert emitter.stats().dropped_queue_full > 0 and shim.errors == 0
+
+
+def test_missing_hook_points_leave_the_cache_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """A cache without some entry points (another SGLang release): those hooks are off."""
+
+    class Older:
+        page_size = 16
+        tree_components = ()
+
+        def match_prefix(self, params):  # noqa: ANN001, ANN202
+            return None
+
+    with caplog.at_level("WARNING", logger="kvtrace.sglang"):
+        shim = RadixCacheShim(Older(), MemorySink(), Identity()).install()  # type: ignore[arg-type]
+    assert shim.errors == 0 and "has no insert" in caplog.text and "evictions are off" in caplog.text
+
+
+def test_lookups_are_reported_once_per_answer() -> None:
+    """The scheduler matches a waiting request every round; one lookup per distinct answer."""
+    config = DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=4096)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    RadixCacheShim(cache, emitter, Identity()).install()
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    tokens = array("q", range(50, 90))
+    req = Req(rid="w", origin_input_text="", origin_input_ids=tokens, sampling_params=SamplingParams(max_new_tokens=1))
+    for _ in range(5):
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))
+    value = allocator.alloc(40)
+    cache.insert(InsertParams(key=RadixKey(tokens[:40]), value=value))
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))
+    assert emitter.shutdown()
+    lookups = [e for e in sink.events if e.kind is EventKind.LOOKUP]
+    assert [e.reported_hit_tokens for e in lookups] == [0, 36]
