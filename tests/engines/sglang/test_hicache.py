@@ -1,0 +1,134 @@
+"""HiCache on CPU: device -> host backup, device eviction, load back, a file storage round trip
+and prefetch, each seen with its tiers, on both tree cores.
+
+The accelerator-only copy paths of HiCache's host tier get CPU stand-ins
+(`kvtrace.instrumentation.sglang.cpu.patch_hicache_for_cpu`); the tree, the controller, the
+host pool and the file storage backend are SGLang's own.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache, enable_hicache
+from kvtrace.analysis.reconstruct import reconstruct
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.sglang.keys import new_chain
+from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.instrumentation.sinks.memory import MemorySink
+from kvtrace.schema import EventKind
+from kvtrace.schema.kinds import Reason, Tier
+from kvtrace.schema.verdicts import GapReason, Verdict
+
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+PAGE = 4
+PROMPT = list(range(100, 117))  # four full pages and one token
+KEYS = new_chain(None, None).extend(array("q", PROMPT[:16]), PAGE)
+
+
+class Rig:
+    def __init__(self, core: str, storage: Path) -> None:
+        self.config = DriverConfig(mix=Mix.FULL, tree_core=core, page_size=PAGE, kv_tokens=256)
+        self.cache, allocator, pool = build_cache(self.config)
+        self.sink = MemorySink()
+        self.emitter = BatchEmitter(self.sink, BatchConfig(), register_atexit=False)
+        self.shim = RadixCacheShim(self.cache, self.emitter, Identity(instance="sglang-0", model="tiny")).install()
+        enable_hicache(self.cache, str(storage))  # tiers added after the shim: it follows them
+        self.driver = Driver(self.cache, allocator, pool, self.config, self.shim)
+        self.seen = 0
+
+    def settle(self) -> None:
+        """Run the scheduler's per-step HiCache poll until backups and storage writes are acked."""
+        for _ in range(200):
+            self.cache.check_hicache_events()
+            if not self.cache.ongoing_write_through and not self.cache.ongoing_backup:
+                return
+            time.sleep(0.01)
+        raise AssertionError("HiCache never acknowledged its writes")
+
+    def new(self) -> list:
+        self.emitter.force_flush()
+        out, self.seen = self.sink.events[self.seen :], len(self.sink.events)
+        return out
+
+
+def _keys(e) -> list[int]:  # noqa: ANN001
+    return [e.block_key, *e.more_keys]
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
+    rig = Rig(core, tmp_path)
+    cache = rig.cache
+    first = rig.driver.serve("r1", PROMPT)
+    rig.settle()
+    events = rig.new()
+    assert first.reused == 0
+    commit = next(e for e in events if e.kind is EventKind.COMMIT)
+    assert commit.tier is Tier.DEVICE and _keys(commit) == KEYS
+    offloads = [e for e in events if e.kind is EventKind.OFFLOAD]
+    assert [(e.src_tier, e.dst_tier) for e in offloads] == [(Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DISK)]
+    assert all(_keys(e) == KEYS and e.duration_ns > 0 for e in offloads)
+    assert sorted(p.name.split("__")[0][:16] for p in tmp_path.iterdir()) == sorted(f"{k:016x}" for k in KEYS)
+
+    cache.evict(EvictParams(num_tokens=256))  # device copy goes, host keeps it
+    evict = [e for e in rig.new() if e.kind is EventKind.EVICT]
+    assert [(e.tier, _keys(e)) for e in evict] == [(Tier.DEVICE, KEYS)]
+
+    second = rig.driver.serve("r2", PROMPT)  # host hit, loaded back before it runs
+    assert second.host_hit == 16 and second.loaded == 16
+    events = rig.new()
+    load = next(e for e in events if e.kind is EventKind.LOAD)
+    assert (load.src_tier, load.dst_tier, _keys(load)) == (Tier.HOST, Tier.DEVICE, KEYS)
+    adopt = next(e for e in events if e.kind is EventKind.ADOPT)
+    assert list(zip(adopt.reused_tiers, adopt.reused_tokens)) == [(Tier.HOST, 16)]
+
+    cache.evict(EvictParams(num_tokens=256))
+    assert cache.evict_host(256) == 16  # now only the storage tier has the prefix
+    evict = [(e.tier, _keys(e)) for e in rig.new() if e.kind is EventKind.EVICT]
+    assert evict == [(Tier.DEVICE, KEYS), (Tier.HOST, KEYS)]
+
+    probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", PROMPT[:-1]))))
+    assert probe.device_prefix_len == probe.host_hit_length == 0
+    handle = CacheRequestHandle("r3", 0)
+    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", PROMPT[:16]),
+                                cache.get_last_hash_value(probe.last_host_node))
+    for _ in range(200):
+        cache.check_hicache_events()
+        if cache.check_prefetch_progress(handle):
+            break
+        time.sleep(0.01)
+    assert cache.pop_prefetch_loaded_span(handle)[0] == 16
+    prefetch = next(e for e in rig.new() if e.kind is EventKind.LOAD)
+    assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS)
+
+    third = rig.driver.serve("r3", PROMPT)
+    assert third.loaded == 16
+    assert cache.clear_storage_backend()
+    cache.reset()
+    after = rig.driver.serve("r4", PROMPT)
+    assert after.reused == 0
+    events = rig.new()
+    invalidated = {e.tier for e in events if e.kind is EventKind.INVALIDATE}
+    assert {Tier.DISK, Tier.DEVICE, Tier.HOST} <= invalidated
+    assert all(e.reason is Reason.RESET for e in events if e.kind is EventKind.INVALIDATE)
+    assert rig.emitter.shutdown() and rig.shim.errors == 0
+    assert rig.shim.hicache.prefetches_started == 1
+
+    results = {r.request_id: r for r in reconstruct(rig.sink.events, recipe_from_cache(cache))}
+    assert results["r2"].verdict is Verdict.PARTIAL and results["r2"].restore_host_bytes > 0
+    assert results["r2"].recoverable_hit_tokens == 16 == results["r2"].adopted_tokens
+    storage_only = next(r for r in results.values() if r.request_id.startswith("anon-"))
+    assert storage_only.verdict is Verdict.PARTIAL and storage_only.reason is GapReason.NONE
+    assert storage_only.resident_hit_tokens == 0 and storage_only.recoverable_hit_tokens == 16
+    assert storage_only.restore_disk_bytes > 0 and storage_only.restore_host_bytes == 0
+    assert results["r3"].verdict is Verdict.PARTIAL and results["r3"].restore_host_bytes > 0
+    assert results["r4"].verdict is Verdict.MISS
