@@ -1,0 +1,117 @@
+"""Zero-code enablement: an SGLang general plugin that instruments every radix cache it builds.
+
+SGLang loads the entry points of group `sglang.srt.plugins` in each of its processes (and
+`SGLANG_PLUGINS` filters them by name). When kvtrace is installed this runs there; it does
+nothing unless `KVTRACE_ENABLED` is true (see `kvtrace.instrumentation.config` for the sink
+settings). It registers two hooks through SGLang's own hook registry:
+
+- after `sglang.srt.mem_cache.registry.create_tree_cache`: the cache SGLang just built (by
+  whichever factory; the scheduler's simulated waiting-queue tree is built elsewhere and stays
+  untouched) gets a `RadixCacheShim` with the engine's identity. Every tensor-parallel rank
+  mirrors the tree, so only the first rank of each data-parallel replica is instrumented;
+- after `ScheduleBatch.prepare_for_extend`: where SGLang splits each admitted request's cached
+  prefix by tier (`cached_tokens_device`, `_host`, `_storage`), the shim records the adopt.
+
+If SGLang lacks the registry or a target, it logs once and the engine runs untraced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("kvtrace.sglang")
+CACHE_TARGET = "sglang.srt.mem_cache.registry.create_tree_cache"
+ADMIT_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+_installed = False
+_settings: Any = None
+
+
+def register() -> None:
+    """The entry point SGLang calls; safe to call many times, never raises."""
+    global _installed, _settings
+    if _installed:
+        return
+    try:
+        from kvtrace.instrumentation.config import ConfigError, EmitterSettings
+
+        try:
+            settings = EmitterSettings.from_env()
+        except ConfigError as exc:  # loud at start-up: a wrong setting is named, tracing stays off
+            log.error("kvtrace: %s; tracing is off", exc)
+            return
+        if not settings.enabled:
+            return
+        try:
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        except ImportError:
+            log.warning("kvtrace: this SGLang has no plugin hook registry; tracing is off")
+            return
+        _settings = settings
+        HookRegistry.register(CACHE_TARGET, after_create_tree_cache, HookType.AFTER)
+        HookRegistry.register(ADMIT_TARGET, after_prepare_for_extend, HookType.AFTER)
+        _installed = True
+    except Exception:  # noqa: BLE001 - never stop SGLang from starting
+        log.exception("kvtrace: could not instrument SGLang; the engine runs without tracing")
+
+
+def after_create_tree_cache(cache: Any, ctx: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Attach a shim to the cache SGLang built; returns None so SGLang keeps its result."""
+    try:
+        if ctx is not None and int(getattr(ctx, "tp_rank", 0) or 0) != 0:
+            return None
+        if not hasattr(cache, "tree_components"):
+            log.warning("kvtrace: %s is not a unified radix cache; it runs without tracing", type(cache).__name__)
+            return None
+        attach(cache, ctx)
+    except Exception:  # noqa: BLE001
+        log.exception("kvtrace: could not attach to this radix cache; it runs without tracing")
+    return None
+
+
+def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
+    """Instrument one radix cache; returns the shim (also kept on the cache)."""
+    from kvtrace.instrumentation.api import get_emitter
+    from kvtrace.instrumentation.config import EmitterSettings, configure
+    from kvtrace.instrumentation.identity import Identity
+    from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+    from kvtrace.instrumentation.vllm.plugin import engine_instance
+
+    settings = settings or _settings or EmitterSettings.from_env()
+    emitter = get_emitter()
+    if type(emitter).__name__ == "NoopEmitter":
+        emitter = configure(settings, engine="sglang")
+    args = getattr(ctx, "server_args", None)
+    model = str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "") or "")
+    identity = Identity(instance=engine_instance(settings), model=model,
+                        model_revision=str(getattr(args, "revision", None) or ""),
+                        kv_dtype=str(getattr(args, "kv_cache_dtype", "") or ""), default_tenant=settings.tenant)
+    try:
+        import sglang
+
+        version = str(getattr(sglang, "__version__", ""))
+    except ImportError:
+        version = ""
+    shim = RadixCacheShim(cache, emitter, identity, sample_rate=settings.sample_rate, engine_version=version).install()
+    cache._kvtrace_shim = shim
+    return shim
+
+
+def after_prepare_for_extend(result: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Each newly admitted request's reuse, per tier, as SGLang itself reports it."""
+    try:
+        shim = getattr(getattr(batch, "tree_cache", None), "_kvtrace_shim", None)
+        if shim is None:
+            return None
+        for req in getattr(batch, "reqs", ()) or ():
+            if getattr(req, "_kvtrace_adopted", False):
+                continue
+            req._kvtrace_adopted = True
+            prompt = len(getattr(req, "origin_input_ids", ()) or ())
+            shim.record_admission(str(req.rid), prompt, device=int(getattr(req, "cached_tokens_device", 0) or 0),
+                                  host=int(getattr(req, "cached_tokens_host", 0) or 0),
+                                  storage=int(getattr(req, "cached_tokens_storage", 0) or 0),
+                                  tenant=getattr(req, "cache_salt", None))
+    except Exception:  # noqa: BLE001
+        log.exception("kvtrace: recording SGLang admissions failed; the engine goes on")
+    return None

@@ -1,0 +1,83 @@
+"""The SGLang plugin: found through SGLang's own plugin loader, hooks applied by its registry.
+
+A real SGLang engine does not start on this CPU-only machine (its memory pool needs a CPU
+kernel build that is not on PyPI), so the scheduler side is exercised through the same hooks
+SGLang applies: the registry patches `create_tree_cache` and `prepare_for_extend`, and the
+patched functions are called here with SGLang's own cache and request classes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+from kvtrace.instrumentation.sglang.driver import DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.api import set_emitter
+from kvtrace.instrumentation.sglang import plugin
+from kvtrace.instrumentation.sinks.memory import MemorySink
+from kvtrace.schema import EventKind
+from kvtrace.schema.kinds import Tier
+
+
+def test_sglang_loads_the_plugin_and_applies_its_hooks(tmp_path) -> None:  # noqa: ANN001
+    """In a fresh process, as an SGLang process starts: load_plugins() finds kvtrace's entry
+    point, which registers its hooks, and the registry patches the targets."""
+    script = textwrap.dedent("""
+        from kvtrace.instrumentation.sglang.cpu import install_vision_stand_in
+        install_vision_stand_in()
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        load_plugins()
+        import sglang.srt.mem_cache.registry as registry
+        import sglang.srt.managers.schedule_batch as sb
+        print(sorted(HookRegistry._hooks))
+        print(registry.create_tree_cache.__name__, sb.ScheduleBatch.prepare_for_extend.__qualname__)
+    """)
+    env = {"KVTRACE_ENABLED": "1", "KVTRACE_SINK": "spool", "KVTRACE_SPOOL_DIR": str(tmp_path),
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert plugin.CACHE_TARGET in out.stdout and plugin.ADMIT_TARGET in out.stdout
+    off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    assert off.returncode == 0 and "create_tree_cache" not in off.stdout.splitlines()[0]
+
+
+def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from array import array
+
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    previous = set_emitter(emitter)
+    try:
+        cache, _, _ = build_cache(DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=1024))
+        args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny", revision="r7",
+                               kv_cache_dtype="bfloat16")
+        other_rank = SimpleNamespace(server_args=args, tp_rank=1)
+        assert plugin.after_create_tree_cache(cache, other_rank) is None
+        assert not hasattr(cache, "_kvtrace_shim")  # TP mirrors are not instrumented twice
+        assert plugin.after_create_tree_cache(cache, SimpleNamespace(server_args=args, tp_rank=0)) is None
+        shim = cache._kvtrace_shim
+        assert shim.identity.model == "tiny-llama" and shim.identity.model_revision == "r7"
+
+        req = Req(rid="q1", origin_input_text="", origin_input_ids=array("q", range(40)),
+                  sampling_params=SamplingParams(max_new_tokens=1))
+        req.cached_tokens_device, req.cached_tokens_host, req.cached_tokens_storage = 16, 8, 4
+        batch = SimpleNamespace(tree_cache=cache, reqs=[req])
+        plugin.after_prepare_for_extend(None, batch)
+        plugin.after_prepare_for_extend(None, batch)  # the next chunk of the same request: no second adopt
+        assert emitter.force_flush()
+    finally:
+        set_emitter(previous)
+        emitter.shutdown()
+    adopts = [e for e in sink.events if e.kind is EventKind.ADOPT]
+    assert len(adopts) == 1
+    a = adopts[0]
+    assert a.engine == "sglang" and a.model == "tiny-llama" and a.request_id == "q1"
+    assert list(zip(a.reused_tiers, a.reused_tokens)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]
+    assert a.recomputed_tokens == 12
