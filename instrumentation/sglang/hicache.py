@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from kvtrace.instrumentation.sglang.keys import keys_of_hex
-from kvtrace.instrumentation.sglang.shim import RadixCacheShim, _ints
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.sglang")
@@ -76,8 +76,8 @@ class HiCacheHooks:
     def _after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
         if host is None:
             return  # the host was full: no backup
-        dev = self.shim._slots(self.full, _ints(device_indices))
-        slots = self.shim._slots(self.full, _ints(host))
+        dev = self.shim._page_slots(self.full, device_indices)
+        slots = self.shim._page_slots(self.full, host)
         self._writes.setdefault(int(node_id), []).append((dev, slots, time.monotonic_ns()))
 
     def _after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
@@ -98,8 +98,8 @@ class HiCacheHooks:
     def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
         if device is None:
             return
-        host = self.shim._slots(self.full, _ints(host_indices))
-        dev = self.shim._slots(self.full, _ints(device))
+        host = self.shim._page_slots(self.full, host_indices)
+        dev = self.shim._page_slots(self.full, device)
         book = self.shim.ledger.get((self.full, Tier.HOST), {})
         pairs = [(d, k) for h, d in zip(host, dev, strict=False) if (k := book.get(h)) is not None]
         if pairs:  # the device slots hold these pages from now on (SGLang publishes them at once)
@@ -157,7 +157,7 @@ class HiCacheHooks:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         start = int(result.prefix_len)
-        slots = self.shim._slots(self.full, _ints(host_value))[start // self.page :]
+        slots = self.shim._page_slots(self.full, host_value)[start // self.page :]
         keys = keys_of_hex(list(hash_value))[start // self.page :]
         n = min(len(slots), len(keys))
         if n:

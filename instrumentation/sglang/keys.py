@@ -20,11 +20,26 @@ from typing import Any
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 
+_FORMATS: dict[int, struct.Struct] = {}
+
+
 def keys_of_hex(hexes: list[str]) -> list[int]:
-    """kvtrace keys of SGLang page hashes: their first 64 bits, never 0."""
-    if not hexes:
+    """kvtrace keys of SGLang page hashes: their first 64 bits, never 0.
+
+    All digests are decoded at once and the struct skips the last 24 bytes of each: no
+    per-page Python work."""
+    n = len(hexes)
+    if not n:
         return []
-    keys = list(struct.unpack(f">{len(hexes)}Q", bytes.fromhex("".join([h[:16] for h in hexes]))))
+    if len(hexes[0]) != 64:  # not SHA-256 hex: take the first 16 digits of each
+        keys = list(struct.unpack(f">{n}Q", bytes.fromhex("".join([h[:16] for h in hexes]))))
+    else:
+        fmt = _FORMATS.get(n)
+        if fmt is None:
+            fmt = struct.Struct(">" + "Q24x" * n)
+            if len(_FORMATS) < 4096:
+                _FORMATS[n] = fmt
+        keys = list(fmt.unpack(bytes.fromhex("".join(hexes))))
     if 0 in keys:
         keys = [k or 1 for k in keys]
     return keys

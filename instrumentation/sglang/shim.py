@@ -54,21 +54,6 @@ def component_of(component_type: Any) -> ComponentKind:
     return COMPONENT_OF.get(getattr(component_type, "name", str(component_type)), ComponentKind.OTHER)
 
 
-def _ints(values: Any) -> list[int]:
-    """Slot indices of a tensor, a list of tensors, or ints."""
-    if values is None:
-        return []
-    if isinstance(values, (list, tuple)):
-        out: list[int] = []
-        for v in values:
-            out.extend(_ints(v))
-        return out
-    if hasattr(values, "tolist"):
-        got = values.tolist()
-        return got if isinstance(got, list) else [got]
-    return [int(values)]
-
-
 @dataclass(slots=True)
 class _Scope:
     """What one top-level cache call did to the ledgers, reported when it returns."""
@@ -76,7 +61,8 @@ class _Scope:
     freed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)  # (group, tier) -> keys
     installed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)
     reason: Reason = Reason.CAPACITY
-    insert_pages: list[int] | None = None  # slot -> page position of the insert in progress
+    insert_slots: list[int] | None = None  # ledger slots of the insert in progress, by page
+    insert_pages: dict[int, int] | None = None  # slot -> page position, built when a rebuild needs it
     insert_keys: list[int] | None = None
 
 
@@ -250,7 +236,7 @@ class RadixCacheShim:
                 elif name == "FreeComponentHostSlot":
                     group = shim.group_of.get(action.component_type)
                     if group is not None:
-                        shim._free(group, Tier.HOST, _ints(action.host_indices))
+                        shim._free(group, Tier.HOST, shim._page_slots(group, action.host_indices))
             except Exception:  # noqa: BLE001
                 shim._failed(name)
             result = original(action)
@@ -273,7 +259,7 @@ class RadixCacheShim:
 
         def free_host_values(values: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                shim._free(group, Tier.HOST, _ints(values))
+                shim._free(group, Tier.HOST, shim._page_slots(group, values))
             except Exception:  # noqa: BLE001
                 shim._failed("free_host_values")
             return original(values, *args, **kwargs)
@@ -282,17 +268,32 @@ class RadixCacheShim:
         component.free_host_values = free_host_values
 
     # -- ledger ------------------------------------------------------------------------------------
-    def _slots(self, group: int, indices: list[int]) -> list[int]:
-        """The ledger slots of freed or installed indices: one per page for token pools."""
-        if group == self._mamba or self.page == 1:
-            return indices
-        return indices[:: self.page]
+    def _page_slots(self, group: int, values: Any) -> list[int]:
+        """Ledger slots of slot indices SGLang hands over (a tensor, tensors, ints): one per page
+        for token pools (the page's first slot), every index for Mamba states. Tensors are
+        sliced before they become Python ints: a page of 16 slots costs one int, not 16."""
+        step = 1 if (group == self._mamba or self.page == 1) else self.page
+        if values is None:
+            return []
+        if isinstance(values, (list, tuple)):
+            out: list[int] = []
+            for v in values:
+                out.extend(self._page_slots(group, v))
+            return out
+        if hasattr(values, "reshape"):
+            flat = values.reshape(-1)
+            return (flat[::step] if step > 1 else flat).tolist()
+        return [int(values)]
 
-    def _free(self, group: int, tier: Tier, indices: list[int]) -> None:
+    def _free(self, group: int, tier: Tier, slots: list[int]) -> None:
         book = self.ledger.get((group, tier))
         if not book:
             return
-        keys = [k for s in self._slots(group, indices) if (k := book.pop(s, None)) is not None]
+        if all(map(book.__contains__, slots)):  # usually every slot freed was the tree's: C-level passes
+            keys = list(map(book.pop, slots))
+        else:  # some were not (a caller's duplicate pages)
+            pop = book.pop
+            keys = [k for s in slots if (k := pop(s, None)) is not None]
         if not keys:
             return
         if self._scope is None:  # a free outside every wrapped call: reported at once
@@ -304,8 +305,7 @@ class RadixCacheShim:
         """Record that `slots` of a group's pool on a tier now hold the pages `keys`; reported
         as commits unless a transfer reports them (`report=False`)."""
         book = self.ledger.setdefault((group, tier), {})
-        for s, k in zip(slots, keys, strict=True):
-            book[s] = k
+        book.update(zip(slots, keys))
         if not report:
             return
         if self._scope is None:
@@ -322,23 +322,25 @@ class RadixCacheShim:
             got.extend(keys)
 
     def _on_device_free(self, name: str, action: Any) -> None:
-        indices = _ints(action.indices)
         if name == "FreeComponentDeviceSlot":
             group = self.group_of.get(action.component_type)
             if group is not None:
-                self._free(group, Tier.DEVICE, indices)
+                self._free(group, Tier.DEVICE, self._page_slots(group, action.indices))
         else:  # a KV segment: full attention, and the window's copy unless FullOnly
-            self._free(self._full, Tier.DEVICE, indices)
+            slots = self._page_slots(self._full, action.indices)
+            self._free(self._full, Tier.DEVICE, slots)
             if name == "FreeDeviceKV" and self._swa is not None:
-                self._free(self._swa, Tier.DEVICE, indices)
+                self._free(self._swa, Tier.DEVICE, slots)
 
     def _on_swa_rebuild(self, action: Any) -> None:
         """A rebuild writes window state for a node's pages (and gives its full-attention KV
         those slots): names come from the insert in progress."""
         scope = self._scope
-        if scope is None or scope.insert_pages is None or scope.insert_keys is None:
+        if scope is None or scope.insert_slots is None or scope.insert_keys is None:
             return
-        slots = self._slots(-1, _ints(action.source_value))
+        slots = self._page_slots(-1, action.source_value)
+        if scope.insert_pages is None:  # built on the first rebuild of this insert only
+            scope.insert_pages = {s: i for i, s in enumerate(scope.insert_slots)}
         positions = scope.insert_pages
         keys, where = [], []
         for s in slots:
@@ -365,16 +367,25 @@ class RadixCacheShim:
         self._scope = None
         if scope is None:
             return
-        for (group, tier), keys in scope.freed.items():
-            back = set(scope.installed.get((group, tier), ()))
-            gone = [k for k in dict.fromkeys(keys) if k not in back]
+        installed = scope.installed
+        for where, keys in scope.freed.items():
+            back = installed.get(where)
+            if back:
+                kept = set(back)
+                gone = [k for k in dict.fromkeys(keys) if k not in kept]
+            else:
+                gone = keys
             if gone:
-                self._emit_run(EventKind.EVICT, group, tier, gone, reason=scope.reason)
-        for (group, tier), keys in scope.installed.items():
-            freed = set(scope.freed.get((group, tier), ()))
-            new = [k for k in dict.fromkeys(keys) if k not in freed]
+                self._emit_run(EventKind.EVICT, where[0], where[1], gone, reason=scope.reason)
+        for where, keys in installed.items():
+            freed = scope.freed.get(where)
+            if freed:
+                dropped = set(freed)
+                new = [k for k in dict.fromkeys(keys) if k not in dropped]
+            else:
+                new = list(dict.fromkeys(keys))
             if new:
-                self._emit_run(EventKind.COMMIT, group, tier, new)
+                self._emit_run(EventKind.COMMIT, where[0], where[1], new)
 
     def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: list[int],
                        duration_ns: int) -> None:
@@ -506,10 +517,10 @@ class RadixCacheShim:
         pages = len(key) // self.page
         chain = self._chain_of(key, self._current_req)
         keys = chain.extend(key.token_ids, self.page)
-        slots = self._slots(-1, _ints(value))[:pages]
+        slots = self._page_slots(-1, value[: pages * self.page])
         scope = self._scope
         if scope is not None:
-            scope.insert_pages = {s: i for i, s in enumerate(slots)}  # type: ignore[assignment]
+            scope.insert_slots = slots
             scope.insert_keys = keys
         return keys, slots, pages
 
@@ -522,7 +533,8 @@ class RadixCacheShim:
             self.install_slots(self._full, Tier.DEVICE, slots[start:pages], keys[start:pages])
         mamba_value = getattr(params, "mamba_value", None)
         if self._mamba is not None and mamba_value is not None and pages and not result.mamba_exist:
-            self.install_slots(self._mamba, Tier.DEVICE, _ints(mamba_value)[:1], [keys[pages - 1]])
+            self.install_slots(self._mamba, Tier.DEVICE, self._page_slots(self._mamba, mamba_value)[:1],
+                               [keys[pages - 1]])
 
     # -- reset and usage ---------------------------------------------------------------------------
     def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:

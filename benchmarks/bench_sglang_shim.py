@@ -1,0 +1,255 @@
+"""What the SGLang shim costs: a real trace through SGLang's own radix cache, shim off vs on.
+
+Runs in the SGLang venv (`bash scripts/engine-venv.sh sglang` builds it):
+
+    .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py [--requests 1000] [--rounds 4] \
+        [--mix full] [--core rust] [--kv-tokens 131072]
+    .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py --profile [--requests 500]
+
+Four variants replay the same requests of the Mooncake conversation trace (tokens synthesized
+from its hash ids) through `kvtrace.instrumentation.sglang.driver`, each on its own
+`UnifiedRadixCache` (own pools, own tree):
+
+  off              SGLang's cache alone (its KV events off)
+  kvtrace          the same with RadixCacheShim installed (and told each admission, as the
+                   scheduler would), emitting through BatchEmitter into a sink that counts and
+                   drops (the export path is measured by bench_export.py)
+  kvtrace-sampled  the shim with sample_rate=0.1 (lookups and adopts of 1 request in 10;
+                   commits and evictions are always reported)
+  kv-events        SGLang's own KV-event path instead: enable_kv_cache_events=True and the
+                   queue drained after every request with take_events(), as the scheduler does
+                   when a publisher exists
+
+The requests are split into rounds; in each round every variant replays the round's slice on
+its own cache, in a rotating order, so drift on a shared machine lands on all of them. The
+table gives each variant's total time and its ratio to `off`, the events kvtrace emitted per
+second of replay, and its drop count.
+
+torch runs on one thread (`--torch-threads 1`): the pools are tiny CPU tensors standing in for
+device memory, and with torch's default of one thread per core a `torch.cat` of a few thousand
+slots waits for a second thread that a shared machine has often lent elsewhere (milliseconds
+per call, in every variant alike), which buries what is being measured.
+
+`--profile` instead replays the requests once through a shim-equipped cache under cProfile and
+lists the functions in kvtrace's own code (the SGLang shim, its key chains, the emitter, the
+event schema) by their own time and their time with callees, as shares of the whole replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
+from kvtrace.instrumentation.sinks.base import OK, ExportResult
+from kvtrace.instrumentation.traces import read_trace
+from kvtrace.schema.wire import Batch
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+SHIMMED = {"kvtrace": 1.0, "kvtrace-sampled": 0.1}
+
+
+class CountingSink:
+    def __init__(self) -> None:
+        self.events = 0
+
+    def export(self, batch: Batch) -> ExportResult:
+        self.events += len(batch.events)
+        return OK
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _emitter() -> BatchEmitter:
+    return BatchEmitter(CountingSink(), BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+
+
+def _shimmed(config: DriverConfig, emitter: BatchEmitter,
+             sample_rate: float) -> tuple[Driver, RadixCacheShim]:
+    cache, allocator, req_pool = build_cache(config)
+    identity = Identity(instance="bench", model="m")
+    shim = RadixCacheShim(cache, emitter, identity, sample_rate=sample_rate).install()
+    return Driver(cache, allocator, req_pool, config, shim=shim), shim
+
+
+# Closures the shim puts in place of SGLang's methods: they call the originals, so only their own
+# time is kvtrace's.
+WRAPPERS = {"wrapper", "_apply_cache_action", "free_host_values"}
+
+
+def _warm(prompts: list[tuple[str, list[int]]], config: DriverConfig, n: int) -> None:
+    """Serve the first requests on throwaway caches of each kind, untimed: one-off costs (SGLang
+    loading its native hasher on the first hash, first calls into torch and the tree core) land
+    here instead of on whichever variant runs first."""
+    emitter = _emitter()
+    events_on = Driver(*build_cache(config, enable_kv_cache_events=True), config)
+    for driver in (_shimmed(config, emitter, 1.0)[0], events_on):
+        for rid, tokens in prompts[:n]:
+            driver.serve(f"warm-{rid}", tokens)
+        driver.cache.take_events()
+    emitter.shutdown()
+
+
+def _where(filename: str) -> str | None:
+    """The repo-relative path of a profiled function's file, None outside kvtrace's own code
+    (builtins, SGLang, torch, the venvs) and for the driver, which stands in for the engine."""
+    if filename.startswith(("~", "<")):
+        return None
+    try:
+        rel = Path(filename).resolve().relative_to(REPO)
+    except ValueError:
+        return None
+    if rel.parts[0].startswith(".") or rel.name == "driver.py":
+        return None
+    return str(rel)
+
+
+def profile(prompts: list[tuple[str, list[int]]], config: DriverConfig, top: int) -> None:
+    """Replay once under cProfile. kvtrace's cost is every kvtrace function entered from outside
+    kvtrace (the driver, SGLang, a wrapper closure), with its callees, plus the wrappers' own
+    time. A row's `own` is its self time plus that of the builtins it calls directly (tolist,
+    dict.pop, the C hasher), split by caller."""
+    emitter = _emitter()
+    driver, shim = _shimmed(config, emitter, 1.0)
+    profiler = cProfile.Profile()  # after _warm: one-off costs are not the shim's
+    started = time.perf_counter()
+    profiler.enable()
+    for rid, tokens in prompts:
+        driver.serve(rid, tokens)
+    profiler.disable()
+    wall = time.perf_counter() - started
+    emitter.force_flush(timeout_millis=120_000)
+    emitter.shutdown()
+    table = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    total = sum(tt for (_cc, _nc, tt, _ct, _callers) in table.values())
+    where = {f: _where(f[0]) for f in table}
+    ours = {f for f, w in where.items() if w is not None}
+    inner = {f for f in ours if f[2] not in WRAPPERS}
+    own = {f: table[f][2] for f in ours}
+    entered = 0.0
+    for f, (_cc, _nc, tt, _ct, callers) in table.items():
+        for caller, (_cnc, _ccc, ctt, cct) in callers.items():
+            if f in inner and caller not in inner:
+                entered += cct  # kvtrace entered from outside: all of it, callees included
+            if f[0] == "~" and caller in ours:
+                own[caller] += ctt
+    cost = entered + sum(table[f][2] for f in ours - inner)
+    print(f"profile: {len(prompts)} requests, mix {config.mix.value}, core {config.tree_core}, "
+          f"page {config.page_size}; "
+          f"{wall:.2f} s under the profiler, {emitter.stats().emitted:,} events, shim errors {shim.errors}")
+    print(f"kvtrace (shim hooks with everything they call, the emitter, the wrappers' own time): "
+          f"{cost:.2f} s "
+          f"= {cost / total:.1%} of the {total:.2f} s profiled replay")
+    rows = sorted(((own[f], table[f][3], table[f][1], f"{where[f]}:{f[1]} {f[2]}") for f in ours),
+                  reverse=True)
+    print(f"\n{'own s':>7} {'own %':>6} {'cum s':>7} {'cum %':>6} {'calls':>8}  "
+          "kvtrace function (by own time)")
+    for owned, cum, ncalls, name in rows[:top]:
+        print(f"{owned:>7.3f} {owned / total:>6.1%} {cum:>7.3f} {cum / total:>6.1%} {ncalls:>8,}  {name}")
+    print("\nbuiltins called from kvtrace functions (self time, by caller):")
+    calls = []
+    for f, (_cc, _nc, _tt, _ct, callers) in table.items():
+        if f[0] == "~":
+            for caller, (cnc, _ccc, ctt, _cct) in callers.items():
+                if caller in ours:
+                    calls.append((ctt, cnc, f[2], f"{where[caller]}:{caller[1]} {caller[2]}"))
+    for ctt, cnc, name, caller in sorted(calls, reverse=True)[:top]:
+        print(f"{ctt:>7.3f} {ctt / total:>6.1%} {cnc:>9,}  {name}  <- {caller}")
+    print("\nwhole replay, top functions anywhere by self time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--mix", choices=[x.value for x in Mix], default=Mix.FULL.value)
+    ap.add_argument("--core", choices=["rust", "python"], default="rust")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-tokens", type=int, default=1 << 17)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--profile", action="store_true", help="profile the kvtrace variant instead of timing")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=20,
+                    help="requests served untimed on throwaway caches first")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (default 1; see the module docstring)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
+
+    mix = Mix(args.mix)
+    page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else args.page_size  # SGLang's Mamba mixes need page 1
+    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.kv_tokens, tree_core=args.core)
+    trace = list(read_trace(args.trace, limit=args.requests))
+    prompts = [(r.request_id, tokens_of(r)) for r in trace]
+    _warm(prompts, config, args.warmup)
+    if args.profile:
+        profile(prompts, config, args.top)
+        return
+
+    emitters = {name: _emitter() for name in SHIMMED}
+    shims: dict[str, RadixCacheShim] = {}
+    drivers: dict[str, Driver] = {"off": Driver(*build_cache(config), config)}
+    for name, rate in SHIMMED.items():
+        drivers[name], shims[name] = _shimmed(config, emitters[name], rate)
+    drivers["kv-events"] = Driver(*build_cache(config, enable_kv_cache_events=True), config)
+    names = list(drivers)
+    seconds = dict.fromkeys(names, 0.0)
+    per_round: dict[str, list[float]] = {k: [] for k in names}
+    hits = dict.fromkeys(names, 0)
+    kv_events = 0
+    size = -(-len(prompts) // args.rounds)
+    for r in range(args.rounds):
+        chunk = prompts[r * size : (r + 1) * size]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            driver = drivers[name]
+            drain = driver.cache.take_events if name == "kv-events" else None
+            hit = 0
+            started = time.perf_counter()
+            for rid, tokens in chunk:
+                hit += driver.serve(rid, tokens).reused
+                if drain is not None:
+                    kv_events += len(drain())
+            elapsed = time.perf_counter() - started
+            seconds[name] += elapsed
+            per_round[name].append(elapsed)
+            hits[name] += hit
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {per_round[n][-1]:.2f} s" for n in names),
+              file=sys.stderr)
+    stats = {}
+    for name, emitter in emitters.items():
+        emitter.force_flush(timeout_millis=120_000)
+        emitter.shutdown()
+        stats[name] = emitter.stats()
+    if len(set(hits.values())) != 1:
+        raise SystemExit(f"the variants disagree on hits: {hits}")
+
+    print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {args.core} core, page {page}, "
+          f"{args.kv_tokens:,} KV slots, {args.rounds} rounds; "
+          f"SGLang reused {hits['off']:,} tokens in every variant")
+    print(f"{'variant':<16} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")
+    for name in names:
+        ratios = [a / b for a, b in zip(per_round[name], per_round["off"], strict=True)]
+        print(f"{name:<16} {seconds[name]:>8.2f} {seconds[name] / seconds['off']:>7.3f} "
+              f"{statistics.median(ratios):>21.3f}")
+    for name, st in stats.items():
+        rate = st.emitted / seconds[name]
+        print(f"{name}: {st.emitted:,} events emitted ({rate:,.0f} per second of replay), "
+              f"{st.exported:,} exported, {st.dropped} dropped, shim errors {shims[name].errors}")
+    print(f"SGLang KV events drained: {kv_events:,}")
+
+
+if __name__ == "__main__":
+    main()
