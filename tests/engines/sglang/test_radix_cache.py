@@ -51,6 +51,15 @@ def replay(config: DriverConfig, requests: int, events: bool = False):  # noqa: 
     return cache, served, sink.events, own
 
 
+def shimmed(config: DriverConfig):  # noqa: ANN201
+    """A fresh cache with the shim, its memory sink and a driver that reports admissions."""
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    return cache, sink, emitter, shim, Driver(cache, allocator, pool, config, shim)
+
+
 def _config(mix: Mix, core: str, kv_tokens: int = 100_000) -> DriverConfig:
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else 16  # SGLang's Mamba state needs page 1 (no extra buffer)
     return DriverConfig(mix=mix, tree_core=core, page_size=page, kv_tokens=kv_tokens)
@@ -83,12 +92,8 @@ def test_missing_mamba_checkpoints_are_hidden_recompute(core: str) -> None:
     """Requests sharing a prefix resume from the Mamba state kept at its branching point; once
     Mamba states are evicted the full KV of the prefix is still there but SGLang recomputes.
     kvtrace shows the hash hit it could not use, with the reason."""
-    config = DriverConfig(mix=Mix.MAMBA, tree_core=core, page_size=1, kv_tokens=8192)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    driver = Driver(cache, allocator, pool, config, shim)
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(mix=Mix.MAMBA, tree_core=core, page_size=1,
+                                                               kv_tokens=8192))
     shared = list(range(1000, 1200))
     served = [driver.serve(f"r{i}", shared + list(range(5000 + 100 * i, 5050 + 100 * i))) for i in range(3)]
     cache.evict(EvictParams(mamba_num=64))  # every Mamba state goes; shared full KV stays
@@ -140,12 +145,8 @@ def test_state_matches_sglangs_own_kv_events(core: str) -> None:
 
 @pytest.mark.parametrize("core", CORES)
 def test_a_window_lost_under_full_kv_is_a_gap_with_its_reason(core: str) -> None:
-    config = DriverConfig(mix=Mix.SWA, tree_core=core, page_size=4, window=8, kv_tokens=512)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    driver = Driver(cache, allocator, pool, config, shim)
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(mix=Mix.SWA, tree_core=core, page_size=4, window=8,
+                                                               kv_tokens=512))
     tokens = list(range(100, 133))
     driver.serve("a", tokens)
     cache.evict(EvictParams(swa_num_tokens=512))  # the window's state goes, full attention stays
