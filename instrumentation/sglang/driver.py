@@ -69,6 +69,7 @@ class DriverConfig:
     kv_tokens: int = 1 << 17  # device KV slots
     mamba_states: int = 64  # Mamba state slots
     tree_core: str = "rust"  # SGLang's default; "python" is its reference core
+    tree: str = "unified"  # or SGLang's older single-component trees: "radix", "pure_swa"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,8 @@ def build_cache(config: DriverConfig, enable_kv_cache_events: bool = False) -> t
                       mamba_state_size=8)
     cache, allocator, req_pool = kit.build_fixture(cfg, enable_kv_cache_events=enable_kv_cache_events,
                                                    tree_core_backend="python")
+    if config.tree != "unified":
+        return _older_tree(config, cache), allocator, req_pool
     if config.tree_core != "python":  # the kit builds its inspector on the Python core only
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -101,6 +104,21 @@ def build_cache(config: DriverConfig, enable_kv_cache_events: bool = False) -> t
         cache = UnifiedRadixCache(params)
         cache.cache_init_params = params
     return cache, allocator, req_pool
+
+
+def _older_tree(config: DriverConfig, built: Any) -> Any:
+    """`RadixCache` (full attention) or `PureSWARadixCache` (an all-SWA model) over the pools
+    the kit built: the same allocator and request pool, SGLang's older tree in front."""
+    from sglang.srt.mem_cache.pure_swa_radix_cache import PureSWARadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    if config.mix is not Mix.FULL:
+        raise ValueError(f"tree {config.tree!r} holds one component; build it with mix=full, not {config.mix}")
+    if config.tree == "radix":
+        return RadixCache(built.cache_init_params)
+    if config.tree == "pure_swa":
+        return PureSWARadixCache(dataclasses.replace(built.cache_init_params, sliding_window_size=config.window))
+    raise ValueError(f"unknown tree {config.tree!r}: expected unified, radix or pure_swa")
 
 
 class Driver:

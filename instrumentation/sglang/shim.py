@@ -54,6 +54,22 @@ def component_of(component_type: Any) -> ComponentKind:
     return COMPONENT_OF.get(getattr(component_type, "name", str(component_type)), ComponentKind.OTHER)
 
 
+def component_types(cache: Any) -> list[Any]:
+    """The cache's components in its own order. SGLang's older single-component trees have no
+    `tree_components`: `PureSWARadixCache` (all-SWA models) holds window state, `RadixCache`
+    full attention."""
+    types = list(getattr(cache, "tree_components", ()) or ())
+    if types:
+        return types
+    name = "SWA" if any(c.__name__ == "PureSWARadixCache" for c in type(cache).__mro__) else "FULL"
+    try:
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        return [ComponentType[name]]
+    except (ImportError, KeyError):
+        return [name]
+
+
 @dataclass(slots=True)
 class _Scope:
     """What one top-level cache call did to the ledgers, reported when it returns."""
@@ -77,11 +93,11 @@ class RadixCacheShim:
         self.sample_rate = sample_rate
         self.errors = 0
         self.page = int(cache.page_size)
-        self.component_types = list(getattr(cache, "tree_components", ()) or ())
+        self.component_types = component_types(cache)
         self.group_of = {ct: g for g, ct in enumerate(self.component_types)}
         self.components = [component_of(ct) for ct in self.component_types]
-        self._full = self.group_of.get(self._type("FULL"), 0)
-        self._swa = self.group_of.get(self._type("SWA"))
+        self._full = self.group_of.get(self._type("FULL"), 0)  # the group whose slots name KV pages
+        self._swa = self.group_of.get(self._type("SWA")) if len(self.component_types) > 1 else None
         self._mamba = self.group_of.get(self._type("MAMBA"))
         # slot -> key, per (group, tier). FULL and SWA slots are the first token slot of a page.
         self.ledger: dict[tuple[int, Tier], dict[int, int]] = {}
@@ -111,32 +127,29 @@ class RadixCacheShim:
             return None
 
     def _page_bytes(self) -> list[int]:
-        """Bytes of one page of each group's state on device (0 where SGLang does not say)."""
-        out = []
-        allocator = getattr(self.cache, "token_to_kv_pool_allocator", None)
-        for ct in self.component_types:
-            nbytes = 0
-            try:
-                name = getattr(ct, "name", "")
-                pool = allocator.get_kvcache() if allocator is not None else None
-                if name == "FULL" and pool is not None:
-                    sizes = pool.get_kv_size_bytes()
-                    total = sum(sizes) if isinstance(sizes, tuple) else int(sizes)
-                    nbytes = total // max(int(getattr(pool, "size", 0)) + self.page, 1) * self.page
-            except Exception:  # noqa: BLE001 - a size is a nicety, never a reason to fail
-                nbytes = 0
-            out.append(int(nbytes))
+        """Bytes of one page of each group's state on device: the KV pool's for the group whose
+        slots name KV pages (0 for the others, where SGLang gives no per-page size)."""
+        out = [0] * len(self.component_types)
+        try:
+            allocator = getattr(self.cache, "token_to_kv_pool_allocator", None)
+            pool = allocator.get_kvcache() if allocator is not None else None
+            if pool is not None and out:
+                sizes = pool.get_kv_size_bytes()
+                total = sum(sizes) if isinstance(sizes, tuple) else int(sizes)
+                out[self._full] = int(total // max(int(getattr(pool, "size", 0)) + self.page, 1) * self.page)
+        except Exception:  # noqa: BLE001 - a size is a nicety, never a reason to fail
+            pass
         return out
 
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> RadixCacheShim:
         c = self.cache
         self._wrap_scoped(c, "match_prefix", self._after_lookup)
-        self._wrap_scoped(c, "checkpoint", self._after_checkpoint, before=self._before_checkpoint)
+        self._wrap_scoped(c, "checkpoint", self._after_checkpoint, before=self._before_checkpoint, optional=True)
         self._wrap_scoped(c, "insert", self._after_insert, before=self._before_insert)
         self._wrap_scoped(c, "evict", None)
-        self._wrap_scoped(c, "evict_for_alloc", None)
-        self._wrap_scoped(c, "evict_host", None)
+        self._wrap_scoped(c, "evict_for_alloc", None, optional=True)
+        self._wrap_scoped(c, "evict_host", None, optional=True)
         self._wrap_scoped(c, "reset", self._after_reset)
         self._wrap_action(c)
         for ct, comp in (getattr(c, "components", None) or {}).items():
@@ -163,11 +176,14 @@ class RadixCacheShim:
             log.exception("kvtrace: the SGLang %s hook failed; counting further failures silently", hook)
 
     def _wrap_scoped(self, obj: Any, name: str, after: Callable[..., None] | None,
-                     before: Callable[..., Any] | None = None) -> None:
+                     before: Callable[..., Any] | None = None, optional: bool = False) -> None:
         """Wrap a cache entry point: frees it performs are collected and reported (netted) when
-        the outermost wrapped call returns."""
+        the outermost wrapped call returns. `optional`: a tree without it is fine (the older
+        trees have no host tier and no separate checkpoint step)."""
         original = getattr(obj, name, None)
         if original is None:
+            if optional:
+                return
             log.warning("kvtrace: SGLang's %s has no %s; that hook is off", type(obj).__name__, name)
             return
         shim = self
@@ -224,7 +240,7 @@ class RadixCacheShim:
     def _wrap_action(self, cache: Any) -> None:
         original = getattr(cache, "_apply_cache_action", None)
         if original is None:
-            log.warning("kvtrace: SGLang's cache has no _apply_cache_action; evictions are off")
+            self._wrap_node_removals(cache)
             return
         shim = self
 
@@ -249,6 +265,19 @@ class RadixCacheShim:
 
         self._saved.append((cache, "_apply_cache_action", original))
         cache._apply_cache_action = _apply_cache_action
+
+    def _wrap_node_removals(self, cache: Any) -> None:
+        """The older trees free a node's slots in `evict` and tell their event recorder (called
+        whether or not events are on): the removed node's value names the freed slots."""
+        recorder = getattr(cache, "kv_events", None)
+        if getattr(recorder, "record_remove", None) is None:
+            log.warning("kvtrace: SGLang's cache has no _apply_cache_action nor an event recorder; evictions are off")
+            return
+
+        def removed(result: Any, node: Any, *args: Any, **kwargs: Any) -> None:
+            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, getattr(node, "value", None)))
+
+        self._wrap_plain(recorder, "record_remove", removed)
 
     def _wrap_host_free(self, component: Any, component_type: Any) -> None:
         original = getattr(component, "free_host_values", None)
@@ -556,12 +585,13 @@ class RadixCacheShim:
         self._usage_due_ns = now + self.usage_interval_ns
         c = self.cache
         per_token = self.page_bytes[self._full] // self.page if self.page_bytes else 0
-        locked = int(c.full_protected_size()) if hasattr(c, "full_protected_size") else 0
-        evictable = int(c.full_evictable_size()) if hasattr(c, "full_evictable_size") else 0
+        unified = hasattr(c, "tree_components")  # the older trees count their one pool as a whole
+        locked = int((c.full_protected_size if unified else c.protected_size)())
+        evictable = int((c.full_evictable_size if unified else c.evictable_size)())
         allocator = getattr(c, "token_to_kv_pool_allocator", None)
         free = int(allocator.available_size()) if allocator is not None else 0
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
-                                  component=ComponentKind.FULL_ATTENTION, locked_bytes=locked * per_token,
+                                  component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
 
 

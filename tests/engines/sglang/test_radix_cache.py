@@ -87,6 +87,25 @@ def test_reconstruction_matches_sglang_hits_request_by_request(mix: Mix, core: s
     assert ComponentKind.FULL_ATTENTION in evicted  # the trace outgrows the pool
 
 
+@pytest.mark.parametrize("tree", ["radix", "pure_swa"])
+def test_older_trees_match_request_by_request(tree: str) -> None:
+    """SGLang's single-component trees: `RadixCache` (full attention) and `PureSWARadixCache`
+    (all-SWA models), which free through their event recorder rather than cache actions."""
+    cache, served, events, _ = replay(DriverConfig(tree=tree, kv_tokens=100_000), 80)
+    recipe = recipe_from_cache(cache)
+    assert [g.component for g in recipe.groups] == [
+        ComponentKind.FULL_ATTENTION if tree == "radix" else ComponentKind.SLIDING_WINDOW]
+    results = sorted((r for r in reconstruct(events, recipe) if r.adopt_seen), key=lambda r: r.seq)
+    assert [r.request_id for r in results] == [s.request_id for s in served]
+    for r, s in zip(results, served, strict=True):
+        assert r.logical_hit_tokens == s.full_kv_hit or s.full_kv_hit == 0, r.request_id
+        assert r.recoverable_hit_tokens == s.reused == r.adopted_tokens, r.request_id
+    assert sum(s.reused for s in served) > 0
+    assert any(e.kind is EventKind.EVICT for e in events)
+    usage = next(e for e in events if e.kind is EventKind.USAGE)
+    assert usage.component is recipe.groups[0].component and usage.free_bytes > 0
+
+
 @pytest.mark.parametrize("core", CORES)
 def test_missing_mamba_checkpoints_are_hidden_recompute(core: str) -> None:
     """Requests sharing a prefix resume from the Mamba state kept at its branching point; once
