@@ -26,6 +26,8 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 from kvtrace.instrumentation.sglang.keys import keys_of_hex
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import EventKind, Reason, Tier
@@ -42,8 +44,8 @@ class HiCacheHooks:
         self.controller = getattr(self.cache, "cache_controller", None)
         self.page = shim.page
         self.full = shim._full
-        self._writes: dict[int, list[tuple[list[int], list[int], int]]] = {}  # ack id -> (dev, host, t0)
-        self._loads: dict[int, tuple[list[int], list[int], int]] = {}  # ack id -> (host, dev slots, t0)
+        self._writes: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # ack id -> (dev, host slots, t0)
+        self._loads: dict[int, tuple[np.ndarray, int]] = {}  # ack id -> (keys, t0)
         self._storage: dict[int, tuple[list[int], int]] = {}  # op id -> (keys, t0)
         self.disk: set[int] = set()  # pages the storage tier holds
         self.prefetches_started = 0
@@ -82,29 +84,31 @@ class HiCacheHooks:
 
     def _after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
         pending = self._writes.pop(int(ack_id), None)
-        if not pending:
+        book = self.shim.ledger.get((self.full, Tier.DEVICE))
+        if not pending or book is None:
             return
-        book = self.shim.ledger.get((self.full, Tier.DEVICE), {})
         now = time.monotonic_ns()
         for dev, host, t0 in pending:
-            pairs = [(h, k) for d, h in zip(dev, host, strict=False) if (k := book.get(d)) is not None]
-            if pairs:
-                self.shim.install_slots(self.full, Tier.HOST, [h for h, _ in pairs], [k for _, k in pairs],
-                                        report=False)
-                self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.DEVICE, Tier.HOST,
-                                         [k for _, k in pairs], now - t0)
+            n = min(len(dev), len(host))
+            keys = book.peek(dev[:n])
+            held = keys != 0
+            if held.any():
+                self.shim.install_slots(self.full, Tier.HOST, host[:n][held], keys[held], report=False)
+                self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.DEVICE, Tier.HOST, keys[held], now - t0)
 
     # -- host -> device ----------------------------------------------------------------------------
     def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
-        if device is None:
+        book = self.shim.ledger.get((self.full, Tier.HOST))
+        if device is None or book is None:
             return
         host = self.shim._page_slots(self.full, host_indices)
         dev = self.shim._page_slots(self.full, device)
-        book = self.shim.ledger.get((self.full, Tier.HOST), {})
-        pairs = [(d, k) for h, d in zip(host, dev, strict=False) if (k := book.get(h)) is not None]
-        if pairs:  # the device slots hold these pages from now on (SGLang publishes them at once)
-            self.shim.install_slots(self.full, Tier.DEVICE, [d for d, _ in pairs], [k for _, k in pairs], report=False)
-            self._loads[int(node_id)] = ([k for _, k in pairs], [d for d, _ in pairs], time.monotonic_ns())
+        n = min(len(host), len(dev))
+        keys = book.peek(host[:n])
+        held = keys != 0
+        if held.any():  # the device slots hold these pages from now on (SGLang publishes them at once)
+            self.shim.install_slots(self.full, Tier.DEVICE, dev[:n][held], keys[held], report=False)
+            self._loads[int(node_id)] = (keys[held], time.monotonic_ns())
 
     def _before_loading_check(self, *args: Any, **kwargs: Any) -> Any:
         return set(getattr(self.cache, "ongoing_load_back", {}) or {})
@@ -117,10 +121,10 @@ class HiCacheHooks:
         for ack_id in before - still:
             load = self._loads.pop(int(ack_id), None) if isinstance(ack_id, int) else None
             if load is not None:
-                keys, _, t0 = load
+                keys, t0 = load
                 self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.HOST, Tier.DEVICE, keys, now - t0)
         if not still:  # anything left was retired without an id we saw: report it done now
-            for ack_id, (keys, _, t0) in list(self._loads.items()):
+            for ack_id, (keys, t0) in list(self._loads.items()):
                 if ack_id not in before:
                     continue
                 self._loads.pop(ack_id)
@@ -158,7 +162,7 @@ class HiCacheHooks:
             return
         start = int(result.prefix_len)
         slots = self.shim._page_slots(self.full, host_value)[start // self.page :]
-        keys = keys_of_hex(list(hash_value))[start // self.page :]
+        keys = np.array(keys_of_hex(list(hash_value))[start // self.page :], dtype=np.uint64)
         n = min(len(slots), len(keys))
         if n:
             self.shim.install_slots(self.full, Tier.HOST, slots[:n], keys[:n], report=False)

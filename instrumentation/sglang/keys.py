@@ -17,6 +17,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 
@@ -52,6 +54,13 @@ class Chain:
     seed: str | None  # SGLang's namespace seed (None: no namespace)
     hexes: list[str] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
+    _array: np.ndarray | None = None  # the keys as uint64, for the slot ledgers
+
+    def array(self) -> np.ndarray:
+        """The keys as a uint64 array (made once per length)."""
+        if self._array is None or len(self._array) != len(self.keys):
+            self._array = np.array(self.keys, dtype=np.uint64)
+        return self._array
 
     def extend(self, token_ids: Any, page_size: int) -> list[int]:
         """Keys of every full page of `token_ids` (a prefix of what earlier calls saw, or an

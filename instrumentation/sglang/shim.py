@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from msgspec.structs import replace
 from kvtrace.instrumentation.api import Emitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
+from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, unique
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -74,12 +77,12 @@ def component_types(cache: Any) -> list[Any]:
 class _Scope:
     """What one top-level cache call did to the ledgers, reported when it returns."""
 
-    freed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)  # (group, tier) -> keys
-    installed: dict[tuple[int, Tier], list[int]] = field(default_factory=dict)
+    freed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)  # (group, tier) -> keys
+    installed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)
     reason: Reason = Reason.CAPACITY
-    insert_slots: list[int] | None = None  # ledger slots of the insert in progress, by page
-    insert_pages: dict[int, int] | None = None  # slot -> page position, built when a rebuild needs it
-    insert_keys: list[int] | None = None
+    insert_slots: np.ndarray | None = None  # ledger slots of the insert in progress, by page
+    insert_pos: np.ndarray | None = None  # ledger slot -> page position, built when a rebuild needs it
+    insert_keys: np.ndarray | None = None
 
 
 class RadixCacheShim:
@@ -99,8 +102,8 @@ class RadixCacheShim:
         self._full = self.group_of.get(self._type("FULL"), 0)  # the group whose slots name KV pages
         self._swa = self.group_of.get(self._type("SWA")) if len(self.component_types) > 1 else None
         self._mamba = self.group_of.get(self._type("MAMBA"))
-        # slot -> key, per (group, tier). FULL and SWA slots are the first token slot of a page.
-        self.ledger: dict[tuple[int, Tier], dict[int, int]] = {}
+        # page keys by slot, per (group, tier): one entry per page of a token pool, per state of Mamba's
+        self.ledger: dict[tuple[int, Tier], SlotBook] = {}
         self._saved: list[tuple[Any, str, Any]] = []
         self._depth = 0
         self._scope: _Scope | None = None
@@ -297,45 +300,31 @@ class RadixCacheShim:
         component.free_host_values = free_host_values
 
     # -- ledger ------------------------------------------------------------------------------------
-    def _page_slots(self, group: int, values: Any) -> list[int]:
-        """Ledger slots of slot indices SGLang hands over (a tensor, tensors, ints): one per page
-        for token pools (the page's first slot), every index for Mamba states. Tensors are
-        sliced before they become Python ints: a page of 16 slots costs one int, not 16."""
-        step = 1 if (group == self._mamba or self.page == 1) else self.page
-        if values is None:
-            return []
-        if isinstance(values, (list, tuple)):
-            out: list[int] = []
-            for v in values:
-                out.extend(self._page_slots(group, v))
-            return out
-        if hasattr(values, "reshape"):
-            flat = values.reshape(-1)
-            return (flat[::step] if step > 1 else flat).tolist()
-        return [int(values)]
+    def _page_slots(self, group: int, values: Any) -> np.ndarray:
+        """Ledger slots of slot indices SGLang hands over (see `ledger.as_slots`)."""
+        return as_slots(values, 1 if (group == self._mamba or self.page == 1) else self.page)
 
-    def _free(self, group: int, tier: Tier, slots: list[int]) -> None:
+    def _free(self, group: int, tier: Tier, slots: np.ndarray) -> None:
         book = self.ledger.get((group, tier))
-        if not book:
+        if book is None:
             return
-        if all(map(book.__contains__, slots)):  # usually every slot freed was the tree's: C-level passes
-            keys = list(map(book.pop, slots))
-        else:  # some were not (a caller's duplicate pages)
-            pop = book.pop
-            keys = [k for s in slots if (k := pop(s, None)) is not None]
-        if not keys:
+        keys = book.take(slots)
+        if not len(keys):
             return
         if self._scope is None:  # a free outside every wrapped call: reported at once
             self._emit_run(EventKind.EVICT, group, tier, keys, reason=Reason.CAPACITY)
         else:
             self._record(self._scope.freed, (group, tier), keys)
 
-    def install_slots(self, group: int, tier: Tier, slots: list[int], keys: list[int], report: bool = True) -> None:
+    def install_slots(self, group: int, tier: Tier, slots: np.ndarray, keys: np.ndarray,
+                      report: bool = True) -> None:
         """Record that `slots` of a group's pool on a tier now hold the pages `keys`; reported
         as commits unless a transfer reports them (`report=False`)."""
-        book = self.ledger.setdefault((group, tier), {})
-        book.update(zip(slots, keys))
-        if not report:
+        book = self.ledger.get((group, tier))
+        if book is None:
+            book = self.ledger[(group, tier)] = SlotBook()
+        book.put(slots, keys)
+        if not report or not len(keys):
             return
         if self._scope is None:
             self._emit_run(EventKind.COMMIT, group, tier, keys)
@@ -343,12 +332,12 @@ class RadixCacheShim:
             self._record(self._scope.installed, (group, tier), keys)
 
     @staticmethod
-    def _record(into: dict[tuple[int, Tier], list[int]], where: tuple[int, Tier], keys: list[int]) -> None:
+    def _record(into: dict[tuple[int, Tier], list[np.ndarray]], where: tuple[int, Tier], keys: np.ndarray) -> None:
         got = into.get(where)
         if got is None:
-            into[where] = list(keys)
+            into[where] = [keys]
         else:
-            got.extend(keys)
+            got.append(keys)
 
     def _on_device_free(self, name: str, action: Any) -> None:
         if name == "FreeComponentDeviceSlot":
@@ -365,29 +354,29 @@ class RadixCacheShim:
         """A rebuild writes window state for a node's pages (and gives its full-attention KV
         those slots): names come from the insert in progress."""
         scope = self._scope
-        if scope is None or scope.insert_slots is None or scope.insert_keys is None:
+        if scope is None or scope.insert_slots is None or scope.insert_keys is None or not len(scope.insert_slots):
             return
         slots = self._page_slots(-1, action.source_value)
-        if scope.insert_pages is None:  # built on the first rebuild of this insert only
-            scope.insert_pages = {s: i for i, s in enumerate(scope.insert_slots)}
-        positions = scope.insert_pages
-        keys, where = [], []
-        for s in slots:
-            p = positions.get(s)  # type: ignore[union-attr]
-            if p is not None and p < len(scope.insert_keys):
-                keys.append(scope.insert_keys[p])
-                where.append(s)
-        if not keys:
+        if scope.insert_pos is None:  # built on the first rebuild of this insert only
+            ins = scope.insert_slots
+            scope.insert_pos = np.full(int(ins.max()) + 1, -1, dtype=np.int64)
+            scope.insert_pos[ins] = np.arange(len(ins))
+        pos = scope.insert_pos
+        slots = slots[slots < len(pos)]
+        at = pos[slots]
+        ok = (at >= 0) & (at < len(scope.insert_keys))
+        where, keys = slots[ok], scope.insert_keys[at[ok]]
+        if not len(keys):
             return
         if self._swa is not None:
             self.install_slots(self._swa, Tier.DEVICE, where, keys)
         # A rebuild over a node whose full-attention slots were just freed moves that KV to the
         # rebuilt slots: the page stays resident under new slots.
-        moved = set(scope.freed.get((self._full, Tier.DEVICE), ()))
+        moved = scope.freed.get((self._full, Tier.DEVICE))
         if moved:
-            pairs = [(s, k) for s, k in zip(where, keys, strict=True) if k in moved]
-            if pairs:
-                self.install_slots(self._full, Tier.DEVICE, [s for s, _ in pairs], [k for _, k in pairs])
+            back = np.isin(keys, np.concatenate(moved))
+            if back.any():
+                self.install_slots(self._full, Tier.DEVICE, where[back], keys[back])
 
     def _flush(self) -> None:
         """Report one call's net effect: keys freed and not re-installed are evicted, keys
@@ -396,28 +385,25 @@ class RadixCacheShim:
         self._scope = None
         if scope is None:
             return
-        installed = scope.installed
-        for where, keys in scope.freed.items():
+        installed, freed = scope.installed, scope.freed
+        for where, parts in freed.items():
+            gone = parts[0] if len(parts) == 1 else unique(np.concatenate(parts))
             back = installed.get(where)
             if back:
-                kept = set(back)
-                gone = [k for k in dict.fromkeys(keys) if k not in kept]
-            else:
-                gone = keys
-            if gone:
+                gone = gone[~np.isin(gone, np.concatenate(back))]
+            if len(gone):
                 self._emit_run(EventKind.EVICT, where[0], where[1], gone, reason=scope.reason)
-        for where, keys in installed.items():
-            freed = scope.freed.get(where)
-            if freed:
-                dropped = set(freed)
-                new = [k for k in dict.fromkeys(keys) if k not in dropped]
-            else:
-                new = list(dict.fromkeys(keys))
-            if new:
+        for where, parts in installed.items():
+            new = parts[0] if len(parts) == 1 else unique(np.concatenate(parts))
+            dropped = freed.get(where)
+            if dropped:
+                new = new[~np.isin(new, np.concatenate(dropped))]
+            if len(new):
                 self._emit_run(EventKind.COMMIT, where[0], where[1], new)
 
-    def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: list[int],
+    def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any,
                        duration_ns: int) -> None:
+        keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
         self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group,
                                   src_tier=src, dst_tier=dst, nbytes=self.page_bytes[group], block_key=keys[0],
                                   more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0)))
@@ -425,8 +411,9 @@ class RadixCacheShim:
     def _emit_invalidate(self, tier: Tier, reason: Reason) -> None:
         self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=reason, tier=tier, block_size=0))
 
-    def _emit_run(self, kind: EventKind, group: int, tier: Tier, keys: list[int], reason: Reason = Reason.NONE,
+    def _emit_run(self, kind: EventKind, group: int, tier: Tier, keys: Any, reason: Reason = Reason.NONE,
                   **fields: Any) -> None:
+        keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
         self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group, tier=tier,
                                   nbytes=self.page_bytes[group] if tier is Tier.DEVICE else 0, block_key=keys[0],
                                   more_keys=tuple(keys[1:]), reason=reason, **fields))
@@ -505,7 +492,7 @@ class RadixCacheShim:
             self._base, kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=prompt,
             tenant=getattr(key, "cache_salt", None) or self.identity.default_tenant,
             adapter=str(getattr(key, "extra_key", None) or ""), block_size=0,
-            group_block_keys=tuple([keys] * len(self.components)), group_hit_tokens=tuple(hits),
+            group_block_keys=tuple([keys[:]] * len(self.components)), group_hit_tokens=tuple(hits),
             reported_hit_tokens=device + host))
         if self.usage_interval_ns:
             self.sample_usage()
@@ -545,7 +532,8 @@ class RadixCacheShim:
             return None
         pages = len(key) // self.page
         chain = self._chain_of(key, self._current_req)
-        keys = chain.extend(key.token_ids, self.page)
+        chain.extend(key.token_ids, self.page)
+        keys = chain.array()
         slots = self._page_slots(-1, value[: pages * self.page])
         scope = self._scope
         if scope is not None:
@@ -563,7 +551,7 @@ class RadixCacheShim:
         mamba_value = getattr(params, "mamba_value", None)
         if self._mamba is not None and mamba_value is not None and pages and not result.mamba_exist:
             self.install_slots(self._mamba, Tier.DEVICE, self._page_slots(self._mamba, mamba_value)[:1],
-                               [keys[pages - 1]])
+                               keys[pages - 1 : pages])
 
     # -- reset and usage ---------------------------------------------------------------------------
     def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
@@ -597,7 +585,8 @@ class RadixCacheShim:
 
 def resident_keys(shim: RadixCacheShim, group: int = 0, tier: Tier = Tier.DEVICE) -> set[int]:
     """The pages the shim believes a group holds on a tier (for tests and debugging)."""
-    return set(shim.ledger.get((group, tier), {}).values())
+    book = shim.ledger.get((group, tier))
+    return set(book.resident().tolist()) if book is not None else set()
 
 
 def all_keys(events: Iterable[Event]) -> list[int]:

@@ -1,0 +1,89 @@
+"""Which page each pool slot holds, for one cache component on one tier.
+
+SGLang hands slots around as tensors of a few thousand indices per request (an insert's value,
+a node's freed value, a copy's source and destination). Keeping the ledger as one array of
+64-bit keys indexed by slot turns each of those into a handful of vectorized operations,
+instead of a Python dictionary operation per page: the shim's cost stays per call, not per page.
+Key 0 marks an empty slot (kvtrace keys are never 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+EMPTY = np.zeros(0, dtype=np.uint64)
+NO_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def as_slots(values: Any, step: int) -> np.ndarray:
+    """Ledger indices of the slot indices SGLang passes (a tensor, a list of tensors, ints):
+    one per page for token pools (`step` = page size; slots of a page are contiguous and its
+    first is page-aligned), each index for state pools (`step` = 1)."""
+    if values is None:
+        return NO_SLOTS
+    if isinstance(values, (list, tuple)):
+        parts = [as_slots(v, step) for v in values]
+        return np.concatenate(parts) if parts else NO_SLOTS
+    if hasattr(values, "reshape") and hasattr(values, "cpu"):  # a torch tensor
+        flat = values.reshape(-1)
+        if step > 1:
+            flat = flat[::step]
+        out = flat.cpu().numpy().astype(np.int64, copy=False)
+        return out // step if step > 1 else out
+    out = np.asarray(values, dtype=np.int64).reshape(-1)
+    return out[::step] // step if step > 1 else out
+
+
+def unique(keys: np.ndarray) -> np.ndarray:
+    """Keys without repeats, in first-seen order."""
+    if len(keys) < 2:
+        return keys
+    _, first = np.unique(keys, return_index=True)
+    return keys if len(first) == len(keys) else keys[np.sort(first)]
+
+
+class SlotBook:
+    """Page keys by ledger slot; grows to the largest slot seen."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, size: int = 4096) -> None:
+        self.keys = np.zeros(size, dtype=np.uint64)
+
+    def put(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        if not len(slots):
+            return
+        top = int(slots.max())
+        if top >= len(self.keys):
+            grown = np.zeros(max(top + 1, 2 * len(self.keys)), dtype=np.uint64)
+            grown[: len(self.keys)] = self.keys
+            self.keys = grown
+        self.keys[slots] = keys
+
+    def peek(self, slots: np.ndarray) -> np.ndarray:
+        """The keys the slots hold (0 where empty)."""
+        if not len(slots):
+            return EMPTY
+        inside = slots < len(self.keys)
+        if inside.all():
+            return self.keys[slots]
+        out = np.zeros(len(slots), dtype=np.uint64)
+        out[inside] = self.keys[slots[inside]]
+        return out
+
+    def take(self, slots: np.ndarray) -> np.ndarray:
+        """Empty the slots; the keys they held, in slot order."""
+        if not len(slots):
+            return EMPTY
+        slots = slots[slots < len(self.keys)]
+        got = self.keys[slots]
+        self.keys[slots] = 0
+        return got[got != 0]
+
+    def resident(self) -> np.ndarray:
+        return self.keys[self.keys != 0]
+
+    def __bool__(self) -> bool:
+        return bool(self.keys.any())
