@@ -44,8 +44,9 @@ class HiCacheHooks:
         self.controller = getattr(self.cache, "cache_controller", None)
         self.page = shim.page
         self.full = shim._full
-        self._writes: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # ack id -> (dev, host slots, t0)
-        self._loads: dict[int, tuple[np.ndarray, int]] = {}  # ack id -> (keys, t0)
+        # ack id -> [(group, device slots, host slots, t0)]; ack id -> ([(group, keys)], t0)
+        self._writes: dict[int, list[tuple[int, np.ndarray, np.ndarray, int]]] = {}
+        self._loads: dict[int, tuple[list[tuple[int, np.ndarray]], int]] = {}
         self._storage: dict[int, tuple[list[int], int]] = {}  # op id -> (keys, t0)
         self.disk: set[int] = set()  # pages the storage tier holds
         self.prefetches_started = 0
@@ -74,41 +75,66 @@ class HiCacheHooks:
         s._wrap_plain(c, "reset", self._after_reset)
         return self
 
+    def _extra(self, pools: Any) -> list[tuple[int, Any, Any]]:
+        """(group, device indices, host indices) of the component transfers that travel with a
+        copy (`extra_pools`: a sliding window's or Mamba's state); sidecars are skipped."""
+        out = []
+        for transfer in pools or ():
+            name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
+            group = self.shim.group_of.get(self.shim._type(name)) if name in ("SWA", "MAMBA") else None
+            if group is not None:
+                out.append((group, getattr(transfer, "device_indices", None), getattr(transfer, "host_indices", None)))
+        return out
+
     # -- device -> host ----------------------------------------------------------------------------
-    def _after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
+    def _after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+                     **kwargs: Any) -> None:
         if host is None:
             return  # the host was full: no backup
-        dev = self.shim._page_slots(self.full, device_indices)
-        slots = self.shim._page_slots(self.full, host)
-        self._writes.setdefault(int(node_id), []).append((dev, slots, time.monotonic_ns()))
+        now, page = time.monotonic_ns(), self.shim._page_slots
+        pending = self._writes.setdefault(int(node_id), [])
+        pending.append((self.full, page(self.full, device_indices), page(self.full, host), now))
+        for group, dev, hst in self._extra(extra_pools):  # host slots are filled in by the write
+            if dev is not None and hst is not None:
+                pending.append((group, page(group, dev), page(group, hst), now))
 
     def _after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
         pending = self._writes.pop(int(ack_id), None)
-        book = self.shim.ledger.get((self.full, Tier.DEVICE))
-        if not pending or book is None:
+        if not pending:
             return
         now = time.monotonic_ns()
-        for dev, host, t0 in pending:
+        for group, dev, host, t0 in pending:
+            book = self.shim.ledger.get((group, Tier.DEVICE))
+            if book is None:
+                continue
             n = min(len(dev), len(host))
             keys = book.peek(dev[:n])
             held = keys != 0
             if held.any():
-                self.shim.install_slots(self.full, Tier.HOST, host[:n][held], keys[held], report=False)
-                self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.DEVICE, Tier.HOST, keys[held], now - t0)
+                self.shim.install_slots(group, Tier.HOST, host[:n][held], keys[held], report=False)
+                self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.DEVICE, Tier.HOST, keys[held], now - t0)
 
     # -- host -> device ----------------------------------------------------------------------------
-    def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, **kwargs: Any) -> None:
-        book = self.shim.ledger.get((self.full, Tier.HOST))
-        if device is None or book is None:
+    def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+                    **kwargs: Any) -> None:
+        if device is None:
             return
-        host = self.shim._page_slots(self.full, host_indices)
-        dev = self.shim._page_slots(self.full, device)
-        n = min(len(host), len(dev))
-        keys = book.peek(host[:n])
-        held = keys != 0
-        if held.any():  # the device slots hold these pages from now on (SGLang publishes them at once)
-            self.shim.install_slots(self.full, Tier.DEVICE, dev[:n][held], keys[held], report=False)
-            self._loads[int(node_id)] = (keys[held], time.monotonic_ns())
+        moves = [(self.full, host_indices, device)]
+        moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools)]  # device side now resolved
+        now, loads = time.monotonic_ns(), []
+        for group, hst, dev in moves:
+            book = self.shim.ledger.get((group, Tier.HOST))
+            if book is None or hst is None or dev is None:
+                continue
+            host, slots = self.shim._page_slots(group, hst), self.shim._page_slots(group, dev)
+            n = min(len(host), len(slots))
+            keys = book.peek(host[:n])
+            held = keys != 0
+            if held.any():  # the device slots hold these pages from now on (SGLang publishes them at once)
+                self.shim.install_slots(group, Tier.DEVICE, slots[:n][held], keys[held], report=False)
+                loads.append((group, keys[held]))
+        if loads:
+            self._loads[int(node_id)] = (loads, now)
 
     def _before_loading_check(self, *args: Any, **kwargs: Any) -> Any:
         return set(getattr(self.cache, "ongoing_load_back", {}) or {})
@@ -118,17 +144,15 @@ class HiCacheHooks:
             return
         still = set(getattr(self.cache, "ongoing_load_back", {}) or {})
         now = time.monotonic_ns()
-        for ack_id in before - still:
-            load = self._loads.pop(int(ack_id), None) if isinstance(ack_id, int) else None
-            if load is not None:
-                keys, t0 = load
-                self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.HOST, Tier.DEVICE, keys, now - t0)
+        done = [a for a in before - still if isinstance(a, int)]
         if not still:  # anything left was retired without an id we saw: report it done now
-            for ack_id, (keys, t0) in list(self._loads.items()):
-                if ack_id not in before:
-                    continue
-                self._loads.pop(ack_id)
-                self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.HOST, Tier.DEVICE, keys, now - t0)
+            done += [a for a in self._loads if a in before and a not in done]
+        for ack_id in done:
+            load = self._loads.pop(int(ack_id), None)
+            if load is not None:
+                moved, t0 = load
+                for group, keys in moved:
+                    self.shim._emit_transfer(EventKind.LOAD, group, Tier.HOST, Tier.DEVICE, keys, now - t0)
 
     # -- host -> disk ------------------------------------------------------------------------------
     def _after_write_storage(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None,

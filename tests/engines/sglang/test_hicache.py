@@ -132,3 +132,35 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     assert storage_only.restore_disk_bytes > 0 and storage_only.restore_host_bytes == 0
     assert results["r3"].verdict is Verdict.PARTIAL and results["r3"].restore_host_bytes > 0
     assert results["r4"].verdict is Verdict.MISS
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_a_sliding_window_travels_with_its_pages(core: str) -> None:
+    """Full attention + sliding window: the window's state is backed up and loaded back beside
+    the KV (SGLang's component transfers); without it the reload would look like unsafe reuse."""
+    config = DriverConfig(mix=Mix.SWA, tree_core=core, page_size=PAGE, window=8, kv_tokens=256)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    enable_hicache(cache)
+    driver = Driver(cache, allocator, pool, config, shim)
+    prompt = list(range(100, 133))
+    driver.serve("r1", prompt)
+    for _ in range(200):
+        cache.check_hicache_events()
+        if not cache.ongoing_write_through:
+            break
+        time.sleep(0.01)
+    cache.evict(EvictParams(num_tokens=256, swa_num_tokens=256))
+    again = driver.serve("r2", prompt)
+    assert again.host_hit == 32 and again.loaded == 32
+    assert emitter.shutdown() and shim.errors == 0
+    moves = {(e.kind, e.component.value, e.src_tier, e.dst_tier): len(_keys(e)) for e in sink.events
+             if e.kind in (EventKind.OFFLOAD, EventKind.LOAD)}
+    assert moves[(EventKind.LOAD, "sliding_window", Tier.HOST, Tier.DEVICE)] == 8 // PAGE  # the window only
+    assert moves[(EventKind.LOAD, "full_attention", Tier.HOST, Tier.DEVICE)] == 32 // PAGE
+    assert (EventKind.OFFLOAD, "sliding_window", Tier.DEVICE, Tier.HOST) in moves
+    result = next(r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.request_id == "r2")
+    assert result.recoverable_hit_tokens == 32 == result.adopted_tokens and not result.unsafe_reuse
+    assert result.verdict is Verdict.PARTIAL
