@@ -14,7 +14,7 @@ import msgspec
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
 from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
-from kvtrace.schema.verdicts import LookupResult
+from kvtrace.schema.verdicts import LookupResult, Verification
 
 DEFAULT_DATABASE = "kvtrace"
 
@@ -77,7 +77,14 @@ CALIBRATIONS = TableSpec(  # `kvtrace calibrate`: timings measured on a device, 
     order_by=("model", "kind", "ts_ns"),
     shard_key="rand()",
 )
-TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS)
+VERIFICATIONS = TableSpec(  # `kvtrace verify`: requests re-executed without their cache
+    name="verifications",
+    struct=Verification,
+    time_column="ts_ns",
+    order_by=("instance", "ts_ns", "request_id"),
+    shard_key="cityHash64(instance)",
+)
+TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS, VERIFICATIONS)
 META_TABLE = "kvtrace_meta"
 
 

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 import msgspec
 
-from kvtrace.schema.columns import I64, U32, U64, Flag, Hash64, Label, Text, TimeNs
+from kvtrace.schema.columns import F64, I64, U32, U64, Flag, Hash64, Label, Text, TimeNs
 from kvtrace.schema.kinds import ComponentKind
 
 
@@ -80,3 +80,38 @@ class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     restore_disk_bytes: U64 = 0
     restore_remote_bytes: U64 = 0
     group_logical_tokens: list[U32] = []
+
+
+class Agreement(StrEnum):
+    """What re-executing a request without its cache says about its verdict (`kvtrace verify`)."""
+
+    IDENTICAL = "recoverable_identical"  # the claim holds: reusing gave what recomputing gives
+    DIVERGED = "recoverable_diverged"  # a reuse bug, or an identity field kvtrace does not track yet
+    ALARM_CONFIRMED = "unsafe_diverged"  # kvtrace flagged the reuse, and outputs changed
+    ALARM_CONSERVATIVE = "unsafe_identical"  # flagged, yet outputs matched (e.g. identical weights)
+    NOTHING_REUSED = "nothing_reused"  # no cached token was used: a control, nothing to prove
+
+
+class Verification(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """One request re-executed without its cache, next to its verdict (table `verifications`)."""
+
+    ts_ns: TimeNs
+    run_id: Label  # one verify run: its rows share the noise floor
+    instance: Label
+    request_id: Text
+    model: Label
+    tenant: Label
+    verdict: Verdict
+    reason: GapReason = GapReason.NONE
+    unsafe_reuse: Flag = False
+    prompt_tokens: U32 = 0
+    adopted_tokens: U32 = 0  # what the cached run reused
+    positions: U32 = 0  # token positions whose log-probabilities were compared
+    max_abs_diff: F64 = 0.0  # largest |logprob cached - logprob recomputed| of a compared token
+    mean_kl: F64 = 0.0  # KL(recomputed || cached) over the top-k, averaged over positions
+    max_kl: F64 = 0.0
+    first_token_match: Flag = True  # the first generated token is the same
+    noise_floor: F64 = 0.0  # max_abs_diff between two cache-free runs of the same prompts
+    tolerance: F64 = 0.0  # the threshold applied: above it, the runs diverged
+    agreement: Agreement = Agreement.NOTHING_REUSED
+    detail: Text = ""

@@ -1,0 +1,101 @@
+"""The correctness oracle's judgement (pure), and its rows in the embedded store."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtrace.analysis.oracle import Scores, divergence, judge, noise_floor, sample_by_class, tolerance, verification
+from kvtrace.collector.store import Store
+from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.clickhouse import VERIFICATIONS
+from kvtrace.schema.verdicts import Agreement, GapReason, LookupResult, Verdict, Verification
+
+
+def scores(tokens: list[int], shift: float = 0.0, generated: int = 0) -> Scores:
+    """A run whose logprobs are a fixed function of position and token, moved by `shift`."""
+    chosen = tuple(-1.0 - 0.01 * i + shift for i in range(len(tokens)))
+    top = tuple({t: chosen[i], t + 1: chosen[i] - 1.0 + shift, t + 2: chosen[i] - 2.0} for i, t in enumerate(tokens))
+    return Scores(tuple(tokens), chosen, top, generated)
+
+
+def result(**kw: object) -> LookupResult:
+    base = dict(ts_ns=1, source_id=1, seq=1, instance="i", request_id="r", model="m", tenant="", prompt_tokens=64,
+                reported_hit_tokens=32, logical_hit_tokens=32, recoverable_hit_tokens=32, resident_hit_tokens=32,
+                adopted_tokens=32, adopt_seen=True, verdict=Verdict.HIT)
+    base.update(kw)
+    return LookupResult(**base)  # type: ignore[arg-type]
+
+
+def test_identical_runs_do_not_diverge() -> None:
+    a = scores([5, 6, 7, 8], generated=1)
+    d = divergence(a, scores([5, 6, 7, 8], generated=1))
+    assert d.positions == 4 and d.max_abs_diff == 0.0 and d.mean_kl == pytest.approx(0.0, abs=1e-12)
+    assert d.first_token_match
+
+
+def test_a_shift_is_measured_and_kl_is_positive() -> None:
+    d = divergence(scores([5, 6, 7]), scores([5, 6, 7], shift=0.3))
+    assert d.max_abs_diff == pytest.approx(0.6)  # the second-ranked token moved twice the shift
+    assert d.mean_kl > 0 and d.max_kl >= d.mean_kl
+
+
+def test_comparison_stops_where_the_texts_part() -> None:
+    cached, fresh = scores([1, 2, 3, 9], generated=1), scores([1, 2, 3, 4], shift=0.0, generated=1)
+    d = divergence(cached, fresh)
+    assert d.positions == 3 and not d.first_token_match
+
+
+def test_scores_must_be_one_per_position() -> None:
+    with pytest.raises(ValueError, match="one of each per position"):
+        Scores((1, 2), (-1.0,), ({}, {}))
+
+
+def test_noise_floor_and_tolerance() -> None:
+    pairs = [(scores([1, 2]), scores([1, 2], shift=1e-6)), (scores([3, 4]), scores([3, 4]))]
+    floor = noise_floor(pairs)
+    assert floor == pytest.approx(2e-6)
+    assert tolerance(floor) == 1e-4  # never below the absolute floor
+    assert tolerance(0.01) == pytest.approx(0.04)
+    assert noise_floor([]) == 0.0
+
+
+@pytest.mark.parametrize(("unsafe", "shift", "expected"), [
+    (False, 0.0, Agreement.IDENTICAL), (False, 0.5, Agreement.DIVERGED),
+    (True, 0.5, Agreement.ALARM_CONFIRMED), (True, 0.0, Agreement.ALARM_CONSERVATIVE),
+])
+def test_judgement_of_each_class(unsafe: bool, shift: float, expected: Agreement) -> None:
+    r = result(unsafe_reuse=unsafe, reason=GapReason.IDENTITY_MISMATCH if unsafe else GapReason.NONE,
+               reason_detail="model_revision" if unsafe else "")
+    row = verification(r, scores([1, 2, 3], shift=shift), scores([1, 2, 3]), floor=0.0, run_id="v1", ts_ns=5)
+    assert row.agreement is expected
+    assert judge(r, divergence(scores([1, 2, 3], shift=shift), scores([1, 2, 3])), 1e-4) is expected
+    if unsafe:
+        assert "model_revision" in row.detail
+    assert math.isfinite(row.max_abs_diff) and row.tolerance == 1e-4
+
+
+def test_nothing_reused_is_a_control() -> None:
+    r = result(adopted_tokens=0, verdict=Verdict.MISS)
+    assert verification(r, scores([1]), scores([1], shift=2.0), 0.0, "v", 1).agreement is Agreement.NOTHING_REUSED
+
+
+def test_sampling_takes_alarms_first_and_each_class() -> None:
+    rows = [result(request_id=f"h{i}", seq=i, ts_ns=i) for i in range(5)]
+    rows += [result(request_id="p", seq=10, ts_ns=10, verdict=Verdict.PARTIAL)]
+    rows += [result(request_id="u", seq=11, ts_ns=11, unsafe_reuse=True)]
+    rows += [result(request_id="x", seq=12, ts_ns=12, adopt_seen=False)]  # never admitted: skipped
+    picked = [r.request_id for r in sample_by_class(rows, per_class=2)]
+    assert picked == ["u", "p", "h0", "h1"]
+
+
+def test_verifications_round_trip_through_the_store(tmp_path) -> None:  # noqa: ANN001
+    row = verification(result(unsafe_reuse=True, reason=GapReason.IDENTITY_MISMATCH), scores([1, 2]),
+                       scores([1, 2], shift=0.2), floor=1e-6, run_id="v1", ts_ns=1_700_000_000_000_000_000)
+    with Store(f"chdb:///{tmp_path}/db") as store:
+        store.init()
+        store.insert_arrow(VERIFICATIONS.name, to_arrow([row], Verification))
+        got = store.query_polars(f"SELECT agreement, max_abs_diff, detail FROM {store.db}.verifications")
+    assert got["agreement"].to_list() == ["unsafe_diverged"]
+    assert got["max_abs_diff"][0] == pytest.approx(row.max_abs_diff)
