@@ -163,3 +163,11 @@ def sample_by_class(results: Sequence[LookupResult], per_class: int) -> list[Loo
         if len(bucket) < per_class:
             bucket.append(r)
     return [r for c in order for r in picked[c]]
+
+
+def engine_request(results: Sequence[LookupResult], request_id: str) -> LookupResult | None:
+    """The verdict of the request an engine's output names: engines may suffix the id they
+    report inside (vLLM adds `-<random>`), so a prefix match on `<id>-` counts."""
+    prefix = f"{request_id}-"
+    found = [r for r in results if r.adopt_seen and (r.request_id == request_id or r.request_id.startswith(prefix))]
+    return max(found, key=lambda r: (r.ts_ns, r.seq)) if found else None

@@ -88,4 +88,7 @@ def attach(scheduler: Any, settings: Any = None) -> Any:
     )
     shim = CacheManagerShim(scheduler.kv_cache_manager, emitter, identity, sample_rate=settings.sample_rate).install()
     scheduler._kvtrace_shim = shim
+    from kvtrace.instrumentation.vllm.weights import track
+
+    track(shim, model)  # a never-empty revision, moved on every weight update
     return shim

@@ -29,6 +29,7 @@ shim and the KV-event bridge name the same blocks with the same keys.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 import threading
@@ -155,6 +156,14 @@ class CacheManagerShim:
         total = sum(int(getattr(t, "size", 0)) for t in tensors)
         self.pool_block_bytes = total // max(int(getattr(config, "num_blocks", 0) or 0), 1) if total else \
             sum(b for _, _, b in self.groups)
+
+    def set_model_revision(self, revision: str) -> None:
+        """The weights changed (a reload, an RL step): everything committed or looked up from
+        now on carries the new revision, so reuse of blocks computed with the old weights is an
+        identity mismatch in the analysis, whether or not the engine resets its cache."""
+        self.identity = dataclasses.replace(self.identity, model_revision=revision)
+        self._base = replace(self._base, model_revision=revision)
+        self._evict_base = [replace(e, model_revision=revision) for e in self._evict_base]
 
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CacheManagerShim:

@@ -1,0 +1,100 @@
+"""Re-execute requests on a vLLM engine with and without its prefix cache (`kvtrace verify`).
+
+For each prompt, two requests go to the same engine, one after the other:
+- the *cached* run: the prompt as users send it, free to reuse the prefix cache. It is an
+  ordinary request, so the shim traces it and the analysis gives it a verdict;
+- the *fresh* run: the same prompt with the prefix cache bypassed
+  (`skip_reading_prefix_cache`) and under its own `cache_salt`, so the blocks it writes never
+  mix with users' blocks.
+Both decode greedily and return the log-probabilities of the prompt tokens and of the first
+generated ones. vLLM gives no prompt log-probabilities for the positions it served from cache
+(the values there are not computed), so the comparison starts after the cached run's hit.
+The noise floor comes from the same prompts computed fresh twice.
+
+The judgement itself is `kvtrace.analysis.oracle`; this module only talks to the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace.analysis.oracle import Scores
+
+VERIFY_SALT = "kvtrace-verify"
+"""The namespace of fresh runs: their blocks (and verdicts, as tenant) stay apart from users'."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    request_id: str  # the cached run's request id, as vLLM's output names it
+    cached_tokens: int  # what the cached run reused (vLLM's own count)
+    cached: Scores
+    fresh: Scores
+    fresh_seconds: float  # what the check cost
+
+
+def _params(n_gen: int, k: int, fresh: bool) -> Any:
+    from vllm.sampling_params import SamplingParams
+
+    # Explicit: vLLM skips the cache for any request asking prompt log-probabilities unless told not to.
+    return SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True, logprobs=k, prompt_logprobs=k,
+                          skip_reading_prefix_cache=fresh)
+
+
+def _run(llm: Any, prompt: Sequence[int], fresh: bool, n_gen: int, k: int, salt: str) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    request = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=salt) if fresh else \
+        TokensPrompt(prompt_token_ids=list(prompt))
+    (out,) = llm.generate([request], _params(n_gen, k, fresh), use_tqdm=False)
+    return out
+
+
+def scores_of(output: Any, start: int) -> Scores:
+    """Log-probabilities of prompt positions [start, len) and of the generated tokens."""
+    prompt, table = list(output.prompt_token_ids), output.prompt_logprobs or []
+    tokens: list[int] = []
+    chosen: list[float] = []
+    top: list[dict[int, float]] = []
+
+    def add(token: int, ranked: Any) -> None:
+        ranked = ranked or {}
+        tokens.append(int(token))
+        chosen.append(float(ranked[token].logprob) if token in ranked else math.nan)
+        top.append({int(t): float(lp.logprob) for t, lp in ranked.items()})
+
+    for j in range(max(start, 1), len(prompt)):
+        add(prompt[j], table[j] if j < len(table) else None)
+    generated = output.outputs[0]
+    for token, ranked in zip(generated.token_ids, generated.logprobs or [], strict=False):
+        add(token, ranked)
+    return Scores(tuple(tokens), tuple(chosen), tuple(top), generated=len(generated.token_ids))
+
+
+def verify_prompts(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k: int = 5,
+                   salt: str = VERIFY_SALT) -> list[Pair]:
+    """One cached and one fresh run per prompt, compared from just after the cached run's hit."""
+    pairs = []
+    for prompt in prompts:
+        cached = _run(llm, prompt, False, n_gen, k, salt)
+        started = time.perf_counter()
+        fresh = _run(llm, prompt, True, n_gen, k, salt)
+        seconds = time.perf_counter() - started
+        start = int(cached.num_cached_tokens or 0) + 1
+        pairs.append(Pair(str(cached.request_id), int(cached.num_cached_tokens or 0), scores_of(cached, start),
+                          scores_of(fresh, start), seconds))
+    return pairs
+
+
+def noise_pairs(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k: int = 5,
+                salt: str = VERIFY_SALT) -> list[tuple[Scores, Scores]]:
+    """The same prompts computed fresh twice: what kernels and batching alone change."""
+    out = []
+    for prompt in prompts:
+        a, b = (_run(llm, prompt, True, n_gen, k, salt) for _ in range(2))
+        out.append((scores_of(a, 1), scores_of(b, 1)))
+    return out

@@ -1,0 +1,123 @@
+"""Which weights computed a block: a revision that changes whenever the engine's weights do.
+
+Reuse is only valid under the weights that computed the KV. vLLM keys its prefix cache by
+tokens (and adapter, salt), not by weights, so after an in-place update (`reload_weights` from
+an edited checkpoint, RL weight syncs) it reuses KV computed with the old weights. kvtrace
+stamps every event with a revision that is never empty (an empty one means "not reported" to
+the analysis and would hide exactly this) and moves it on each weight update, so such reuse is
+an identity mismatch, whether or not the engine resets its cache:
+
+    <HF revision or "local">:<fingerprint of the checkpoint files>:<vLLM weight version>+<updates>
+
+The fingerprint hashes the weight files' names, sizes and modification times (not their bytes:
+that would read gigabytes at start-up). The update counter catches in-memory updates that leave
+the files alone; when the weights did not really change, the oracle (`kvtrace verify`) shows
+the alarm was conservative.
+
+The hook is `EngineCore.collective_rpc`, which runs in the scheduler's process (where the
+shim lives) in-process and with multiprocessing alike; a worker-side hook would not reach it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvtrace.vllm")
+
+WEIGHT_METHODS = frozenset({"reload_weights", "update_weights", "finish_weight_update", "load_weights"})
+"""Worker calls (by name) after which the engine's weights may differ."""
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_shims: weakref.WeakSet[Any] = weakref.WeakSet()
+_updates = 0
+_patched = False
+
+
+def fingerprint(model: str) -> str:
+    """12 hex digits naming the weight files of a local checkpoint; "" when `model` is not a
+    local directory (a hub name: its revision names the weights)."""
+    root = Path(model)
+    if not root.is_dir():
+        return ""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+        st = path.stat()
+        digest.update(f"{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def revision(model_config: Any, weight_version: str = "", updates: int = 0, model_path: str | None = None) -> str:
+    """The revision stamped on events: never empty."""
+    hf = str(getattr(model_config, "revision", None) or "local")
+    path = model_path or str(getattr(model_config, "model", "") or "")
+    return f"{hf}:{fingerprint(path) or '-'}:{weight_version or 'default'}+{updates}"
+
+
+def track(shim: Any, model_config: Any) -> None:
+    """Follow this shim's weights: stamp the current revision now and after every update."""
+    shim._kvtrace_model_config = model_config
+    shim.set_model_revision(revision(model_config, updates=_updates))
+    _shims.add(shim)
+    _patch_engine_core()
+
+
+def _method_name(method: Any) -> str:
+    return method if isinstance(method, str) else str(getattr(method, "__name__", ""))
+
+
+def weights_changed(method: str, args: Any = (), kwargs: Any = None, weight_version: str = "") -> None:
+    """Move every tracked shim in this process to a new revision."""
+    global _updates
+    _updates += 1
+    path = None
+    if method == "reload_weights":  # `weights_path=` repoints the worker at other files
+        path = (kwargs or {}).get("weights_path") or None
+    for shim in list(_shims):
+        try:
+            shim.set_model_revision(revision(shim._kvtrace_model_config, weight_version, _updates, path))
+        except Exception:  # noqa: BLE001 - never fail the engine's weight update
+            log.exception("kvtrace: could not record a weight update")
+
+
+def _patch_engine_core() -> None:
+    global _patched
+    if _patched:
+        return
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        log.warning("kvtrace: vLLM's EngineCore is not importable; weight updates are not tracked")
+        return
+    original = getattr(EngineCore, "collective_rpc", None)
+    if original is None:
+        log.warning("kvtrace: vLLM's EngineCore has no collective_rpc; weight updates are not tracked")
+        return
+    _patched = True
+
+    def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
+        result = original(self, method, timeout, args, kwargs)
+        try:
+            name = _method_name(method)
+            if name in WEIGHT_METHODS:
+                weights_changed(name, args, kwargs, str(getattr(self, "_weight_version", "") or ""))
+        except Exception:  # noqa: BLE001
+            log.exception("kvtrace: could not record a weight update")
+        return result
+
+    EngineCore.collective_rpc = collective_rpc
+    setter = getattr(EngineCore, "set_weight_version", None)
+    if setter is not None:
+        def set_weight_version(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = setter(self, *args, **kwargs)
+            try:
+                weights_changed("set_weight_version", weight_version=str(getattr(self, "_weight_version", "") or ""))
+            except Exception:  # noqa: BLE001
+                log.exception("kvtrace: could not record a weight version")
+            return result
+
+        EngineCore.set_weight_version = set_weight_version
+
+
