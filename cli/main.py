@@ -123,6 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
     replay_p.add_argument("--tenant", default="default", help="tenant for requests whose trace names none")
 
+    verify = sub.add_parser("verify", help="prove a sample of verdicts by re-executing prompts without the cache "
+                                           "(run from the engine's environment)")
+    verify.add_argument("model", help="model directory or name the engine loads")
+    src = verify.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help='JSONL, one {"prompt_token_ids": [...]} per line')
+    src.add_argument("--trace", help="request trace (mooncake, qwen or kvtrace JSONL): tokens from its hash ids")
+    verify.add_argument("--limit", type=_non_negative, default=0, help="--trace: first N requests only (0 = all)")
+    verify.add_argument("--per-class", type=_positive, default=2, help="requests verified per verdict class")
+    verify.add_argument("--n-gen", type=_positive, default=4, help="generated tokens compared per request")
+    verify.add_argument("--top-k", type=_positive, default=5, help="log-probabilities kept per position")
+    verify.add_argument("--noise-prompts", type=_positive, default=2, help="prompts run fresh twice for the floor")
+    verify.add_argument("--floor-factor", type=float, default=4.0, help="divergence: above this many noise floors")
+    verify.add_argument("--atol", type=float, default=1e-4, help="divergence: and above this absolute difference")
+    verify.add_argument("--block-size", type=_positive, default=32, help="engine KV block size (CPU: multiple of 32)")
+    verify.add_argument("--max-model-len", type=_positive, default=4096, help="prompts are cut to fit")
+    verify.add_argument("--instance", default="verify", help="instance name the events carry")
+    verify.add_argument("--no-store", action="store_true", help="print only; store nothing")
+
     experiment = sub.add_parser("experiment", help="compare retention policies on one trace (no store needed)")
     trace_args(experiment)
     experiment.add_argument("--policies", default="lru,interval:512,branch", help="comma-separated policies")
@@ -826,6 +844,12 @@ def cmd_collector(args: argparse.Namespace) -> int:
     return serve(config, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kvtrace.cli.verify import run_verify
+
+    return run_verify(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtrace.cli.demo import run_demo
 
@@ -849,6 +873,7 @@ COMMANDS = {
     "alerts": cmd_alerts,
     "dashboard": cmd_dashboard,
     "grafana": cmd_grafana,
+    "verify": cmd_verify,
 }
 
 

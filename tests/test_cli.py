@@ -341,6 +341,17 @@ def test_replay_through_vllm_says_where_vllm_lives(capsys, store, tmp_path):
     assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "engine-venv.sh vllm" in err
 
 
+def test_verify_names_bad_prompts_and_where_vllm_lives(capsys, store, tmp_path):
+    """In this (core) environment vLLM is not installed; tests/engines/vllm/test_verify runs it."""
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt_token_ids": [4, -5]}\n')
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "verify", "m", "--prompts", str(bad))
+    assert code == 2 and f"{bad}:2: expected a non-empty list of non-negative token ids" in err
+    bad.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "verify", "m", "--prompts", str(bad))
+    assert code == 2 and "kvtrace verify needs vLLM in this environment" in err
+
+
 def test_collector_refuses_bad_settings_before_serving(capsys, tmp_path):
     code, _, err = run(capsys, "collector", "--tokens-file", str(tmp_path / "missing"))
     assert code == 2 and "cannot read token file" in err and "missing" in err

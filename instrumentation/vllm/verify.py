@@ -54,6 +54,16 @@ def _run(llm: Any, prompt: Sequence[int], fresh: bool, n_gen: int, k: int, salt:
     return out
 
 
+def serve_prompt(llm: Any, prompt: Sequence[int], n_gen: int = 4) -> Any:
+    """One ordinary request (greedy, no log-probabilities): traffic whose verdicts get checked."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
+
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))],
+                          SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return out
+
+
 def scores_of(output: Any, start: int) -> Scores:
     """Log-probabilities of prompt positions [start, len) and of the generated tokens."""
     prompt, table = list(output.prompt_token_ids), output.prompt_logprobs or []

@@ -122,5 +122,28 @@ def test_verify_confirms_clean_hits_and_catches_stale_weights(kind: str, tmp_pat
     assert after.agreement is Agreement.IDENTICAL
 
 
+def test_the_verify_command_stores_its_judgements(tmp_path: Path) -> None:
+    """`kvtrace verify` end to end: serve the prompts, pick per class, re-execute, store rows."""
+    model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    save_checkpoint("llama", model, seed=0)
+    shared = [100 + (7 * i) % 1500 for i in range(256)]
+    rows = [shared + [10 + t] * (20 + t) for t in range(4)] + [list(range(600, 800))]
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": r}) + "\n" for r in rows))
+    dsn = f"chdb:///{tmp_path}/db"
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, "verify", str(model), "--prompts",
+                           str(prompts), "--max-model-len", "512", "--per-class", "2"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "verified 4 of 5 requests" in proc.stdout and "recoverable_identical 4" in proc.stdout
+
+    from kvtrace.collector.store import Store
+
+    with Store(dsn) as store:
+        got = store.query_polars(f"SELECT agreement, adopted_tokens FROM {store.db}.verifications")
+        assert got["agreement"].to_list() == ["recoverable_identical"] * 4
+        assert store.count_events() > 0  # the events the verdicts came from are stored beside them
+
+
 if __name__ == "__main__":
     child(sys.argv[1], sys.argv[2])
