@@ -98,6 +98,17 @@ PANELS: tuple[Panel, ...] = (
             "logical_hit_tokens, recoverable_hit_tokens, adopted_tokens, reason, reason_detail "
             f"FROM {{db}}.verdicts FINAL WHERE unsafe_reuse AND {filters('verdicts')} ORDER BY ts_ns DESC LIMIT 500"),
     Panel(
+        key="verify", title="Verified by re-execution: did reuse give what recompute gives?",
+        kind=PanelKind.TABLE, x="time",
+        series=("instance", "request_id", "model", "verdict", "agreement", "adopted_tokens", "max_abs_diff",
+                "noise_floor", "detail"),
+        description="`kvtrace verify` re-runs sampled requests with the prefix cache bypassed. recoverable_diverged "
+                    "is a reuse bug or an identity field kvtrace does not track; unsafe_diverged confirms an alarm; "
+                    "unsafe_identical says an alarm was conservative.",
+        sql="SELECT fromUnixTimestamp64Nano(ts_ns) AS time, instance, request_id, model, verdict, agreement, "
+            "adopted_tokens, max_abs_diff, noise_floor, detail "
+            f"FROM {{db}}.verifications WHERE {filters('verifications')} ORDER BY ts_ns DESC, request_id LIMIT 500"),
+    Panel(
         key="tiers", title="Tier occupancy: bytes resident on each tier (GiB)",
         kind=PanelKind.TIMESERIES, x="time", series=("resident_gib", "in_flight_gib"), group_by="tier",
         description="Resident is every committed or transferred-in byte minus every evicted one, counted from the "

@@ -28,7 +28,7 @@ from kvtrace.dashboards.queries import PANELS, Panel, PanelKind, by_key, filters
 PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("Hit funnel", ("funnel",)),
     "gaps": ("Why the gap", ("reasons", "restore")),
-    "unsafe": ("Unsafe reuse", ("unsafe",)),
+    "unsafe": ("Unsafe reuse", ("unsafe", "verify")),
     "tiers": ("Tiers", ("usage", "tiers")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
     "costs": ("Load vs recompute", ()),

@@ -25,9 +25,9 @@ from kvtrace.dashboards.web import PAGES, create_dashboard_app
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.store import StoreSink
-from kvtrace.schema.arrow import conform
+from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.recipes import BUILTIN
-from kvtrace.schema.verdicts import LookupResult
+from kvtrace.schema.verdicts import Agreement, LookupResult, Verdict, Verification
 
 ARTIFACTS = Path(os.environ.get("KVTRACE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 S = 10**9
@@ -53,6 +53,15 @@ def replay(store: Store) -> None:
         assert emitter.shutdown()
     verdicts = clickhouse_results(store, recipe)
     store.insert_arrow("verdicts", conform(verdicts.to_arrow(), LookupResult))
+    # What `kvtrace verify` would store for a few of them (its engine side runs in the vLLM suite).
+    checks = [Verification(ts_ns=r["ts_ns"], run_id="t", instance=r["instance"], request_id=r["request_id"],
+                           model=r["model"], tenant=r["tenant"], verdict=Verdict(r["verdict"]),
+                           unsafe_reuse=r["unsafe_reuse"], adopted_tokens=r["adopted_tokens"],
+                           max_abs_diff=2.5 if r["unsafe_reuse"] else 0.0,
+                           agreement=Agreement.ALARM_CONFIRMED if r["unsafe_reuse"] else Agreement.IDENTICAL)
+              for inst in ("engine-a", "engine-b")
+              for r in verdicts.filter((pl.col("instance") == inst) & (pl.col("adopted_tokens") > 0)).head(2).to_dicts()]
+    store.insert_arrow("verifications", to_arrow(checks, Verification))
 
 
 class Served:
@@ -120,6 +129,7 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     both = [r["resident_gib"] for r in rows["tiers"] if r["tier"] == "device"]
     assert max(both) == pytest.approx(2 * 12 / 1024)
     assert rows["transfers"] and rows["residency"]
+    assert {(r["instance"], r["agreement"]) for r in rows["verify"]} >= {("engine-a", "recoverable_identical")}
     assert {r["tier"] for r in rows["restore"]} == {"host"} and rows["restore"][0]["tokens"] > 0
     usage = [r for r in rows["usage"] if r["tier"] == "device"]
     # two engines, each with a 12 MiB device tier: what is held plus what is free is the capacity
