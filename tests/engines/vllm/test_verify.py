@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvtrace.schema.verdicts import Agreement, GapReason, Verification
+from kvtrace.schema.verdicts import Agreement, GapReason, Verdict, Verification
 
 SHAPE = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, max_position_embeddings=1024)
@@ -58,20 +58,36 @@ def child(kind: str, root: str) -> None:
     from kvtrace.instrumentation.vllm.verify import noise_pairs, verify_prompts
 
     model = Path(root) / "model"
-    save_checkpoint(kind, model, seed=0)
+    save_checkpoint(kind.removesuffix("-offload"), model, seed=0)
+    transfer = None
+    if kind.endswith("-offload"):  # vLLM's CPU offloading behind kvtrace's connector shim: a host tier
+        from vllm.config import KVTransferConfig
+
+        sys.path.insert(0, str(Path(__file__).parent))  # the engine imports the host copy spec by name
+        transfer = KVTransferConfig(
+            kv_connector="KvtraceConnectorHMA", kv_connector_module_path="kvtrace.instrumentation.vllm.connector",
+            kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": 16 << 20, "spec_name": "HostCopySpec",
+                                                          "spec_module_path": "test_connector_offloading",
+                                                          "kvtrace_inner": "OffloadingConnector"})
     llm = LLM(model=str(model), skip_tokenizer_init=True, enable_prefix_caching=True, block_size=32,
-              enforce_eager=True, max_model_len=512)
+              enforce_eager=True, max_model_len=512, kv_transfer_config=transfer)
     shared = [100 + (7 * i) % 1500 for i in range(256)]
     generate = lambda tokens: verify_prompts(llm, [tokens], n_gen=1)  # noqa: E731 - a warm-up request
     generate(shared + [5] * 20)
-    phases: dict[str, list] = {"clean": verify_prompts(llm, [shared + [6] * 30, shared[:128] + [7] * 40])}
-    noise = noise_pairs(llm, [shared + [8] * 10])
-    save_checkpoint(kind, model, seed=1)  # the checkpoint changes under the running engine
-    llm.collective_rpc("reload_weights")
-    phases["stale"] = verify_prompts(llm, [shared + [9] * 30])
-    assert llm.reset_prefix_cache()  # what a careful deployment does on a weight update
-    generate(shared + [5] * 20)
-    phases["after_reset"] = verify_prompts(llm, [shared + [10] * 30])
+    phases: dict[str, list] = {}
+    if transfer is not None:  # the device copy goes; the next request restores the prefix from host
+        assert llm.reset_prefix_cache()
+        phases["partial"] = verify_prompts(llm, [shared + [6] * 30])
+        noise = noise_pairs(llm, [shared + [8] * 10])
+    else:
+        phases["clean"] = verify_prompts(llm, [shared + [6] * 30, shared[:128] + [7] * 40])
+        noise = noise_pairs(llm, [shared + [8] * 10])
+        save_checkpoint(kind, model, seed=1)  # the checkpoint changes under the running engine
+        llm.collective_rpc("reload_weights")
+        phases["stale"] = verify_prompts(llm, [shared + [9] * 30])
+        assert llm.reset_prefix_cache()  # what a careful deployment does on a weight update
+        generate(shared + [5] * 20)
+        phases["after_reset"] = verify_prompts(llm, [shared + [10] * 30])
     assert get_emitter().force_flush(timeout_millis=30_000)
 
     spool = Path(root) / "spool"
@@ -92,7 +108,7 @@ def child(kind: str, root: str) -> None:
                                   "rows": {k: json.loads(msgspec.json.encode(v)) for k, v in rows.items()}}))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "llama-offload"])
 def test_verify_confirms_clean_hits_and_catches_stale_weights(kind: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, __file__, kind, str(tmp_path)], capture_output=True, text=True,
                           timeout=900)
@@ -101,6 +117,11 @@ def test_verify_confirms_clean_hits_and_catches_stale_weights(kind: str, tmp_pat
     got = json.loads(line[len("RESULT "):])
     rows = {k: [msgspec.convert(r, Verification) for r in v] for k, v in got["rows"].items()}
     assert got["floor"] == 0.0  # CPU kernels are deterministic: two fresh runs are bit-identical
+    if kind.endswith("-offload"):  # restored from the host tier: PARTIAL, and identical to recompute
+        (partial,) = rows["partial"]
+        assert partial.verdict is Verdict.PARTIAL and partial.adopted_tokens == 256 and not partial.unsafe_reuse
+        assert partial.agreement is Agreement.IDENTICAL and partial.positions > 0
+        return
     assert len(got["revisions"]) == 2 and all(r for r in got["revisions"])  # never empty, moved by the reload
 
     clean = rows["clean"]
