@@ -41,6 +41,7 @@ from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -233,7 +234,7 @@ class CacheManagerShim:
         if request is None:
             return replace(self._base, kind=kind)
         lora = getattr(request, "lora_request", None)
-        return replace(self._base, kind=kind, adapter=(getattr(lora, "lora_name", "") or "") if lora is not None else "",
+        return replace(self._base, kind=kind, adapter=adapter_label(lora) if lora is not None else "",
                        tenant=getattr(request, "cache_salt", None) or self.identity.default_tenant,
                        request_id=str(request.request_id))
 

@@ -45,22 +45,23 @@ def _params(n_gen: int, k: int, fresh: bool) -> Any:
                           skip_reading_prefix_cache=fresh)
 
 
-def _run(llm: Any, prompt: Sequence[int], fresh: bool, n_gen: int, k: int, salt: str) -> Any:
+def _run(llm: Any, prompt: Sequence[int], fresh: bool, n_gen: int, k: int, salt: str, lora: Any = None) -> Any:
     from vllm.inputs import TokensPrompt
 
     request = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=salt) if fresh else \
         TokensPrompt(prompt_token_ids=list(prompt))
-    (out,) = llm.generate([request], _params(n_gen, k, fresh), use_tqdm=False)
+    (out,) = llm.generate([request], _params(n_gen, k, fresh), use_tqdm=False, lora_request=lora)
     return out
 
 
-def serve_prompt(llm: Any, prompt: Sequence[int], n_gen: int = 4) -> Any:
+def serve_prompt(llm: Any, prompt: Sequence[int], n_gen: int = 4, lora: Any = None) -> Any:
     """One ordinary request (greedy, no log-probabilities): traffic whose verdicts get checked."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import SamplingParams
 
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))],
-                          SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True), use_tqdm=False)
+                          SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True), use_tqdm=False,
+                          lora_request=lora)
     return out
 
 
@@ -86,13 +87,14 @@ def scores_of(output: Any, start: int) -> Scores:
 
 
 def verify_prompts(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k: int = 5,
-                   salt: str = VERIFY_SALT) -> list[Pair]:
-    """One cached and one fresh run per prompt, compared from just after the cached run's hit."""
+                   salt: str = VERIFY_SALT, lora: Any = None) -> list[Pair]:
+    """One cached and one fresh run per prompt (with the same adapter, if any), compared from
+    just after the cached run's hit."""
     pairs = []
     for prompt in prompts:
-        cached = _run(llm, prompt, False, n_gen, k, salt)
+        cached = _run(llm, prompt, False, n_gen, k, salt, lora)
         started = time.perf_counter()
-        fresh = _run(llm, prompt, True, n_gen, k, salt)
+        fresh = _run(llm, prompt, True, n_gen, k, salt, lora)
         seconds = time.perf_counter() - started
         start = int(cached.num_cached_tokens or 0) + 1
         pairs.append(Pair(str(cached.request_id), int(cached.num_cached_tokens or 0), scores_of(cached, start),
@@ -101,10 +103,10 @@ def verify_prompts(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k
 
 
 def noise_pairs(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k: int = 5,
-                salt: str = VERIFY_SALT) -> list[tuple[Scores, Scores]]:
+                salt: str = VERIFY_SALT, lora: Any = None) -> list[tuple[Scores, Scores]]:
     """The same prompts computed fresh twice: what kernels and batching alone change."""
     out = []
     for prompt in prompts:
-        a, b = (_run(llm, prompt, True, n_gen, k, salt) for _ in range(2))
+        a, b = (_run(llm, prompt, True, n_gen, k, salt, lora) for _ in range(2))
         out.append((scores_of(a, 1), scores_of(b, 1)))
     return out

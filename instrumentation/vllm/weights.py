@@ -32,6 +32,7 @@ WEIGHT_METHODS = frozenset({"reload_weights", "update_weights", "finish_weight_u
 """Worker calls (by name) after which the engine's weights may differ."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _shims: weakref.WeakSet[Any] = weakref.WeakSet()
+_adapters: dict[tuple[str, str], str] = {}  # (name, path) -> label
 _updates = 0
 _patched = False
 
@@ -62,6 +63,24 @@ def track(shim: Any, model_config: Any) -> None:
     shim.set_model_revision(revision(model_config, updates=_updates))
     _shims.add(shim)
     _patch_engine_core()
+
+
+def adapter_label(lora: Any) -> str:
+    """An adapter's identity: its name and a fingerprint of its files, `name@<12 hex>`.
+
+    vLLM keys cached blocks by adapter name and path, so rewriting an adapter's files and
+    reloading it in place (`load_inplace`) reuses KV its old weights computed. The fingerprint
+    is read once per adapter and again whenever a request or `add_lora` reloads it in place, so
+    blocks from before the reload no longer match."""
+    if lora is None:
+        return ""
+    name = str(getattr(lora, "lora_name", "") or "")
+    path = str(getattr(lora, "lora_path", "") or "")
+    label = _adapters.get((name, path))
+    if label is None or getattr(lora, "load_inplace", False):
+        mark = fingerprint(path) if path else ""
+        label = _adapters[(name, path)] = f"{name}@{mark}" if mark else name
+    return label
 
 
 def _method_name(method: Any) -> str:
@@ -108,6 +127,17 @@ def _patch_engine_core() -> None:
         return result
 
     EngineCore.collective_rpc = collective_rpc
+    add_lora = getattr(EngineCore, "add_lora", None)
+    if add_lora is not None:
+        def add_lora_traced(self: Any, lora_request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = add_lora(self, lora_request, *args, **kwargs)
+            try:
+                adapter_label(lora_request)  # an in-place reload re-reads the fingerprint
+            except Exception:  # noqa: BLE001
+                log.exception("kvtrace: could not record an adapter load")
+            return result
+
+        EngineCore.add_lora = add_lora_traced
     setter = getattr(EngineCore, "set_weight_version", None)
     if setter is not None:
         def set_weight_version(self: Any, *args: Any, **kwargs: Any) -> Any:

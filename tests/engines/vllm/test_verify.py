@@ -44,6 +44,25 @@ def save_checkpoint(kind: str, path: Path, seed: int) -> None:
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
+def save_adapter(path: Path, seed: int, rank: int = 8) -> None:
+    """A LoRA adapter for the tiny Llama (q and v projections), written as PEFT lays it out."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for layer in range(2):
+        for module, out in (("q_proj", 128), ("v_proj", 64)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, 128) * 0.3).to(torch.bfloat16)
+            tensors[f"{name}.lora_B.weight"] = (torch.randn(out, rank) * 0.3).to(torch.bfloat16)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+        "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+
+
 def child(kind: str, root: str) -> None:
     os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                        "VLLM_CACHE_ROOT": f"{root}/cache", "KVTRACE_ENABLED": "1", "KVTRACE_SINK": "spool",
@@ -58,7 +77,7 @@ def child(kind: str, root: str) -> None:
     from kvtrace.instrumentation.vllm.verify import noise_pairs, verify_prompts
 
     model = Path(root) / "model"
-    save_checkpoint(kind.removesuffix("-offload"), model, seed=0)
+    save_checkpoint(kind.split("-")[0], model, seed=0)
     transfer = None
     if kind.endswith("-offload"):  # vLLM's CPU offloading behind kvtrace's connector shim: a host tier
         from vllm.config import KVTransferConfig
@@ -69,13 +88,26 @@ def child(kind: str, root: str) -> None:
             kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": 16 << 20, "spec_name": "HostCopySpec",
                                                           "spec_module_path": "test_connector_offloading",
                                                           "kvtrace_inner": "OffloadingConnector"})
+    lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if kind == "llama-lora" else {}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enable_prefix_caching=True, block_size=32,
-              enforce_eager=True, max_model_len=512, kv_transfer_config=transfer)
+              enforce_eager=True, max_model_len=512, kv_transfer_config=transfer, **lora)
     shared = [100 + (7 * i) % 1500 for i in range(256)]
     generate = lambda tokens: verify_prompts(llm, [tokens], n_gen=1)  # noqa: E731 - a warm-up request
     generate(shared + [5] * 20)
     phases: dict[str, list] = {}
-    if transfer is not None:  # the device copy goes; the next request restores the prefix from host
+    if lora:  # an adapter rewritten and reloaded in place: vLLM keys its blocks by name and path only
+        from vllm.lora.request import LoRARequest
+
+        adapter = Path(root) / "adapter"
+        save_adapter(adapter, seed=1)
+        a1 = LoRARequest("a1", 1, str(adapter))
+        verify_prompts(llm, [shared + [5] * 20], n_gen=1, lora=a1)
+        phases["adapter_clean"] = verify_prompts(llm, [shared + [6] * 30], lora=a1)
+        noise = noise_pairs(llm, [shared + [8] * 10], lora=a1)
+        save_adapter(adapter, seed=2)
+        phases["adapter_stale"] = verify_prompts(llm, [shared + [7] * 30],
+                                                 lora=LoRARequest("a1", 1, str(adapter), load_inplace=True))
+    elif transfer is not None:  # the device copy goes; the next request restores the prefix from host
         assert llm.reset_prefix_cache()
         phases["partial"] = verify_prompts(llm, [shared + [6] * 30])
         noise = noise_pairs(llm, [shared + [8] * 10])
@@ -108,7 +140,7 @@ def child(kind: str, root: str) -> None:
                                   "rows": {k: json.loads(msgspec.json.encode(v)) for k, v in rows.items()}}))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "llama-offload"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "llama-offload", "llama-lora"])
 def test_verify_confirms_clean_hits_and_catches_stale_weights(kind: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, __file__, kind, str(tmp_path)], capture_output=True, text=True,
                           timeout=900)
@@ -117,12 +149,21 @@ def test_verify_confirms_clean_hits_and_catches_stale_weights(kind: str, tmp_pat
     got = json.loads(line[len("RESULT "):])
     rows = {k: [msgspec.convert(r, Verification) for r in v] for k, v in got["rows"].items()}
     assert got["floor"] == 0.0  # CPU kernels are deterministic: two fresh runs are bit-identical
+    if kind == "llama-lora":  # blocks from before an in-place adapter reload are another identity
+        (clean,) = rows["adapter_clean"]
+        assert clean.adopted_tokens == 256 and clean.agreement is Agreement.IDENTICAL
+        (stale,) = rows["adapter_stale"]
+        assert stale.adopted_tokens == 256 and stale.unsafe_reuse and stale.reason is GapReason.IDENTITY_MISMATCH
+        assert stale.agreement is Agreement.ALARM_CONFIRMED and "adapter" in stale.detail
+        return
     if kind.endswith("-offload"):  # restored from the host tier: PARTIAL, and identical to recompute
         (partial,) = rows["partial"]
         assert partial.verdict is Verdict.PARTIAL and partial.adopted_tokens == 256 and not partial.unsafe_reuse
         assert partial.agreement is Agreement.IDENTICAL and partial.positions > 0
         return
-    assert len(got["revisions"]) == 2 and all(r for r in got["revisions"])  # never empty, moved by the reload
+    assert all(r for r in got["revisions"])  # never empty
+    if kind in ("llama", "gemma3"):
+        assert len(got["revisions"]) == 2  # moved by the reload
 
     clean = rows["clean"]
     # A whole-prefix hit, and one on half the prefix: full attention keeps every block, while the
