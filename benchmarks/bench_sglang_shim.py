@@ -47,29 +47,17 @@ from pathlib import Path
 
 import torch
 
+from counting_sink import CountingSink  # beside this script
+
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
-from kvtrace.instrumentation.sinks.base import OK, ExportResult
 from kvtrace.instrumentation.traces import read_trace
-from kvtrace.schema.wire import Batch
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 SHIMMED = {"kvtrace": 1.0, "kvtrace-sampled": 0.1}
-
-
-class CountingSink:
-    def __init__(self) -> None:
-        self.events = 0
-
-    def export(self, batch: Batch) -> ExportResult:
-        self.events += len(batch.events)
-        return OK
-
-    def shutdown(self) -> None:
-        pass
 
 
 def _emitter() -> BatchEmitter:

@@ -26,27 +26,15 @@ import statistics
 import time
 from pathlib import Path
 
+from counting_sink import CountingSink  # beside this script
+
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
-from kvtrace.instrumentation.sinks.base import OK, ExportResult
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
 from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
-from kvtrace.schema.wire import Batch
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-
-
-class CountingSink:
-    def __init__(self) -> None:
-        self.events = 0
-
-    def export(self, batch: Batch) -> ExportResult:
-        self.events += len(batch.events)
-        return OK
-
-    def shutdown(self) -> None:
-        pass
 
 
 def main() -> None:

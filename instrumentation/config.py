@@ -16,6 +16,7 @@ Variables (all optional; nothing is emitted unless KVTRACE_ENABLED is true):
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -174,3 +175,14 @@ def configure(settings: EmitterSettings | None = None, engine: str = "") -> Emit
     previous = set_emitter(emitter)
     previous.shutdown()
     return emitter
+
+
+def enabled_settings(log: logging.Logger) -> EmitterSettings | None:
+    """An engine plugin's start: the settings when tracing is on, None when it is off or a
+    setting is wrong (named loudly at start-up; tracing then stays off)."""
+    try:
+        settings = EmitterSettings.from_env()
+    except ConfigError as exc:
+        log.error("kvtrace: %s; tracing is off", exc)
+        return None
+    return settings if settings.enabled else None

@@ -15,6 +15,7 @@ from kvtrace.cli.demo import DEMO_DATABASE
 from kvtrace.cli.main import main
 from kvtrace.collector.store import Store, default_dsn
 from kvtrace.schema.arrow import from_arrow
+from kvtrace.schema.clickhouse import TABLES
 from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import EventKind, Reason
 
@@ -174,7 +175,7 @@ def test_db_ddl_for_a_cluster(capsys, store):
     code, out, _ = run(capsys, "db", "ddl", "--cluster", "c1", "--database", "kvc", "--ttl-days", "3")
     assert code == 0
     statements = [s.strip() for s in out.strip().rstrip(";").split(";\n\n")]
-    assert len(statements) == 2 + 2 * 5  # database, meta, then a local and a distributed table each
+    assert len(statements) == 2 + 2 * len(TABLES)  # database, meta, then a local and a distributed table each
     for stmt in statements:
         text = store.client.query("SELECT formatQuery({q:String})", parameters={"q": stmt}).result_rows[0][0]
         assert "ON CLUSTER c1" in text

@@ -25,14 +25,10 @@ def register() -> None:
     if _installed:
         return
     try:
-        from kvtrace.instrumentation.config import ConfigError, EmitterSettings
+        from kvtrace.instrumentation.config import enabled_settings
 
-        try:
-            settings = EmitterSettings.from_env()
-        except ConfigError as exc:  # loud at start-up: a wrong setting is named, tracing stays off
-            log.error("kvtrace: %s; tracing is off", exc)
-            return
-        if not settings.enabled:
+        settings = enabled_settings(log)
+        if settings is None:
             return
         _patch_scheduler(settings)
         _installed = True

@@ -127,27 +127,26 @@ def _patch_engine_core() -> None:
         return result
 
     EngineCore.collective_rpc = collective_rpc
-    add_lora = getattr(EngineCore, "add_lora", None)
-    if add_lora is not None:
-        def add_lora_traced(self: Any, lora_request: Any, *args: Any, **kwargs: Any) -> Any:
-            result = add_lora(self, lora_request, *args, **kwargs)
-            try:
-                adapter_label(lora_request)  # an in-place reload re-reads the fingerprint
-            except Exception:  # noqa: BLE001
-                log.exception("kvtrace: could not record an adapter load")
-            return result
+    # An in-place adapter reload re-reads its fingerprint; a new weight version moves the revision.
+    _after(EngineCore, "add_lora", lambda core, lora_request, *a, **k: adapter_label(lora_request))
+    _after(EngineCore, "set_weight_version", lambda core, *a, **k: weights_changed(
+        "set_weight_version", weight_version=str(getattr(core, "_weight_version", "") or "")))
 
-        EngineCore.add_lora = add_lora_traced
-    setter = getattr(EngineCore, "set_weight_version", None)
-    if setter is not None:
-        def set_weight_version(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = setter(self, *args, **kwargs)
-            try:
-                weights_changed("set_weight_version", weight_version=str(getattr(self, "_weight_version", "") or ""))
-            except Exception:  # noqa: BLE001
-                log.exception("kvtrace: could not record a weight version")
-            return result
 
-        EngineCore.set_weight_version = set_weight_version
+def _after(cls: Any, name: str, hook: Any) -> None:
+    """Run `hook(self, *args)` after `cls.name`, fenced; nothing when vLLM has no such method."""
+    original = getattr(cls, name, None)
+    if original is None:
+        return
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            hook(self, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - never fail the engine's call
+            log.exception("kvtrace: the %s hook failed", name)
+        return result
+
+    setattr(cls, name, wrapper)
 
 
