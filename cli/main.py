@@ -111,13 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_p = sub.add_parser("replay", help="replay a request trace through an engine into the store")
     trace_args(replay_p)
-    replay_p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+    replay_p.add_argument("--engine", choices=["sim", "vllm", "sglang"], default="sim",
                           help="sim: the reference simulator (default); vllm: vLLM's own KV-cache manager, no model "
-                               "(run kvtrace from vLLM's environment)")
+                               "(run kvtrace from vLLM's environment); sglang: SGLang's own radix cache on CPU pools, "
+                               "no model (run kvtrace from SGLang's environment)")
     replay_p.add_argument("--vllm-layout", choices=["dense", "full+sliding", "full+mamba"], default="full+sliding",
                           help="vllm: cache groups to build (default full+sliding)")
     replay_p.add_argument("--vllm-blocks", type=_positive, default=16384, help="vllm: KV blocks of 16 tokens")
-    replay_p.add_argument("--recipe-out", help="vllm: where to write the recipe derived from vLLM's config "
+    replay_p.add_argument("--sglang-mix", choices=["full", "full+swa", "full+mamba", "full+swa+mamba"],
+                          default="full", help="sglang: the cache's components (default full)")
+    replay_p.add_argument("--sglang-core", choices=["rust", "python"], default="rust", help="sglang: tree core")
+    replay_p.add_argument("--sglang-tokens", type=_positive, default=1 << 18, help="sglang: device KV slots")
+    replay_p.add_argument("--recipe-out", help="vllm, sglang: where to write the recipe derived from the engine "
                                                "(default MODEL.recipe.json)")
     replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
@@ -419,6 +424,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.engine == "vllm":
         return _replay_vllm(args)
+    if args.engine == "sglang":
+        from kvtrace.cli.replay_sglang import replay_sglang
+
+        return replay_sglang(args, _trace, _store)
     try:
         spec = PolicySpec.parse(args.policy)
         config = replace(_sim_config(args), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)

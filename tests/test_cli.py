@@ -340,6 +340,8 @@ def test_replay_through_vllm_says_where_vllm_lives(capsys, store, tmp_path):
     trace = _trace_file(tmp_path, rows=2)
     code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm")
     assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "engine-venv.sh vllm" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "sglang")
+    assert code == 2 and "--engine sglang needs SGLang in this environment" in err and "engine-venv.sh sglang" in err
 
 
 def test_verify_names_bad_prompts_and_where_vllm_lives(capsys, store, tmp_path):
