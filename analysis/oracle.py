@@ -34,6 +34,8 @@ class Scores:
         if not len(self.tokens) == len(self.chosen) == len(self.top):
             raise ValueError(f"scores: {len(self.tokens)} tokens, {len(self.chosen)} logprobs, "
                              f"{len(self.top)} top-k lists: one of each per position")
+        if not 0 <= self.generated <= len(self.tokens):
+            raise ValueError(f"scores: {self.generated} generated tokens among {len(self.tokens)} positions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,18 +48,20 @@ class Divergence:
 
 
 def _kl(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(p || q) over p's top-k tokens, both renormalized there; a token q did not rank is
-    given q's smallest listed logprob (an upper bound on its probability), so the value is a
-    lower bound on the full-vocabulary KL's contribution of those tokens."""
-    if not p or not q:
+    """KL(p || q) over p's top-k tokens, both renormalized there: an approximation of the
+    full-vocabulary KL that needs only what the engine returns. A token q did not rank is given
+    q's smallest finite listed logprob (at most what it really had)."""
+    finite = [v for v in q.values() if math.isfinite(v)]
+    if not p or not finite:
         return 0.0
-    floor = min(q.values())
-    ps = {t: math.exp(v) for t, v in p.items()}
-    qs = {t: math.exp(q.get(t, floor)) for t in p}
+    floor = min(finite)
+    ps = {t: math.exp(v) for t, v in p.items() if math.isfinite(v)}
+    qs = {t: math.exp(q[t]) if t in q and math.isfinite(q[t]) else math.exp(floor) for t in ps}
     zp, zq = sum(ps.values()), sum(qs.values())
     if zp <= 0 or zq <= 0:
         return 0.0
-    return max(sum((pv / zp) * math.log((pv / zp) / (qs[t] / zq)) for t, pv in ps.items() if pv > 0), 0.0)
+    return max(sum((pv / zp) * math.log((pv / zp) / (qs[t] / zq)) for t, pv in ps.items() if pv > 0 and qs[t] > 0),
+               0.0)
 
 
 def divergence(cached: Scores, fresh: Scores) -> Divergence:

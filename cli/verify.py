@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ import uuid
 from argparse import Namespace
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 
 class PromptError(ValueError):
@@ -60,8 +62,13 @@ def _prompts(args: Namespace, limit_tokens: int) -> list[list[int]]:
 
 
 def run_verify(args: Namespace) -> int:
+    if args.max_model_len <= args.n_gen:
+        print(f"error: --max-model-len ({args.max_model_len}) must exceed --n-gen ({args.n_gen})", file=sys.stderr)
+        return 2
     try:
         prompts = _prompts(args, args.max_model_len - args.n_gen)
+        if not all(prompts):
+            raise PromptError(f"{args.trace or args.prompts}: a prompt has no tokens")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -69,30 +76,48 @@ def run_verify(args: Namespace) -> int:
         from vllm import LLM
 
         from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
-        from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, noise_pairs, serve_prompt, verify_prompts
     except ImportError as exc:
         print(f"error: kvtrace verify needs vLLM in this environment ({exc}); "
               "build it with `bash scripts/engine-venv.sh vllm` and run .venvs/vllm/bin/kvtrace", file=sys.stderr)
         return 2
-    from kvtrace.analysis.oracle import engine_request, noise_floor, sample_by_class, verification
-    from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.collector.ingest import iter_file_events
-    from kvtrace.collector.store import Store
-    from kvtrace.instrumentation.api import get_emitter
-    from kvtrace.schema.arrow import to_arrow
-    from kvtrace.schema.clickhouse import VERIFICATIONS
-    from kvtrace.schema.verdicts import Agreement, Verification
-
     # The engine runs in this process with kvtrace's plugin on, writing to a scratch spool.
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-verify-"))
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVTRACE_ENABLED": "1", "KVTRACE_SINK": "spool",
                        "KVTRACE_SPOOL_DIR": str(scratch / "spool"), "KVTRACE_INSTANCE": args.instance})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    llm = LLM(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True, enforce_eager=True,
-              block_size=args.block_size, max_model_len=args.max_model_len, max_logprobs=max(args.top_k, 20))
+    try:
+        llm = LLM(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True, enforce_eager=True,
+                  block_size=args.block_size, max_model_len=args.max_model_len, max_logprobs=max(args.top_k, 20))
+    except Exception as exc:  # noqa: BLE001 - a model vLLM cannot load: say so, exit 2 (not "diverged")
+        print(f"error: vLLM could not start on {args.model}: {exc}", file=sys.stderr)
+        return 2
     config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config
     recipe = recipe_from_kv_cache_config(config)
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    if args.trace:  # synthesized ids: fold them into this model's vocabulary (shared prefixes stay shared)
+        prompts = [[t % vocab for t in p] for p in prompts]
+    bad = next((i for i, p in enumerate(prompts, 1) if max(p) >= vocab), 0)
+    if bad:
+        print(f"error: {args.prompts}:{bad}: token id {max(prompts[bad - 1])} is outside the model's vocabulary "
+              f"({vocab})", file=sys.stderr)
+        return 2
+    try:
+        return _verify(args, llm, recipe, prompts, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _verify(args: Namespace, llm: Any, recipe: Any, prompts: list[list[int]], scratch: Path) -> int:
+    from kvtrace.analysis.oracle import engine_request, noise_floor, sample_by_class, verification
+    from kvtrace.analysis.reconstruct import reconstruct
+    from kvtrace.collector.ingest import iter_file_events
+    from kvtrace.collector.store import Store
+    from kvtrace.instrumentation.api import get_emitter
+    from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, noise_pairs, serve_prompt, verify_prompts
+    from kvtrace.schema.arrow import to_arrow
+    from kvtrace.schema.clickhouse import VERIFICATIONS
+    from kvtrace.schema.verdicts import Agreement, Verification
 
     def events() -> list:
         get_emitter().force_flush(timeout_millis=60_000)
@@ -128,6 +153,9 @@ def run_verify(args: Namespace) -> int:
             store.init()
             store.insert_events(stored)
             store.insert_arrow(VERIFICATIONS.name, to_arrow(rows, Verification))
+    if not rows:
+        print("error: no request could be verified (their verdicts were not found in the events)", file=sys.stderr)
+        return 2
     counts = Counter(r.agreement for r in rows)
     print(f"verified {len(rows)} of {len(prompts)} requests (run {run_id}, {seconds:.1f} s): noise floor "
           f"{floor:.3g}; " + ", ".join(f"{a.value} {counts[a]}" for a in Agreement if counts[a]))

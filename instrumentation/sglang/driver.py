@@ -161,7 +161,7 @@ class Driver:
             raise RuntimeError(f"out of KV slots for {n} tokens; raise DriverConfig.kv_tokens")
         return got
 
-    def _checkpoint_at(self, prompt: array, value: torch.Tensor, branch: int) -> None:
+    def _checkpoint_at(self, prompt: array, value: torch.Tensor, branch: int, cache_salt: str | None) -> None:
         """The scheduler keeps a Mamba state at the branching point a match reported (the
         longest checkpoint-grid position the full KV already covers), so the next request with
         that prefix can resume there: insert the prefix again with that state."""
@@ -171,16 +171,19 @@ class Driver:
             slot = self.req_pool.mamba_allocator.alloc(1)
             if slot is None:
                 return
-        result = self.cache.insert(InsertParams(key=RadixKey(prompt[:branch]), value=value[:branch].clone(),
+        result = self.cache.insert(InsertParams(key=RadixKey(prompt[:branch], cache_salt=cache_salt),
+                                                value=value[:branch].clone(),
                                                 mamba_value=slot, prev_prefix_len=branch))
         if result.mamba_exist:
             self.req_pool.mamba_allocator.free(slot)
 
-    def serve(self, request_id: str, tokens: Sequence[int]) -> Served:
+    def serve(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> Served:
+        """One request; `cache_salt` is its namespace (SGLang's per-request salt)."""
         cache, page = self.cache, self.page
         prompt = array("q", tokens)
         req = self._req(request_id, prompt)
-        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:-1]), cow_mamba=self.has_mamba, req=req))
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:-1], cache_salt=cache_salt),
+                                                     cow_mamba=self.has_mamba, req=req))
         device, host = int(match.device_prefix_len), int(match.host_hit_length)
         node, loaded = match.last_device_node, 0
         if host and getattr(cache, "cache_controller", None) is not None:
@@ -204,13 +207,14 @@ class Driver:
             if pages:
                 # [0, reused) is the tree's own KV (prev_prefix_len says so); pages it already
                 # holds past that are duplicates the insert frees itself.
-                insert = InsertParams(key=RadixKey(prompt[:pages]), value=value[:pages].clone(), prev_prefix_len=reused)
+                insert = InsertParams(key=RadixKey(prompt[:pages], cache_salt=cache_salt), value=value[:pages].clone(),
+                                      prev_prefix_len=reused)
                 if self.has_mamba:
                     insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
                 kept = not cache.insert(insert).mamba_exist
                 branch = int(match.mamba_branching_seqlen or 0) if self.has_mamba else 0
                 if reused < branch <= pages:
-                    self._checkpoint_at(prompt, value, branch)
+                    self._checkpoint_at(prompt, value, branch, cache_salt)
             if len(value) > pages:  # the partial last page is never cached
                 self.allocator.free(value[pages:])
             if self.has_mamba:
@@ -220,7 +224,7 @@ class Driver:
         finally:
             cache.dec_lock_ref(node, lock.to_dec_params())
         if self.shim is not None:
-            self.shim.record_admission(request_id, len(prompt), device=device, host=loaded)
+            self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
 
 

@@ -48,7 +48,6 @@ class HiCacheHooks:
         self._writes: dict[int, list[tuple[int, np.ndarray, np.ndarray, int]]] = {}
         self._loads: dict[int, tuple[list[tuple[int, np.ndarray]], int]] = {}
         self._storage: dict[int, tuple[list[int], int]] = {}  # op id -> (keys, t0)
-        self.disk: set[int] = set()  # pages the storage tier holds
         self.prefetches_started = 0
         self.prefetches_revoked = 0
 
@@ -169,7 +168,6 @@ class HiCacheHooks:
         done = int(getattr(op, "completed_tokens", len(keys) * self.page)) // self.page
         keys = keys[:done]  # a batch stops at its first failed page
         if keys:
-            self.disk.update(keys)
             self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.HOST, Tier.DISK, keys,
                                      time.monotonic_ns() - t0)
 
@@ -194,7 +192,6 @@ class HiCacheHooks:
 
     def _after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:
-            self.disk.clear()
             self.shim._emit_invalidate(Tier.DISK, Reason.RESET)
 
     def _after_reset(self, *args: Any, **kwargs: Any) -> None:

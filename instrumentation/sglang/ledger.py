@@ -31,9 +31,11 @@ def as_slots(values: Any, step: int) -> np.ndarray:
         if step > 1:
             flat = flat[::step]
         out = flat.cpu().numpy().astype(np.int64, copy=False)
-        return out // step if step > 1 else out
-    out = np.asarray(values, dtype=np.int64).reshape(-1)
-    return out[::step] // step if step > 1 else out
+    else:
+        out = np.asarray(values, dtype=np.int64).reshape(-1)
+        out = out[::step] if step > 1 else out
+    out = out[out >= 0]  # -1 pads and sentinels name no slot
+    return out // step if step > 1 else out
 
 
 def unique(keys: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ settings). It registers two hooks through SGLang's own hook registry:
 - after `sglang.srt.mem_cache.registry.create_tree_cache`: the cache SGLang just built (by
   whichever factory; the scheduler's simulated waiting-queue tree is built elsewhere and stays
   untouched) gets a `RadixCacheShim` with the engine's identity. Every tensor-parallel rank
-  mirrors the tree, so only the first rank of each data-parallel replica is instrumented;
+  mirrors the tree, so only the first rank of each attention replica is instrumented;
 - after `ScheduleBatch.prepare_for_extend`: where SGLang splits each admitted request's cached
   prefix by tier (`cached_tokens_device`, `_host`, `_storage`), the shim records the adopt.
 
@@ -54,15 +54,24 @@ def register() -> None:
 def after_create_tree_cache(cache: Any, ctx: Any = None, *args: Any, **kwargs: Any) -> None:
     """Attach a shim to the cache SGLang built; returns None so SGLang keeps its result."""
     try:
-        if ctx is not None and int(getattr(ctx, "tp_rank", 0) or 0) != 0:
+        if ctx is not None and not first_rank_of_replica(ctx):
             return None
-        if not hasattr(cache, "tree_components"):
-            log.warning("kvtrace: %s is not a unified radix cache; it runs without tracing", type(cache).__name__)
+        if not (hasattr(cache, "match_prefix") and hasattr(cache, "insert")):
+            log.warning("kvtrace: %s is not a radix cache; it runs without tracing", type(cache).__name__)
             return None
         attach(cache, ctx)
     except Exception:  # noqa: BLE001
         log.exception("kvtrace: could not attach to this radix cache; it runs without tracing")
     return None
+
+
+def first_rank_of_replica(ctx: Any) -> bool:
+    """Every tensor-parallel rank of an attention replica mirrors one tree: trace the first.
+    With data-parallel attention each replica (a group of tp_size / dp_size ranks) has its own."""
+    tp_rank, tp_size = int(getattr(ctx, "tp_rank", 0) or 0), int(getattr(ctx, "tp_size", 1) or 1)
+    args = getattr(ctx, "server_args", None)
+    dp = int(getattr(args, "dp_size", 1) or 1) if getattr(args, "enable_dp_attention", False) else 1
+    return tp_rank % max(tp_size // max(dp, 1), 1) == 0
 
 
 def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:

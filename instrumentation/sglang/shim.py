@@ -83,6 +83,8 @@ class _Scope:
     insert_slots: np.ndarray | None = None  # ledger slots of the insert in progress, by page
     insert_pos: np.ndarray | None = None  # ledger slot -> page position, built when a rebuild needs it
     insert_keys: np.ndarray | None = None
+    tenant: str = ""  # namespace and adapter of the insert in progress: what its commits carry
+    adapter: str = ""
 
 
 class RadixCacheShim:
@@ -204,6 +206,11 @@ class RadixCacheShim:
                     except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
                         shim._failed(name)
                 result = original(*args, **kwargs)
+            except BaseException:
+                if top:  # the engine's call failed: what it half did is not reported, nothing lingers
+                    shim._scope = None
+                    shim._current_req = None
+                raise
             finally:
                 shim._depth -= 1
             try:
@@ -262,6 +269,8 @@ class RadixCacheShim:
             try:
                 if name == "SWARebuild":
                     shim._on_swa_rebuild(action)
+                elif name in ("RecoverSWAWithLockedFull", "RecoverEvictedSWA"):
+                    shim._on_swa_recovered(action)
             except Exception:  # noqa: BLE001
                 shim._failed(name)
             return result
@@ -343,12 +352,39 @@ class RadixCacheShim:
         if name == "FreeComponentDeviceSlot":
             group = self.group_of.get(action.component_type)
             if group is not None:
-                self._free(group, Tier.DEVICE, self._page_slots(group, action.indices))
+                slots = self._page_slots(group, action.indices)
+                self._free(group, Tier.DEVICE, self._swa_slots(slots) if group == self._swa else slots)
         else:  # a KV segment: full attention, and the window's copy unless FullOnly
-            slots = self._page_slots(self._full, action.indices)
-            self._free(self._full, Tier.DEVICE, slots)
+            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, action.indices))
             if name == "FreeDeviceKV" and self._swa is not None:
-                self._free(self._swa, Tier.DEVICE, slots)
+                self._free(self._swa, Tier.DEVICE, self._swa_slots(self._page_slots(self._full, action.indices)))
+
+    def _swa_slots(self, full_slots: np.ndarray) -> np.ndarray:
+        """Window-pool ledger slots of full-attention ledger slots. A window's state lives in its
+        own pool; the tree names it by the full-attention slot and the allocator translates, so
+        the window ledger is kept in the window pool's numbering, the one HiCache copies use."""
+        mapping = getattr(getattr(self.cache, "token_to_kv_pool_allocator", None), "full_to_swa_index_mapping", None)
+        if mapping is None or not len(full_slots):
+            return full_slots
+        import torch
+
+        idx = torch.from_numpy(full_slots * self.page).to(mapping.device)
+        out = mapping[idx].cpu().numpy().astype(np.int64, copy=False)
+        return out // self.page if self.page > 1 else out
+
+    def _on_swa_recovered(self, action: Any) -> None:
+        """A window dropped from a node whose full-attention KV stayed (locked, or kept) gets its
+        state back at those full-attention slots: the same pages, named by the full ledger."""
+        if self._swa is None:
+            return
+        full = self.ledger.get((self._full, Tier.DEVICE))
+        if full is None:
+            return
+        slots = self._page_slots(self._full, action.kept_full)
+        keys = full.peek(slots)
+        held = keys != 0
+        if held.any():
+            self.install_slots(self._swa, Tier.DEVICE, self._swa_slots(slots[held]), keys[held])
 
     def _on_swa_rebuild(self, action: Any) -> None:
         """A rebuild writes window state for a node's pages (and gives its full-attention KV
@@ -369,7 +405,7 @@ class RadixCacheShim:
         if not len(keys):
             return
         if self._swa is not None:
-            self.install_slots(self._swa, Tier.DEVICE, where, keys)
+            self.install_slots(self._swa, Tier.DEVICE, self._swa_slots(where), keys)
         # A rebuild over a node whose full-attention slots were just freed moves that KV to the
         # rebuilt slots: the page stays resident under new slots.
         moved = scope.freed.get((self._full, Tier.DEVICE))
@@ -399,7 +435,8 @@ class RadixCacheShim:
             if dropped:
                 new = new[~np.isin(new, np.concatenate(dropped))]
             if len(new):
-                self._emit_run(EventKind.COMMIT, where[0], where[1], new)
+                self._emit_run(EventKind.COMMIT, where[0], where[1], new, tenant=scope.tenant or
+                               self.identity.default_tenant, adapter=scope.adapter)
 
     def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any,
                        duration_ns: int) -> None:
@@ -409,7 +446,9 @@ class RadixCacheShim:
                                   more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0)))
 
     def _emit_invalidate(self, tier: Tier, reason: Reason) -> None:
-        self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=reason, tier=tier, block_size=0))
+        """A whole tier, for every tenant and adapter (empty is the analysis's wildcard)."""
+        self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=reason, tier=tier, block_size=0,
+                                  tenant="", adapter=""))
 
     def _emit_run(self, kind: EventKind, group: int, tier: Tier, keys: Any, reason: Reason = Reason.NONE,
                   **fields: Any) -> None:
@@ -537,8 +576,9 @@ class RadixCacheShim:
         slots = self._page_slots(-1, value[: pages * self.page])
         scope = self._scope
         if scope is not None:
-            scope.insert_slots = slots
-            scope.insert_keys = keys
+            scope.insert_slots, scope.insert_pos, scope.insert_keys = slots, None, keys
+            scope.tenant = getattr(key, "cache_salt", None) or self.identity.default_tenant
+            scope.adapter = str(getattr(key, "extra_key", None) or "")
         return keys, slots, pages
 
     def _after_insert(self, result: Any, token: Any, params: Any, *args: Any, **kwargs: Any) -> None:

@@ -81,8 +81,9 @@ def scores_of(output: Any, start: int) -> Scores:
     for j in range(max(start, 1), len(prompt)):
         add(prompt[j], table[j] if j < len(table) else None)
     generated = output.outputs[0]
-    for token, ranked in zip(generated.token_ids, generated.logprobs or [], strict=False):
-        add(token, ranked)
+    ranked_steps = list(generated.logprobs or [])
+    for i, token in enumerate(generated.token_ids):
+        add(token, ranked_steps[i] if i < len(ranked_steps) else None)
     return Scores(tuple(tokens), tuple(chosen), tuple(top), generated=len(generated.token_ids))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,15 @@ _updates = 0
 _patched = False
 
 
-def fingerprint(model: str) -> str:
-    """12 hex digits naming the weight files of a local checkpoint; "" when `model` is not a
-    local directory (a hub name: its revision names the weights)."""
-    root = Path(model)
-    if not root.is_dir():
+def fingerprint(model: str, recursive: bool = True) -> str:
+    """12 hex digits naming the weight files of a local checkpoint (or an adapter's folder, not
+    recursive); "" when `model` is not a local directory (a hub name: its revision names it)."""
+    if not os.path.isdir(model):
         return ""
+    root = Path(model)
+    files = root.rglob("*") if recursive else (Path(e.path) for e in os.scandir(model))
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+    for path in sorted(p for p in files if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
         st = path.stat()
         digest.update(f"{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:12]
@@ -76,10 +78,13 @@ def adapter_label(lora: Any) -> str:
         return ""
     name = str(getattr(lora, "lora_name", "") or "")
     path = str(getattr(lora, "lora_path", "") or "")
-    label = _adapters.get((name, path))
+    key = (name, path)
+    label = _adapters.get(key)
+    # A served engine keeps the request that reloaded an adapter in place and sends later
+    # requests with it, so this runs per event for them: a handful of stat calls, no walk.
     if label is None or getattr(lora, "load_inplace", False):
-        mark = fingerprint(path) if path else ""
-        label = _adapters[(name, path)] = f"{name}@{mark}" if mark else name
+        mark = fingerprint(path, recursive=False) if path else ""
+        label = _adapters[key] = f"{name}@{mark}" if mark else name
     return label
 
 

@@ -58,10 +58,12 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
         cache, _, _ = build_cache(DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=1024))
         args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny", revision="r7",
                                kv_cache_dtype="bfloat16")
-        other_rank = SimpleNamespace(server_args=args, tp_rank=1)
+        other_rank = SimpleNamespace(server_args=args, tp_rank=1, tp_size=2)
         assert plugin.after_create_tree_cache(cache, other_rank) is None
         assert not hasattr(cache, "_kvtrace_shim")  # TP mirrors are not instrumented twice
-        assert plugin.after_create_tree_cache(cache, SimpleNamespace(server_args=args, tp_rank=0)) is None
+        dp_args = SimpleNamespace(enable_dp_attention=True, dp_size=2)  # two replicas of one rank each
+        assert plugin.first_rank_of_replica(SimpleNamespace(server_args=dp_args, tp_rank=1, tp_size=2))
+        assert plugin.after_create_tree_cache(cache, SimpleNamespace(server_args=args, tp_rank=0, tp_size=2)) is None
         shim = cache._kvtrace_shim
         assert shim.identity.model == "tiny-llama" and shim.identity.model_revision == "r7"
 

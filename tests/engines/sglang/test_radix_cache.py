@@ -180,6 +180,24 @@ def test_a_window_lost_under_full_kv_is_a_gap_with_its_reason(core: str) -> None
     assert swa_evicts
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_salted_requests_reuse_their_own_namespace(core: str) -> None:
+    """A tenant's pages are committed under its salt: its own hits are clean, and another
+    tenant's identical prompt shares nothing (SGLang namespaces the keys)."""
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(mix=Mix.SWA, tree_core=core, page_size=4, window=8,
+                                                               kv_tokens=1024))
+    tokens = list(range(100, 133))
+    served = [driver.serve("a1", tokens, "A"), driver.serve("a2", tokens, "A"), driver.serve("b1", tokens, "B")]
+    assert emitter.shutdown() and shim.errors == 0
+    assert [s.reused for s in served] == [0, 32, 0]
+    commits = {e.tenant for e in sink.events if e.kind is EventKind.COMMIT}
+    assert commits == {"A", "B"}
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.adopt_seen}
+    assert results["a2"].recoverable_hit_tokens == 32 == results["a2"].adopted_tokens
+    assert not any(r.unsafe_reuse or r.cross_tenant for r in results.values())
+    assert results["b1"].logical_hit_tokens == 0
+
+
 def test_recipe_is_derived_from_the_cache() -> None:
     for mix, kinds in ((Mix.FULL, ["full_attention"]), (Mix.SWA, ["full_attention", "sliding_window"]),
                        (Mix.SWA_MAMBA, ["full_attention", "sliding_window", "mamba"])):
