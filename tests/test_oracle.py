@@ -90,12 +90,10 @@ def test_sampling_takes_alarms_first_and_each_class() -> None:
     assert picked == ["u", "p", "h0", "h1"]
 
 
-def test_verifications_round_trip_through_the_store(tmp_path) -> None:  # noqa: ANN001
+def test_verifications_round_trip_through_the_store(store: Store) -> None:
     row = verification(result(unsafe_reuse=True, reason=GapReason.IDENTITY_MISMATCH), scores([1, 2]),
                        scores([1, 2], shift=0.2), floor=1e-6, run_id="v1", ts_ns=1_700_000_000_000_000_000)
-    with Store(f"chdb:///{tmp_path}/db") as store:
-        store.init()
-        store.insert_arrow(VERIFICATIONS.name, to_arrow([row], Verification))
-        got = store.query_polars(f"SELECT agreement, max_abs_diff, detail FROM {store.db}.verifications")
+    store.insert_arrow(VERIFICATIONS.name, to_arrow([row], Verification))
+    got = store.query_polars(f"SELECT agreement, max_abs_diff, detail FROM {store.db}.verifications")
     assert got["agreement"].to_list() == ["unsafe_diverged"]
     assert got["max_abs_diff"][0] == pytest.approx(row.max_abs_diff)
