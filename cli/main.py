@@ -7,7 +7,6 @@ import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 
 from kvtrace.collector.store import StoreError, default_dsn
 
@@ -358,57 +357,6 @@ def _trace(args: argparse.Namespace):  # noqa: ANN202
     return read_trace(args.trace, args.format, skip_bad=args.skip_bad, limit=args.limit)
 
 
-def _replay_vllm(args: argparse.Namespace) -> int:
-    import msgspec
-    from tqdm import tqdm
-
-    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
-    from kvtrace.instrumentation.replay import tokens_of
-    from kvtrace.instrumentation.sinks.store import StoreSink
-    from kvtrace.instrumentation.traces import TraceError
-
-    try:
-        from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
-        from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
-        from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
-    except ImportError as exc:
-        print(f"error: --engine vllm needs vLLM in this environment ({exc}); "
-              "build it with `bash scripts/engine-venv.sh vllm` and run .venvs/vllm/bin/kvtrace", file=sys.stderr)
-        return 2
-    config = DriverConfig(layout=Layout(args.vllm_layout), num_blocks=args.vllm_blocks)
-    manager = build_manager(config)
-    recipe = recipe_from_kv_cache_config(manager.kv_cache_config, name=f"vllm-{args.vllm_layout}")
-    recipe_out = Path(args.recipe_out or f"{args.model}.recipe.json")
-    try:
-        reader = _trace(args)
-        with _store(args) as store:
-            store.init()
-            emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
-                                   instance="vllm-replay", engine="vllm", register_atexit=False)
-            shim = CacheManagerShim(manager, emitter, Identity(instance="vllm-replay", model=args.model,
-                                                               default_tenant=args.tenant)).install()
-            driver = Driver(manager, config)
-            with tqdm(desc="replay (vLLM)", unit="req", file=sys.stderr, disable=None) as bar:
-                for req in reader:
-                    driver.serve(req.request_id, tokens_of(req), cache_salt=req.tenant or None)
-                    bar.update()
-            emitter.force_flush(timeout_millis=600_000)
-            emitter.shutdown()
-    except (TraceError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    recipe_out.write_bytes(msgspec.json.encode(recipe))
-    stats, prefix = emitter.stats(), driver.stats()
-    print(f"replayed {prefix.requests} requests through vLLM's KV-cache manager: vLLM counted {prefix.queries} "
-          f"queried and {prefix.hits} hit tokens; {stats.exported} events stored, {stats.dropped} dropped, "
-          f"{shim.errors} hook errors")
-    if reader.skipped:
-        print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
-    print(f"recipe from vLLM's config: {recipe_out}")
-    print(f"next: kvtrace analyze --recipe {args.model}={recipe_out}")
-    return 1 if stats.dropped or shim.errors else 0
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -422,12 +370,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvtrace.instrumentation.traces import TraceError
     from kvtrace.schema.recipes import RecipeError
 
-    if args.engine == "vllm":
-        return _replay_vllm(args)
-    if args.engine == "sglang":
-        from kvtrace.cli.replay_sglang import replay_sglang
+    if args.engine in ("vllm", "sglang"):
+        from kvtrace.cli.replay_engines import replay_sglang, replay_vllm
 
-        return replay_sglang(args, _trace, _store)
+        return (replay_vllm if args.engine == "vllm" else replay_sglang)(args, _trace, _store)
     try:
         spec = PolicySpec.parse(args.policy)
         config = replace(_sim_config(args), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)

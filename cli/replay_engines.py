@@ -1,0 +1,132 @@
+"""`kvtrace replay --engine vllm|sglang`: a request trace through an engine's own KV cache, no model.
+
+The engine's real cache code (vLLM's KV-cache manager; SGLang's radix cache on CPU pools) is
+driven the way its scheduler drives it, its shim traces it into the store, and the recipe is
+read off the engine's own configuration, ready for `kvtrace analyze`. Run from the engine's
+environment (`.venvs/<engine>/bin/kvtrace`).
+"""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TraceOf = Callable[[Namespace], Any]
+StoreOf = Callable[[Namespace], Any]
+
+
+def _missing(engine: str, name: str, exc: ImportError) -> int:
+    print(f"error: --engine {engine} needs {name} in this environment ({exc}); "
+          f"build it with `bash scripts/engine-venv.sh {engine}` and run .venvs/{engine}/bin/kvtrace", file=sys.stderr)
+    return 2
+
+
+def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, desc: str,
+                attach: Callable[[Any], Any], serve: Callable[[Any], None]) -> tuple[Any, Any]:
+    """Serve every trace request with a shim attached to an emitter into the store."""
+    from tqdm import tqdm
+
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.sinks.store import StoreSink
+
+    with store_of(args) as store:
+        store.init()
+        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
+                               instance=f"{engine}-replay", engine=engine, register_atexit=False)
+        shim = attach(emitter)
+        with tqdm(desc=desc, unit="req", file=sys.stderr, disable=None) as bar:
+            for req in reader:
+                serve(req)
+                bar.update()
+        emitter.force_flush(timeout_millis=600_000)
+        emitter.shutdown()
+    return emitter.stats(), shim
+
+
+def _finish(args: Namespace, reader: Any, recipe: Any, source: str, summary: str, stats: Any, shim: Any) -> int:
+    import msgspec
+
+    recipe_out = Path(args.recipe_out or f"{args.model}.recipe.json")
+    recipe_out.write_bytes(msgspec.json.encode(recipe))
+    print(f"{summary}; {stats.exported} events stored, {stats.dropped} dropped, {shim.errors} hook errors")
+    if reader.skipped:
+        print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
+    print(f"recipe from {source}: {recipe_out}")
+    print(f"next: kvtrace analyze --recipe {args.model}={recipe_out}")
+    return 1 if stats.dropped or shim.errors else 0
+
+
+def replay_vllm(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
+    from kvtrace.instrumentation.replay import tokens_of
+    from kvtrace.instrumentation.traces import TraceError
+
+    try:
+        from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
+        from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
+        from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
+    except ImportError as exc:
+        return _missing("vllm", "vLLM", exc)
+    config = DriverConfig(layout=Layout(args.vllm_layout), num_blocks=args.vllm_blocks)
+    manager = build_manager(config)
+    recipe = recipe_from_kv_cache_config(manager.kv_cache_config, name=f"vllm-{args.vllm_layout}")
+    driver = Driver(manager, config)
+    try:
+        reader = trace(args)
+        stats, shim = _into_store(
+            args, reader, store_of, "vllm", "replay (vLLM)",
+            lambda emitter: CacheManagerShim(manager, emitter, Identity(instance="vllm-replay", model=args.model,
+                                                                        default_tenant=args.tenant)).install(),
+            lambda req: driver.serve(req.request_id, tokens_of(req), cache_salt=req.tenant or None))
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prefix = driver.stats()
+    return _finish(args, reader, recipe, "vLLM's config",
+                   f"replayed {prefix.requests} requests through vLLM's KV-cache manager: vLLM counted "
+                   f"{prefix.queries} queried and {prefix.hits} hit tokens", stats, shim)
+
+
+def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
+    from kvtrace.instrumentation.identity import Identity
+    from kvtrace.instrumentation.replay import tokens_of
+    from kvtrace.instrumentation.traces import TraceError
+
+    try:
+        from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+        from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
+        from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+    except ImportError as exc:
+        return _missing("sglang", "SGLang", exc)
+    mix = Mix(args.sglang_mix)
+    page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else 16  # SGLang's Mamba state needs page 1 (no extra buffer)
+    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.sglang_tokens, tree_core=args.sglang_core)
+    totals = {"requests": 0, "prompt": 0, "reused": 0}
+
+    def serve(req: Any) -> None:
+        served = driver.serve(req.request_id, tokens_of(req), cache_salt=req.tenant or None)
+        totals["requests"] += 1
+        totals["prompt"] += served.prompt_tokens
+        totals["reused"] += served.reused
+
+    try:
+        cache, allocator, pool = build_cache(config)
+        recipe = recipe_from_cache(cache, name=f"sglang-{args.sglang_mix}")
+        driver = Driver(cache, allocator, pool, config)
+        reader = trace(args)
+
+        def attach(emitter: Any) -> Any:
+            driver.shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-replay", model=args.model,
+                                                                  default_tenant=args.tenant)).install()
+            return driver.shim
+
+        stats, shim = _into_store(args, reader, store_of, "sglang", "replay (SGLang)", attach, serve)
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _finish(args, reader, recipe, "SGLang's cache",
+                   f"replayed {totals['requests']} requests through SGLang's radix cache ({args.sglang_mix}, "
+                   f"{args.sglang_core} core): SGLang reused {totals['reused']} of {totals['prompt']} prompt tokens",
+                   stats, shim)
