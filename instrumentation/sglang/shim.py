@@ -40,6 +40,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, unique
@@ -230,22 +231,7 @@ class RadixCacheShim:
 
     def _wrap_plain(self, obj: Any, name: str, after: Callable[..., None]) -> None:
         """Wrap a method whose result (and arguments) `after` reads; no scope of its own."""
-        original = getattr(obj, name, None) if obj is not None else None
-        if original is None:
-            log.warning("kvtrace: SGLang's %s has no %s; that hook is off", type(obj).__name__, name)
-            return
-        shim = self
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            try:
-                after(result, *args, **kwargs)
-            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
-                shim._failed(name)
-            return result
-
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        wrap_after(obj, name, after, self._failed, self._saved, log, "SGLang")
 
     def _wrap_action(self, cache: Any) -> None:
         original = getattr(cache, "_apply_cache_action", None)

@@ -40,6 +40,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import Event
@@ -183,21 +184,7 @@ class CacheManagerShim:
         self._saved.clear()
 
     def _wrap(self, obj: Any, name: str, after: Callable[..., None]) -> None:
-        original = getattr(obj, name, None)
-        if original is None:
-            log.warning("kvtrace: vLLM has no %s.%s; that hook is off", type(obj).__name__, name)
-            return
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            try:
-                after(result, *args, **kwargs)
-            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
-                self._failed(name)
-            return result
-
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        wrap_after(obj, name, after, self._failed, self._saved, log, "vLLM")
 
     def _wrap_lookup(self, manager: Any) -> None:
         original = getattr(manager, "get_computed_blocks", None)
