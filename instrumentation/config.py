@@ -186,3 +186,9 @@ def enabled_settings(log: logging.Logger) -> EmitterSettings | None:
         log.error("kvtrace: %s; tracing is off", exc)
         return None
     return settings if settings.enabled else None
+
+
+def engine_instance(settings: EmitterSettings | None = None) -> str:
+    """The instance name every kvtrace hook in this process stamps: KVTRACE_INSTANCE, else host:pid."""
+    settings = settings or EmitterSettings.from_env()
+    return settings.instance or f"{socket.gethostname()}:{os.getpid()}"

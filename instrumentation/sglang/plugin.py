@@ -77,10 +77,9 @@ def first_rank_of_replica(ctx: Any) -> bool:
 def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
     """Instrument one radix cache; returns the shim (also kept on the cache)."""
     from kvtrace.instrumentation.api import get_emitter
-    from kvtrace.instrumentation.config import EmitterSettings, configure
+    from kvtrace.instrumentation.config import EmitterSettings, configure, engine_instance
     from kvtrace.instrumentation.identity import Identity
     from kvtrace.instrumentation.sglang.shim import RadixCacheShim
-    from kvtrace.instrumentation.vllm.plugin import engine_instance
 
     settings = settings or _settings or EmitterSettings.from_env()
     emitter = get_emitter()

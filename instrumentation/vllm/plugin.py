@@ -11,8 +11,6 @@ dtype), and the emitter is configured once per process.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from typing import Any
 
 log = logging.getLogger("kvtrace.vllm")
@@ -54,19 +52,10 @@ def _patch_scheduler(settings: Any) -> None:
     Scheduler.__init__ = __init__
 
 
-def engine_instance(settings: Any = None) -> str:
-    """The instance name every kvtrace hook in this process stamps: KVTRACE_INSTANCE, else host:pid."""
-    if settings is None:
-        from kvtrace.instrumentation.config import EmitterSettings
-
-        settings = EmitterSettings.from_env()
-    return settings.instance or f"{socket.gethostname()}:{os.getpid()}"
-
-
 def attach(scheduler: Any, settings: Any = None) -> Any:
     """Instrument one scheduler's KV-cache manager; returns the shim."""
     from kvtrace.instrumentation.api import get_emitter
-    from kvtrace.instrumentation.config import EmitterSettings, configure
+    from kvtrace.instrumentation.config import EmitterSettings, configure, engine_instance
     from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
 
     settings = settings or EmitterSettings.from_env()
