@@ -24,6 +24,9 @@ class Policy:
 
     shared_tenants: frozenset[str] = frozenset()  # namespaces every tenant may reuse
     keep_one_token: bool = True  # engines compute at least the last prompt token
+    # Engines that are KV stores, not model runners (LMCache): asked about a whole token sequence,
+    # they may serve all of it. The one-token rule belongs to the engine that computes, not to them.
+    stores: frozenset[str] = frozenset({"lmcache"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +198,8 @@ def evaluate(
             for k in keys
         ]
         views.append(_GroupView(g, checks))
-    cap = lookup.prompt_tokens - 1 if policy.keep_one_token else lookup.prompt_tokens
+    keep = policy.keep_one_token and lookup.engine not in policy.stores
+    cap = lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens
     cap = max(cap, 0)
 
     # What a hash lookup reports: the best hit any group's own lookup finds (present keys by the

@@ -175,7 +175,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         writes = _writes_with_arrays(d, t, ids)
     requests = (
         f"SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
-        f" r.instance AS instance, r.request_id AS request_id, r.tenant AS tenant, "
+        f" r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
         + ", ".join(f"r.{f} AS {f}" for f in (*_IDENTITY_STR, "epoch"))
         + ", CAST(r.prompt_tokens AS BIGINT) AS prompt_tokens, r.group_block_keys AS group_block_keys,"
         " CAST(r.reported_hit_tokens AS BIGINT) AS reported_hit_tokens,"
@@ -229,7 +229,10 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
 
 
 def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
-    keep = 1 if policy.keep_one_token else 0
+    keep = "1" if policy.keep_one_token else "0"
+    if policy.keep_one_token and policy.stores:
+        stores = ", ".join("'" + name.replace("'", "''") + "'" for name in sorted(policy.stores))
+        keep = f"CASE WHEN l.engine IN ({stores}) THEN 0 ELSE 1 END"
     ids = ", ".join(f"l.{f} AS r_{f}" for f in (*_IDENTITY_STR, "epoch"))
     points = []
     for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"), (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):

@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
-from lifecycle import RECIPES, lifecycle_streams
+from lifecycle import DENSE, RECIPES, lifecycle_streams
 from polars.testing import assert_frame_equal
 
 from kvtrace.analysis.evaluate import Policy
@@ -20,7 +20,7 @@ from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.collector.export import export_events
 from kvtrace.collector.store import Store
-from kvtrace.schema import Event, EventKind
+from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 
 SORT = ["ts_ns", "source_id", "seq"]
 
@@ -104,3 +104,22 @@ def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: P
     old = tmp_path / "v1.parquet"
     pq.write_table(pq.read_table(new).drop(["more_keys"]), old)
     assert_frame_equal(duckdb_results(old, RECIPES).sort(SORT), duckdb_results(new, RECIPES).sort(SORT))
+
+
+def test_a_kv_store_may_serve_the_whole_prompt_in_every_path(store: Store, tmp_path: Path) -> None:
+    """The one-token rule is the computing engine's: a KV store (LMCache) asked about 32 tokens it
+    holds reports 32, an engine 16 (it must compute the last token, and hits whole blocks)."""
+    bs = DENSE.groups[0].block_size
+    t0 = 1_750_000_000 * 10**9
+    events = []
+    for engine, src in (("lmcache", 7), ("vllm", 8)):
+        keys = [src * 100 + 1, src * 100 + 2]
+        events.append(Event(kind=EventKind.COMMIT, ts_ns=t0, source_id=src, seq=0, engine=engine, instance=engine,
+                            model="dense", component=ComponentKind.FULL_ATTENTION, block_key=keys[0],
+                            more_keys=keys[1:], tier=Tier.HOST, nbytes=64, block_size=bs))
+        events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 1, source_id=src, seq=1, engine=engine, instance=engine,
+                            model="dense", request_id="r", prompt_tokens=2 * bs, group_block_keys=[keys]))
+    frames = three_paths(store, tmp_path, events)
+    assert_same(frames)
+    logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
+    assert logical == {"lmcache": 2 * bs, "vllm": bs}
