@@ -21,7 +21,7 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
-for engine in vllm sglang; do
+for engine in vllm sglang lmcache; do
   bash scripts/engine-venv.sh "$engine"
   ".venvs/$engine/bin/python" -m pytest -o addopts="-ra --strict-markers" "tests/engines/$engine" || status=$?
 done

@@ -7,10 +7,10 @@ is counted and logged once and LMCache goes on as if kvtrace were not there.
 
 What is recorded, per chunk of `chunk_size` tokens (the chunk is the object; its key is LMCache's
 prefix-chained chunk hash with the chunk's tags folded in, see `keys`):
-- commit (host): a store's chunk entering the CPU backend's hot cache (`submit_put_task`), as
+- commit (host): a store's chunks entering the CPU backend's hot cache (`batched_submit_put_task`), as
   one run per store; with no CPU cache, the disk write commits it (disk);
-- offload (host -> disk): the disk backend's write completing (`async_save_bytes_to_disk`,
-  on LMCache's disk worker thread), with its bytes and duration;
+- offload (host -> disk): the disk backend's write completing (`insert_key`, on LMCache's disk
+  worker thread), with its bytes and the write's duration;
 - load: a retrieve delivering chunks to the serving engine (src = the backend each came from,
   dst = device), with bytes and duration; and a disk chunk written back into the CPU cache on
   the way (disk -> host). The device copy is the engine's, not LMCache's: the same retrieve
@@ -72,10 +72,9 @@ class _Scope:
 
     op: _Op
     chain: list[tuple[int, int, Any]] | None = None  # (start, end, key) from the token database
-    commits: list[tuple[Any, int]] = field(default_factory=list)  # (key, nbytes) put into the CPU cache
     fetch_tier: Tier = Tier.NONE  # set while a backend's get runs: CPU puts then are write-backs
+    fetch_t0: int = 0
     got: dict[Any, tuple[Tier, int]] = field(default_factory=dict)  # key -> (tier, nbytes) a get returned
-    writebacks: list[tuple[Any, int, Tier]] = field(default_factory=list)  # (key, nbytes, from tier)
     get_ns: dict[Tier, int] = field(default_factory=dict)  # time spent in each tier's gets
     removed: list[Any] = field(default_factory=list)  # keys a prefix clear removed
     all_locations: bool = True
@@ -127,12 +126,14 @@ class LMCacheShim:
         backends = getattr(manager, "storage_backends", {}) or {}
         cpu = backends.get("LocalCPUBackend")
         if cpu is not None:
+            self._around(cpu, "batched_submit_put_task", self._cpu_batched_put)
             self._around(cpu, "submit_put_task", self._cpu_put)
-            self._around(cpu, "remove", self._remover(Tier.HOST))
+            self._around(cpu, "remove", self._remover(Tier.HOST, lambda: cpu.hot_cache))
         disk = backends.get("LocalDiskBackend")
         if disk is not None:
             self._around(disk, "async_save_bytes_to_disk", self._disk_write)
-            self._around(disk, "remove", self._remover(Tier.DISK))
+            self._around(disk, "insert_key", self._disk_insert)
+            self._around(disk, "remove", self._remover(Tier.DISK, lambda: disk.dict))
         self._cpu, self._disk = cpu, disk
         self._hot = cpu is not None and bool(getattr(cpu, "use_hot", True))
         return self
@@ -237,8 +238,7 @@ class LMCacheShim:
         return self._run(_Op.STORE, original, args, kwargs, self._report_store)
 
     def _report_store(self, scope: _Scope, result: Any, elapsed_ns: int) -> None:
-        if scope.commits:
-            self._emit_runs(EventKind.COMMIT, scope.commits, self._where(scope), tier=Tier.HOST)
+        """Nothing left to say: the store's scope only lent its chain's positions to the commits."""
 
     def _lookup(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._run(_Op.LOOKUP, original, args, kwargs,
@@ -281,11 +281,6 @@ class LMCacheShim:
             if end > start and bool(ret_mask[start]):
                 tier, nbytes = scope.got.get(key, (Tier.HOST, 0))
                 delivered.setdefault(tier, []).append((key, nbytes))
-        if scope.writebacks:  # disk chunks written into the CPU cache on their way out
-            for tier in {t for _, _, t in scope.writebacks}:
-                moved = [(k, n) for k, n, t in scope.writebacks if t is tier]
-                self._emit_runs(EventKind.LOAD, moved, where, src_tier=tier, dst_tier=Tier.HOST,
-                                duration_ns=scope.get_ns.get(tier, 0))
         total_bytes = sum(n for chunks in delivered.values() for _, n in chunks) or 1
         for tier, chunks in delivered.items():
             share = sum(n for _, n in chunks) / total_bytes
@@ -334,7 +329,7 @@ class LMCacheShim:
         location = kwargs.get("location", args[0] if args else None)
         tier = tier_of(str(location)) if location else Tier.HOST
         previous, scope.fetch_tier = scope.fetch_tier, tier
-        t0 = time.perf_counter_ns()
+        t0 = scope.fetch_t0 = time.perf_counter_ns()
         try:
             objs = original(keys, *args, **kwargs)
         finally:
@@ -348,60 +343,81 @@ class LMCacheShim:
             self._failed("batched_get")
         return objs
 
-    def _cpu_put(self, original: Callable[..., Any], key: Any, memory_obj: Any, *args: Any, **kwargs: Any) -> Any:
-        hot = self._cpu.hot_cache
-        fresh = key not in hot
-        result = original(key, memory_obj, *args, **kwargs)
-        if fresh and self.emitter.enabled:
+    # Each change is reported before LMCache makes it visible (and, for a policy eviction, under
+    # the lock the backend holds), so an event never trails a lookup that already saw its effect.
+    def _cpu_batched_put(self, original: Callable[..., Any], keys: Any, memory_objs: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+        if self.emitter.enabled and self._hot:
             try:
-                if key in hot:
-                    self._on_cpu_put(key, int(memory_obj.get_size()))
+                hot = self._cpu.hot_cache
+                self._on_cpu_put([(k, int(o.get_size())) for k, o in zip(keys, memory_objs, strict=False)
+                                  if k not in hot])
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                self._failed("batched_submit_put_task")
+        self._tl.in_batch = True
+        try:
+            return original(keys, memory_objs, *args, **kwargs)
+        finally:
+            self._tl.in_batch = False
+
+    def _cpu_put(self, original: Callable[..., Any], key: Any, memory_obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.emitter.enabled and self._hot and not getattr(self._tl, "in_batch", False):
+            try:
+                if key not in self._cpu.hot_cache:
+                    self._on_cpu_put([(key, int(memory_obj.get_size()))])
             except Exception:  # noqa: BLE001
                 self._failed("submit_put_task")
-        return result
+        return original(key, memory_obj, *args, **kwargs)
 
-    def _on_cpu_put(self, key: Any, nbytes: int) -> None:
+    def _on_cpu_put(self, fresh: list[tuple[Any, int]]) -> None:
+        if not fresh:
+            return
         scope = self._scope()
         if scope is not None and scope.fetch_tier is not Tier.NONE and scope.fetch_tier is not Tier.HOST:
-            scope.writebacks.append((key, nbytes, scope.fetch_tier))
-        elif scope is not None and scope.op is _Op.STORE:
-            scope.commits.append((key, nbytes))
-        else:  # a put from elsewhere (a controller move, a peer): published on the host all the same
-            self._emit_runs(EventKind.COMMIT, [(key, nbytes)], None, tier=Tier.HOST)
+            # a chunk read from disk (or a remote store) kept in the CPU cache on its way out
+            spent = time.perf_counter_ns() - scope.fetch_t0
+            self._emit_runs(EventKind.LOAD, fresh, self._where(scope), src_tier=scope.fetch_tier,
+                            dst_tier=Tier.HOST, duration_ns=spent)
+        else:  # a store's chunks, or a put from elsewhere (a controller move, a peer): published
+            self._emit_runs(EventKind.COMMIT, fresh, self._where(scope) if scope is not None else None, tier=Tier.HOST)
 
     def _disk_write(self, original: Callable[..., Any], key: Any, memory_obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.emitter.enabled:
+        """Runs on LMCache's disk worker thread: note when the write began and its size."""
+        try:
+            self._tl.disk_write = (time.perf_counter_ns(), int(memory_obj.get_size()))
+        except Exception:  # noqa: BLE001
+            self._failed("async_save_bytes_to_disk")
+        try:
             return original(key, memory_obj, *args, **kwargs)
-        disk = self._disk
-        fresh = key not in disk.dict
-        nbytes = 0
-        try:
-            nbytes = int(memory_obj.get_size())
-        except Exception:  # noqa: BLE001
-            self._failed("async_save_bytes_to_disk")
-        t0 = time.perf_counter_ns()
-        result = original(key, memory_obj, *args, **kwargs)
-        try:
-            if fresh and key in disk.dict:
-                if self._hot:
-                    self._emit_runs(EventKind.OFFLOAD, [(key, nbytes)], None, src_tier=Tier.HOST, dst_tier=Tier.DISK,
-                                    duration_ns=time.perf_counter_ns() - t0)
-                else:
-                    self._emit_runs(EventKind.COMMIT, [(key, nbytes)], None, tier=Tier.DISK)
-        except Exception:  # noqa: BLE001
-            self._failed("async_save_bytes_to_disk")
-        return result
+        finally:
+            self._tl.disk_write = None
 
-    def _remover(self, tier: Tier) -> Callable[..., Any]:
+    def _disk_insert(self, original: Callable[..., Any], key: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+        """The write is on disk; LMCache publishes the key next."""
+        if self.emitter.enabled:
+            try:
+                if key not in self._disk.dict:
+                    began, nbytes = getattr(self._tl, "disk_write", None) or (0, int(size))
+                    if self._hot:
+                        spent = time.perf_counter_ns() - began if began else 0
+                        self._emit_runs(EventKind.OFFLOAD, [(key, nbytes)], None, src_tier=Tier.HOST,
+                                        dst_tier=Tier.DISK, duration_ns=spent)
+                    else:
+                        self._emit_runs(EventKind.COMMIT, [(key, nbytes)], None, tier=Tier.DISK)
+            except Exception:  # noqa: BLE001
+                self._failed("insert_key")
+        return original(key, size, *args, **kwargs)
+
+    def _remover(self, tier: Tier, held: Callable[[], Any]) -> Callable[..., Any]:
         def remove(original: Callable[..., Any], key: Any, *args: Any, **kwargs: Any) -> Any:
-            removed = original(key, *args, **kwargs)
-            if removed and self.emitter.enabled:
-                force = kwargs.get("force", args[0] if args else True)
+            if self.emitter.enabled:
                 try:
-                    self._on_remove(tier, key, bool(force))
+                    if key in held():
+                        force = kwargs.get("force", args[0] if args else True)
+                        self._on_remove(tier, key, bool(force))
                 except Exception:  # noqa: BLE001
                     self._failed(f"{tier.value} remove")
-            return removed
+            return original(key, *args, **kwargs)
 
         return remove
 
