@@ -107,6 +107,11 @@ class _Observing(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         cls = inner_class(extra)
+        if "lmcache" in f"{cls.__module__}.{cls.__name__}".lower():
+            # LMCache behind the connector: its own engine is traced too (see the LMCache shim)
+            from kvtrace.instrumentation.lmcache.plugin import enable
+
+            enable()
         self._inner = cls(vllm_config, role, kv_cache_config)
         self._tier = Tier(extra.get("kvtrace_tier") or _DEFAULT_TIER.get(cls.__name__, Tier.REMOTE))
         self._block_size = int(vllm_config.cache_config.block_size)
