@@ -1,0 +1,86 @@
+"""One picture per request when an engine reuses a KV store behind it (vLLM with LMCache).
+
+Each side is reconstructed on its own terms: the engine's blocks (vLLM's 16-token blocks, its
+hashes) and the store's chunks (LMCache's 256-token chunks, its prefix-chained hashes) are
+different objects with different names, and neither shim can name the other's. What they share
+is the request and token positions: block i of the engine covers [i*16, i*16+16), chunk j of
+the store [j*256, j*256+256), and both chains are prefixes of the same prompt. So the join is
+per request, on positions: a prefix is recoverable when the engine still holds it or the store
+can serve it, and the engine adopts device tokens plus the store's tokens loaded on top.
+
+The engine computes the prompt's last token whatever the store holds, so the store's part is
+capped at prompt - 1 (as vLLM's LMCache connector does); inside a chunk any boundary serves,
+because the engine loads the whole chunk and keeps the prefix it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from kvtrace.schema.columns import U32, U64, Flag, Label, Text
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+
+
+class JoinedResult(msgspec.Struct, kw_only=True, frozen=True):
+    request_id: Text
+    engine_instance: Label
+    store_instance: Label
+    prompt_tokens: U32
+    device_logical_tokens: U32  # the engine's own prefix-cache hit
+    device_recoverable_tokens: U32
+    store_logical_tokens: U32  # the store's lookup, capped at prompt - 1
+    store_recoverable_tokens: U32
+    logical_hit_tokens: U32  # one prefix, whichever side holds it
+    recoverable_hit_tokens: U32
+    adopted_tokens: U32  # what the engine reused: device plus loaded from the store
+    store_adopted_tokens: U32  # the store's own adopt: the prefix the engine held plus what it retrieved
+    verdict: Verdict
+    reason: GapReason
+    reason_side: Label  # "engine" or "store": whose reconstruction names the gap
+    unsafe_reuse: Flag  # adopted beyond what either side can justify
+    missed_reuse: Flag  # recoverable beyond what was adopted
+    restore_bytes: U64  # from the store's tiers, for the recoverable prefix it serves
+
+
+def join_store(engine: Iterable[LookupResult], store: Iterable[LookupResult]) -> list[JoinedResult]:
+    """Join each engine lookup with the store's lookup for the same request (its last one).
+
+    Requests the store was not asked about keep the engine's picture alone."""
+    by_request = {r.request_id: r for r in store}
+    return [_join(e, by_request.get(e.request_id)) for e in engine]
+
+
+def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
+    cap = max(e.prompt_tokens - 1, 0)
+    s_logical = min(s.logical_hit_tokens, cap) if s else 0
+    s_recoverable = min(s.recoverable_hit_tokens, cap) if s else 0
+    logical = max(e.logical_hit_tokens, s_logical)
+    recoverable = max(e.recoverable_hit_tokens, s_recoverable)
+    adopted = e.adopted_tokens
+    store_side = s is not None and s_logical > e.logical_hit_tokens
+    reason, side = GapReason.NONE, ""
+    if recoverable < logical:
+        if store_side and s is not None:
+            reason, side = s.reason, "store"
+        else:
+            reason, side = e.reason, "engine"
+    if recoverable == 0:
+        verdict = Verdict.MISS
+    elif e.resident_hit_tokens >= recoverable:
+        verdict = Verdict.HIT
+    else:
+        verdict = Verdict.PARTIAL
+    restore = 0
+    if s is not None and s_recoverable > e.recoverable_hit_tokens:
+        restore = s.restore_host_bytes + s.restore_disk_bytes + s.restore_remote_bytes
+    return JoinedResult(
+        request_id=e.request_id, engine_instance=e.instance, store_instance=s.instance if s else "",
+        prompt_tokens=e.prompt_tokens, device_logical_tokens=e.logical_hit_tokens,
+        device_recoverable_tokens=e.recoverable_hit_tokens, store_logical_tokens=s_logical,
+        store_recoverable_tokens=s_recoverable, logical_hit_tokens=logical, recoverable_hit_tokens=recoverable,
+        adopted_tokens=adopted, store_adopted_tokens=s.adopted_tokens if s else 0, verdict=verdict, reason=reason, reason_side=side,
+        unsafe_reuse=e.adopt_seen and adopted > recoverable,
+        missed_reuse=e.adopt_seen and recoverable > adopted, restore_bytes=restore,
+    )
