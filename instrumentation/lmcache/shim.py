@@ -275,11 +275,15 @@ class LMCacheShim:
         mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
         total = len(tokens) if tokens is not None else 0
         held = total - int(mask.sum()) if mask is not None else 0  # the prefix the engine already had
+        # LMCache delivers a run of chunks from the first one asked for, stopping at the first it
+        # cannot read: the chunks inside [held, held + retrieved) are the ones delivered.
+        upto = held + int(ret_mask.sum())
         delivered: dict[Tier, list[tuple[Any, int]]] = {}
         where = self._where(scope)
+        got = scope.got
         for start, end, key in scope.chain or ():
-            if end > start and bool(ret_mask[start]):
-                tier, nbytes = scope.got.get(key, (Tier.HOST, 0))
+            if held <= start < end <= upto:
+                tier, nbytes = got.get(key, (Tier.HOST, 0))
                 delivered.setdefault(tier, []).append((key, nbytes))
         total_bytes = sum(n for chunks in delivered.values() for _, n in chunks) or 1
         for tier, chunks in delivered.items():
@@ -428,8 +432,8 @@ class LMCacheShim:
         if scope is not None and scope.op is _Op.CLEAR_PREFIX and scope.all_locations:
             scope.removed.append(key)
             return
-        reason = Reason.EXPLICIT if force else Reason.CAPACITY
-        self._emit_runs(EventKind.EVICT, [(key, 0)], None, tier=tier, reason=reason)
+        self.emitter.emit(self._event(EventKind.EVICT, key, block_key=block_key(key), tier=tier,
+                                      reason=Reason.EXPLICIT if force else Reason.CAPACITY))
 
 
 def _rid(kwargs: dict) -> str:
