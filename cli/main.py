@@ -110,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_p = sub.add_parser("replay", help="replay a request trace through an engine into the store")
     trace_args(replay_p)
-    replay_p.add_argument("--engine", choices=["sim", "vllm", "sglang"], default="sim",
+    replay_p.add_argument("--engine", choices=["sim", "vllm", "sglang", "lmcache"], default="sim",
                           help="sim: the reference simulator (default); vllm: vLLM's own KV-cache manager, no model "
                                "(run kvtrace from vLLM's environment); sglang: SGLang's own radix cache on CPU pools, "
-                               "no model (run kvtrace from SGLang's environment)")
+                               "no model (run kvtrace from SGLang's environment); lmcache: a real LMCache engine "
+                               "(CPU and disk backends) storing and retrieving each request's KV (run kvtrace from "
+                               "LMCache's environment)")
     replay_p.add_argument("--vllm-layout", choices=["dense", "full+sliding", "full+mamba"], default="full+sliding",
                           help="vllm: cache groups to build (default full+sliding)")
     replay_p.add_argument("--vllm-blocks", type=_positive, default=16384, help="vllm: KV blocks of 16 tokens")
@@ -121,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                           default="full", help="sglang: the cache's components (default full)")
     replay_p.add_argument("--sglang-core", choices=["rust", "python"], default="rust", help="sglang: tree core")
     replay_p.add_argument("--sglang-tokens", type=_positive, default=1 << 18, help="sglang: device KV slots")
-    replay_p.add_argument("--recipe-out", help="vllm, sglang: where to write the recipe derived from the engine "
+    replay_p.add_argument("--lmcache-chunk", type=_positive, default=256, help="lmcache: tokens per chunk")
+    replay_p.add_argument("--lmcache-cpu-gb", type=float, default=0.5, help="lmcache: CPU cache size, GB")
+    replay_p.add_argument("--lmcache-disk-gb", type=float, default=4.0, help="lmcache: disk cache size, GB (0: none)")
+    replay_p.add_argument("--lmcache-disk-dir", default="", help="lmcache: disk cache folder (default: a new temp one)")
+    replay_p.add_argument("--recipe-out", help="vllm, sglang, lmcache: where to write the recipe derived from the engine "
                                                "(default MODEL.recipe.json)")
     replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
@@ -370,10 +376,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvtrace.instrumentation.traces import TraceError
     from kvtrace.schema.recipes import RecipeError
 
-    if args.engine in ("vllm", "sglang"):
-        from kvtrace.cli.replay_engines import replay_sglang, replay_vllm
+    if args.engine in ("vllm", "sglang", "lmcache"):
+        from kvtrace.cli.replay_engines import replay_lmcache, replay_sglang, replay_vllm
 
-        return (replay_vllm if args.engine == "vllm" else replay_sglang)(args, _trace, _store)
+        run = {"vllm": replay_vllm, "sglang": replay_sglang, "lmcache": replay_lmcache}[args.engine]
+        return run(args, _trace, _store)
     try:
         spec = PolicySpec.parse(args.policy)
         config = replace(_sim_config(args), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)

@@ -1,6 +1,7 @@
-"""`kvtrace replay --engine vllm|sglang`: a request trace through an engine's own KV cache, no model.
+"""`kvtrace replay --engine vllm|sglang|lmcache`: a request trace through an engine's own KV cache, no model.
 
-The engine's real cache code (vLLM's KV-cache manager; SGLang's radix cache on CPU pools) is
+The engine's real cache code (vLLM's KV-cache manager; SGLang's radix cache on CPU pools; a real
+LMCache engine with its CPU and disk backends, storing and retrieving each request's KV) is
 driven the way its scheduler drives it, its shim traces it into the store, and the recipe is
 read off the engine's own configuration, ready for `kvtrace analyze`. Run from the engine's
 environment (`.venvs/<engine>/bin/kvtrace`).
@@ -130,3 +131,58 @@ def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
                    f"replayed {totals['requests']} requests through SGLang's radix cache ({args.sglang_mix}, "
                    f"{args.sglang_core} core): SGLang reused {totals['reused']} of {totals['prompt']} prompt tokens",
                    stats, shim)
+
+
+def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
+    import tempfile
+    from dataclasses import replace
+
+    from kvtrace.instrumentation.replay import tokens_of
+    from kvtrace.instrumentation.traces import TraceError
+    from kvtrace.schema.recipes import dense
+
+    try:
+        from kvtrace.instrumentation.lmcache.cpu import EngineSpec, build_engine, destroy_engine
+        from kvtrace.instrumentation.lmcache.driver import Driver, wait_for_disk
+        from kvtrace.instrumentation.lmcache.shim import LMCacheShim
+    except ImportError as exc:
+        return _missing("lmcache", "LMCache", exc)
+    disk = ""
+    if args.lmcache_disk_gb > 0:
+        disk = args.lmcache_disk_dir or tempfile.mkdtemp(prefix="kvtrace-lmcache-disk-")
+    spec = replace(EngineSpec(), model=args.model, chunk_size=args.lmcache_chunk, cpu_gb=args.lmcache_cpu_gb,
+                   disk_gb=args.lmcache_disk_gb, disk_path=disk)
+    totals = {"requests": 0, "prompt": 0, "hit": 0, "retrieved": 0, "exact": 0}
+
+    def serve(req: Any) -> None:
+        served = driver.serve(req.request_id, tokens_of(req), tenant=req.tenant or args.tenant)
+        totals["requests"] += 1
+        totals["prompt"] += served.prompt_tokens
+        totals["hit"] += served.lookup_hit
+        totals["retrieved"] += served.retrieved
+        totals["exact"] += served.exact
+
+    try:
+        engine = build_engine(spec, "kvtrace-replay")
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: LMCache could not start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        driver = Driver(engine, spec)
+        reader = trace(args)
+
+        def attach(emitter: Any) -> Any:
+            return LMCacheShim(engine, emitter, instance="lmcache-replay", default_tenant=args.tenant).install()
+
+        stats, shim = _into_store(args, reader, store_of, "lmcache", "replay (LMCache)", attach, serve)
+        wait_for_disk(engine)
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_engine("kvtrace-replay")
+    summary = (f"replayed {totals['requests']} requests through LMCache ({spec.chunk_size}-token chunks, "
+               f"{spec.cpu_gb} GB CPU{f', {spec.disk_gb} GB disk' if disk else ''}): LMCache found "
+               f"{totals['hit']} and delivered {totals['retrieved']} of {totals['prompt']} prompt tokens"
+               f"{'' if totals['exact'] == totals['requests'] else '; SOME RETRIEVED KV DIFFERED'}")
+    return _finish(args, reader, dense(spec.chunk_size), "LMCache's chunk size", summary, stats, shim)
