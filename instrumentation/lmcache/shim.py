@@ -116,6 +116,10 @@ class LMCacheShim:
         if getattr(engine, "use_layerwise", False):
             log.warning("kvtrace: LMCache's layerwise mode is not traced (per-layer keys); this engine runs untraced")
             return self
+        if getattr(engine.config, "save_unfull_chunk", False):
+            log.warning("kvtrace: LMCache stores partial last chunks here (save_unfull_chunk); kvtrace aligns "
+                        "boundaries to whole chunks, so a partial chunk LMCache delivers reads as reuse beyond "
+                        "what is recoverable")
         self._around(engine.token_database, "process_tokens", self._process_tokens)
         self._around(engine, "store", self._store)
         self._around(engine, "lookup", self._lookup)
