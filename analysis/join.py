@@ -16,11 +16,15 @@ because the engine loads the whole chunk and keeps the prefix it needs.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvtrace.schema.columns import U32, U64, Flag, Label, Text
 from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 class JoinedResult(msgspec.Struct, kw_only=True, frozen=True):
@@ -84,3 +88,30 @@ def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
         unsafe_reuse=e.adopt_seen and adopted > recoverable,
         missed_reuse=e.adopt_seen and recoverable > adopted, restore_bytes=restore,
     )
+
+
+STORE_SUFFIX = "/lmcache"
+"""A store's instance is its engine's with this appended (the LMCache shim names it so)."""
+
+
+def join_frame(frame: pl.DataFrame) -> pl.DataFrame:
+    """Every engine instance in a frame of lookup results joined with its store instance, if any:
+    one row per engine lookup (empty when no instance has a store beside it)."""
+    import polars as pl
+
+    instances = set(frame["instance"].unique().to_list()) if frame.height else set()
+    rows: list[JoinedResult] = []
+    for store_instance in sorted(i for i in instances if i.endswith(STORE_SUFFIX)):
+        engine_instance = store_instance.removesuffix(STORE_SUFFIX)
+        if engine_instance not in instances:
+            continue
+        engine = _results(frame.filter(pl.col("instance") == engine_instance))
+        store = _results(frame.filter(pl.col("instance") == store_instance).sort("ts_ns", "source_id", "seq"))
+        rows.extend(join_store(engine, store))
+    if not rows:
+        return pl.DataFrame(schema={f: pl.Utf8 for f in JoinedResult.__struct_fields__}).clear()
+    return pl.DataFrame([msgspec.structs.asdict(r) for r in rows])
+
+
+def _results(frame: pl.DataFrame) -> list[LookupResult]:
+    return msgspec.convert(frame.to_dicts(), list[LookupResult], strict=False)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 from datetime import datetime, timezone
 
 from kvtrace.collector.store import StoreError, default_dsn
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--bucket-s", type=_non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
+    analyze.add_argument("--joined-output", help="write the engine + KV store picture per request (vLLM with "
+                                                  "LMCache: instances X and X/lmcache) to this Parquet file")
     analyze.add_argument("--write-verdicts", action="store_true",
                          help="also store the per-lookup rows in the verdicts table (what dashboards and alerts read "
                               "when no collector reconstructs live)")
@@ -528,9 +531,33 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         if frame.height:
             print("\ngap between logical and recoverable, by reason")
             print(reasons(frame, by).head(20))
+        _print_joined(frame, args.joined_output)
     if args.output:
         print(f"per-lookup results: {args.output}")
     return 0
+
+
+def _print_joined(frame: Any, output: str | None) -> None:
+    """Engines with a KV store beside them (vLLM with LMCache): one picture per request."""
+    import polars as pl
+
+    from kvtrace.analysis.join import join_frame
+
+    joined = join_frame(frame)
+    if output:
+        joined.write_parquet(output)
+        print(f"engine + store results: {output}")
+    if not joined.height:
+        return
+    alone = frame.group_by("instance").agg(pl.col("unsafe_reuse").sum().alias("unsafe_engine_alone"))
+    table = (joined.group_by("engine_instance", "store_instance")
+             .agg(pl.len().alias("lookups"), pl.col("logical_hit_tokens").sum().alias("logical"),
+                  pl.col("recoverable_hit_tokens").sum().alias("recoverable"),
+                  pl.col("adopted_tokens").sum().alias("adopted"), pl.col("unsafe_reuse").sum().alias("unsafe"),
+                  pl.col("missed_reuse").sum().alias("missed"))
+             .join(alone, left_on="engine_instance", right_on="instance", how="left"))
+    print("\nengine + KV store, per request (the engine's blocks and the store's chunks joined on positions)")
+    print(table.sort("engine_instance"))
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -16,9 +16,12 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
+import msgspec
+import pyarrow.parquet as pq
 import torch
 
 from kvtrace.analysis.join import join_store
+from kvtrace.cli.main import main
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.lmcache.cpu import EngineSpec, build_engine, destroy_engine
@@ -80,7 +83,8 @@ def workload() -> list[tuple[str, list[int]]]:
     return [(f"q{r}-d{d}", doc + [30_001 + r, 30_100 + d] * 8) for r in range(3) for d, doc in enumerate(docs)]
 
 
-def test_vllm_and_lmcache_events_join_into_one_picture_per_request(tmp_path: Path) -> None:
+def run_both(tmp_path: Path) -> tuple[list, dict, object, EngineSpec]:
+    """The workload through vLLM's cache manager and LMCache, both traced into one sink."""
     spec = replace(EngineSpec(layers=1, heads=1, head_size=8, chunk_size=256), cpu_gb=0.004, disk_gb=1.0,
                    disk_path=str(tmp_path / "disk"))
     config = DriverConfig(num_blocks=400)  # 6,400 tokens on device: a few documents at a time
@@ -100,7 +104,12 @@ def test_vllm_and_lmcache_events_join_into_one_picture_per_request(tmp_path: Pat
         emitter.shutdown()
         destroy_engine(lmc_id)
     events = sorted(sink.events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    engine = reconstruct([e for e in events if e.engine == "vllm"], recipe_from_kv_cache_config(manager.kv_cache_config))
+    return events, served, recipe_from_kv_cache_config(manager.kv_cache_config), spec
+
+
+def test_vllm_and_lmcache_events_join_into_one_picture_per_request(tmp_path: Path) -> None:
+    events, served, vrecipe, spec = run_both(tmp_path)
+    engine = reconstruct([e for e in events if e.engine == "vllm"], vrecipe)
     store = reconstruct([e for e in events if e.engine == "lmcache"], dense(spec.chunk_size))
     assert {r.instance for r in store} == {"node-1/lmcache"}
     joined = {j.request_id: j for j in join_store(engine, store)}
@@ -123,3 +132,22 @@ def test_vllm_and_lmcache_events_join_into_one_picture_per_request(tmp_path: Pat
     # the engine's view alone cannot justify LMCache's tokens: that is what the join is for
     alone = {r.request_id: r for r in engine}
     assert any(alone[rid].unsafe_reuse for rid, s in served.items() if s["external"])
+
+
+def test_analyze_prints_and_writes_the_joined_picture(capsys, store, tmp_path: Path) -> None:  # noqa: ANN001
+    events, served, vrecipe, spec = run_both(tmp_path)
+    store.insert_events(events)
+    (tmp_path / "v.json").write_bytes(msgspec.json.encode(vrecipe))
+    (tmp_path / "l.json").write_bytes(msgspec.json.encode(dense(spec.chunk_size)))
+    out = tmp_path / "joined.parquet"
+    code = main(["--dsn", str(store.dsn), "analyze", "--recipe", f"tiny={tmp_path / 'v.json'}",
+                 "--recipe", f"{spec.model}={tmp_path / 'l.json'}", "--joined-output", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "engine + KV store" in printed, printed
+    rows = {r["request_id"]: r for r in pq.read_table(out).to_pylist()}
+    assert set(rows) == set(served)
+    for rid, s in served.items():
+        r = rows[rid]
+        assert r["engine_instance"] == "node-1" and r["store_instance"] == "node-1/lmcache"
+        assert r["adopted_tokens"] == s["hit"] + s["external"] == r["recoverable_hit_tokens"], rid
+        assert not r["unsafe_reuse"], rid
