@@ -26,8 +26,10 @@ def _missing(engine: str, name: str, exc: ImportError) -> int:
 
 
 def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, desc: str,
-                attach: Callable[[Any], Any], serve: Callable[[Any], None]) -> tuple[Any, Any]:
-    """Serve every trace request with a shim attached to an emitter into the store."""
+                attach: Callable[[Any], Any], serve: Callable[[Any], None],
+                drain: Callable[[], None] | None = None) -> tuple[Any, Any]:
+    """Serve every trace request with a shim attached to an emitter into the store; `drain` lets
+    the engine finish work it runs in the background (LMCache's disk writes) before the flush."""
     from tqdm import tqdm
 
     from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -42,6 +44,8 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
             for req in reader:
                 serve(req)
                 bar.update()
+        if drain is not None:
+            drain()
         emitter.force_flush(timeout_millis=600_000)
         emitter.shutdown()
     return emitter.stats(), shim
@@ -174,8 +178,8 @@ def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
         def attach(emitter: Any) -> Any:
             return LMCacheShim(engine, emitter, instance="lmcache-replay", default_tenant=args.tenant).install()
 
-        stats, shim = _into_store(args, reader, store_of, "lmcache", "replay (LMCache)", attach, serve)
-        wait_for_disk(engine)
+        stats, shim = _into_store(args, reader, store_of, "lmcache", "replay (LMCache)", attach, serve,
+                                  drain=lambda: wait_for_disk(engine, timeout_s=600))
     except (TraceError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

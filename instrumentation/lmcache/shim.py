@@ -8,9 +8,11 @@ is counted and logged once and LMCache goes on as if kvtrace were not there.
 What is recorded, per chunk of `chunk_size` tokens (the chunk is the object; its key is LMCache's
 prefix-chained chunk hash with the chunk's tags folded in, see `keys`):
 - commit (host): a store's chunks entering the CPU backend's hot cache (`batched_submit_put_task`), as
-  one run per store; with no CPU cache, the disk write commits it (disk);
+  one run per store;
 - offload (host -> disk): the disk backend's write completing (`insert_key`, on LMCache's disk
-  worker thread), with its bytes and the write's duration;
+  worker thread), with its bytes and the write's duration; when the host cache no longer holds
+  the chunk (evicted meanwhile, a disk-only store location, the hot cache off) the disk write is
+  its only copy and commits it (disk);
 - load: a retrieve delivering chunks to the serving engine (src = the backend each came from,
   dst = device), with bytes and duration; and a disk chunk written back into the CPU cache on
   the way (disk -> host). The device copy is the engine's, not LMCache's: the same retrieve
@@ -19,8 +21,10 @@ prefix-chained chunk hash with the chunk's tags folded in, see `keys`):
 - evict: a backend's cache policy making room (`remove(force=False)`: reason capacity, with
   the tier), or a removal through the API (reason explicit);
 - invalidate: `clear()` (reason reset, scoped to the tiers of the backends that actually
-  cleared: LMCache's disk backend has no clear, so its copies stay valid and say so), and a
-  prefix clear `clear(tokens)` over every backend (reason explicit, per chunk);
+  clear: LMCache's disk backend has no clear, so its copies stay valid; chunks the CPU clear
+  keeps because they are in use are published again), a prefix clear `clear(tokens)` over
+  every backend (reason explicit, per chunk), and a disk chunk whose file cannot be read
+  (reason corruption, then evicted: LMCache drops the key);
 - lookup: `lookup`, with the request's chunk chain and LMCache's hit (repeats of a request
   with the same answer are dropped, as the engine's scheduler polls while a request waits);
 - adopt: `retrieve`: tokens the engine already held (the masked prefix, from device) and the
@@ -76,7 +80,7 @@ class _Scope:
     fetch_t0: int = 0
     got: dict[Any, tuple[Tier, int]] = field(default_factory=dict)  # key -> (tier, nbytes) a get returned
     get_ns: dict[Tier, int] = field(default_factory=dict)  # time spent in each tier's gets
-    removed: list[Any] = field(default_factory=list)  # keys a prefix clear removed
+    removed: set[Any] = field(default_factory=set)  # keys a prefix clear invalidated
     all_locations: bool = True
 
 
@@ -94,6 +98,8 @@ class LMCacheShim:
         self._failed_names: set[str] = set()
         self._saved: list[tuple[Any, str, Any]] = []
         self._tl = threading.local()
+        self._cpu: Any = None
+        self._disk: Any = None
         meta = engine.metadata
         self.chunk_size = int(getattr(meta, "chunk_size", 0) or getattr(engine.config, "chunk_size", 256))
         self.worker_id = int(getattr(meta, "worker_id", 0) or 0)
@@ -139,7 +145,6 @@ class LMCacheShim:
             self._around(disk, "insert_key", self._disk_insert)
             self._around(disk, "remove", self._remover(Tier.DISK, lambda: disk.dict))
         self._cpu, self._disk = cpu, disk
-        self._hot = cpu is not None and bool(getattr(cpu, "use_hot", True))
         return self
 
     def uninstall(self) -> None:
@@ -314,20 +319,28 @@ class LMCacheShim:
         locations = kwargs.get("locations", args[1] if len(args) > 1 else None)
         whole = tokens is None or len(tokens) == 0
         scope = _Scope(_Op.CLEAR_ALL if whole else _Op.CLEAR_PREFIX, all_locations=locations is None)
-        return self._run(scope.op, original, args, kwargs,
-                         lambda s, n, _ns: self._report_clear(s, locations), scope=scope)
+        cleared: list[str] = []
+        if whole and self.emitter.enabled and self._scope() is None:
+            try:  # announced before LMCache drops anything: a reset of each tier that can clear
+                backends = getattr(self.engine.storage_manager, "storage_backends", {}) or {}
+                cleared = [name for name, backend in backends.items()
+                           if (locations is None or name in locations) and hasattr(backend, "clear")]
+                for name in cleared:
+                    self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, tier=tier_of(name),
+                                              reason=Reason.RESET, component=ComponentKind.NONE))
+            except Exception:  # noqa: BLE001
+                self._failed("clear")
+        return self._run(scope.op, original, args, kwargs, lambda s, n, _ns: self._report_clear(s, cleared),
+                         scope=scope)
 
-    def _report_clear(self, scope: _Scope, locations: Any) -> None:
-        if scope.op is _Op.CLEAR_PREFIX:
-            seen = list(OrderedDict.fromkeys(scope.removed))
-            if seen:
-                self._emit_runs(EventKind.INVALIDATE, ((k, 0) for k in seen), self._where(scope), reason=Reason.EXPLICIT)
+    def _report_clear(self, scope: _Scope, cleared: list[str]) -> None:
+        """LMCache's CPU clear keeps chunks still in use (pinned by a lookup, read by a retrieve,
+        being written to disk): they are valid and stay, so they are published again."""
+        if scope.op is not _Op.CLEAR_ALL or "LocalCPUBackend" not in cleared or self._cpu is None:
             return
-        backends = getattr(self.engine.storage_manager, "storage_backends", {}) or {}
-        for name, backend in backends.items():
-            if (locations is None or name in locations) and hasattr(backend, "clear"):
-                self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, tier=tier_of(name),
-                                          reason=Reason.RESET, component=ComponentKind.NONE))
+        kept = [(k, int(o.get_size())) for k, o in list(self._cpu.hot_cache.items())]
+        if kept:
+            self._emit_runs(EventKind.COMMIT, kept, None, tier=Tier.HOST)
 
     # -- hooks: the storage manager and backends ---------------------------------------------------
     def _batched_get(self, original: Callable[..., Any], keys: Any, *args: Any, **kwargs: Any) -> Any:
@@ -344,9 +357,17 @@ class LMCacheShim:
             scope.fetch_tier = previous
         try:
             scope.get_ns[tier] = scope.get_ns.get(tier, 0) + time.perf_counter_ns() - t0
+            disk = self._disk
             for key, obj in zip(keys, objs or (), strict=False):
                 if obj is not None:
                     scope.got[key] = (tier, int(obj.get_size()))
+                elif tier is Tier.DISK and disk is not None and key not in disk.dict:
+                    # the file could not be read and LMCache dropped the key (no `remove` call):
+                    # why (corruption), then the copy is gone like any other removal
+                    k = block_key(key)
+                    self.emitter.emit(self._event(EventKind.INVALIDATE, key, block_key=k, reason=Reason.CORRUPTION))
+                    self.emitter.emit(self._event(EventKind.EVICT, key, block_key=k, tier=Tier.DISK,
+                                                  reason=Reason.EXPLICIT))
         except Exception:  # noqa: BLE001
             self._failed("batched_get")
         return objs
@@ -355,7 +376,7 @@ class LMCacheShim:
     # the lock the backend holds), so an event never trails a lookup that already saw its effect.
     def _cpu_batched_put(self, original: Callable[..., Any], keys: Any, memory_objs: Any, *args: Any,
                          **kwargs: Any) -> Any:
-        if self.emitter.enabled and self._hot:
+        if self.emitter.enabled and getattr(self._cpu, "use_hot", True):
             try:
                 hot = self._cpu.hot_cache
                 self._on_cpu_put([(k, int(o.get_size())) for k, o in zip(keys, memory_objs, strict=False)
@@ -369,7 +390,7 @@ class LMCacheShim:
             self._tl.in_batch = False
 
     def _cpu_put(self, original: Callable[..., Any], key: Any, memory_obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.emitter.enabled and self._hot and not getattr(self._tl, "in_batch", False):
+        if self.emitter.enabled and not getattr(self._tl, "in_batch", False):
             try:
                 if key not in self._cpu.hot_cache:
                     self._on_cpu_put([(key, int(memory_obj.get_size()))])
@@ -406,7 +427,10 @@ class LMCacheShim:
             try:
                 if key not in self._disk.dict:
                     began, nbytes = getattr(self._tl, "disk_write", None) or (0, int(size))
-                    if self._hot:
+                    # a copy of a chunk the host cache holds (and published); otherwise the disk
+                    # write is its only copy: the CPU evicted it meanwhile, or it never went there
+                    # (disk-only store location, hot cache off)
+                    if self._cpu is not None and key in self._cpu.hot_cache:
                         spent = time.perf_counter_ns() - began if began else 0
                         self._emit_runs(EventKind.OFFLOAD, [(key, nbytes)], None, src_tier=Tier.HOST,
                                         dst_tier=Tier.DISK, duration_ns=spent)
@@ -434,7 +458,10 @@ class LMCacheShim:
         if scope is not None and scope.op is _Op.CLEAR_ALL:
             return  # the clear reports itself, once per tier
         if scope is not None and scope.op is _Op.CLEAR_PREFIX and scope.all_locations:
-            scope.removed.append(key)
+            if key not in scope.removed:  # once per chunk, whichever backend drops it first
+                scope.removed.add(key)
+                self.emitter.emit(self._event(EventKind.INVALIDATE, key, block_key=block_key(key),
+                                              reason=Reason.EXPLICIT, component=ComponentKind.NONE))
             return
         self.emitter.emit(self._event(EventKind.EVICT, key, block_key=block_key(key), tier=tier,
                                       reason=Reason.EXPLICIT if force else Reason.CAPACITY))

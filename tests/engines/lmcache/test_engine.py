@@ -158,7 +158,7 @@ def test_whole_clear_empties_the_host_cache_only(traced) -> None:  # noqa: ANN00
 
 def test_a_hit_the_retrieve_does_not_deliver_is_reported(traced) -> None:  # noqa: ANN001
     """A chunk file lost behind LMCache's back: its lookup still counts it, the retrieve cannot
-    read it. LMCache's hit rate says hit; kvtrace says the reuse was missed."""
+    read it (LMCache then drops the key). LMCache's hit rate says hit; kvtrace names the change."""
     t = traced(cpu_gb=0.0008)
     c = prompt(3, 4)
     t.driver.serve("c0", c)
@@ -170,9 +170,42 @@ def test_a_hit_the_retrieve_does_not_deliver_is_reported(traced) -> None:  # noq
     os.remove(disk.dict[third].path)
     served = t.driver.serve("c1", c)
     assert served.lookup_hit == len(c) and served.retrieved == 2 * t.spec.chunk_size and served.exact
-    r = t.results()["c1"]
-    assert r.reported_hit_tokens == r.recoverable_hit_tokens == len(c)
-    assert r.adopted_tokens == 2 * t.spec.chunk_size and r.missed_reuse and not r.unsafe_reuse
+    after = t.driver.serve("c2", c)
+    assert after.lookup_hit == len(c)  # c1 computed and stored the lost chunk again
+    results = t.results()
+    r = results["c1"]
+    assert r.reported_hit_tokens == len(c) and r.adopted_tokens == r.recoverable_hit_tokens == 2 * t.spec.chunk_size
+    assert r.reason is GapReason.CHANGED_BEFORE_USE and not r.unsafe_reuse
+    assert results["c2"].logical_hit_tokens == results["c2"].recoverable_hit_tokens == len(c)
+    lost = [e for e in t.events() if e.kind is EventKind.INVALIDATE]
+    assert [(e.block_key, e.reason) for e in lost] == [(block_key(third), Reason.CORRUPTION)]
+
+
+def test_chunks_in_use_survive_a_clear_and_stay_valid(traced) -> None:  # noqa: ANN001
+    """LMCache's CPU clear keeps chunks a lookup pinned: kvtrace publishes them again."""
+    t = traced(cpu_gb=0.01, disk=False)
+    e = prompt(7, 2)
+    t.driver.serve("p0", e)
+    assert t.engine.lookup(e, lookup_id="p1", pin=True) == len(e)
+    t.engine.clear()
+    served = t.driver.serve("p1", e)
+    assert served.retrieved == len(e) and served.exact
+    r = t.results()["p1"]
+    assert r.adopted_tokens == r.recoverable_hit_tokens == len(e) and not r.unsafe_reuse
+
+
+def test_with_the_hot_cache_off_the_disk_write_commits(traced) -> None:  # noqa: ANN001
+    t = traced(cpu_gb=0.01)
+    t.engine.set_hot_cache(False)
+    f = prompt(8, 3)
+    t.driver.serve("h0", f)
+    again = t.driver.serve("h1", f)
+    assert again.retrieved == len(f) and again.exact
+    events = t.events()
+    assert {(e.kind, e.tier) for e in events if e.kind is EventKind.COMMIT} == {(EventKind.COMMIT, Tier.DISK)}
+    assert not [e for e in events if e.kind is EventKind.OFFLOAD]
+    r = t.results()["h1"]
+    assert r.adopted_tokens == r.recoverable_hit_tokens == len(f) and r.restore_disk_bytes == 3 * t.spec.chunk_bytes
 
 
 def test_tenants_tags_keep_their_chunks_apart(traced) -> None:  # noqa: ANN001
