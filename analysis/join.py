@@ -11,6 +11,11 @@ can serve it, and the engine adopts device tokens plus the store's tokens loaded
 The engine computes the prompt's last token whatever the store holds, so the store's part is
 capped at prompt - 1 (as vLLM's LMCache connector does); inside a chunk any boundary serves,
 because the engine loads the whole chunk and keeps the prefix it needs.
+
+The union is per request, not per token: tokens the engine reused from device are judged
+against the store too, so an engine that reuses device blocks kvtrace finds invalid while the
+store holds valid chunks for the same positions is not flagged here (the engine's own result
+flags it). Both sides report the same model; give the store its recipe as `lmcache:MODEL`.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class JoinedResult(msgspec.Struct, kw_only=True, frozen=True):
     reason_side: Label  # "engine" or "store": whose reconstruction names the gap
     unsafe_reuse: Flag  # adopted beyond what either side can justify
     missed_reuse: Flag  # recoverable beyond what was adopted
-    restore_bytes: U64  # from the store's tiers, for the recoverable prefix it serves
+    # The store's restore bytes for its whole recoverable prefix, when it extends the engine's:
+    # an upper bound, since a connector skips the chunks the engine still holds on device.
+    restore_bytes: U64
 
 
 def join_store(engine: Iterable[LookupResult], store: Iterable[LookupResult]) -> list[JoinedResult]:
@@ -91,7 +98,8 @@ def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
 
 
 STORE_SUFFIX = "/lmcache"
-"""A store's instance is its engine's with this appended (the LMCache shim names it so)."""
+"""A store's instance is its engine's with this appended (the LMCache shim names it so; with
+tensor parallelism each worker's store adds `/<worker>`, and worker 0's stands for the engine)."""
 
 
 def join_frame(frame: pl.DataFrame) -> pl.DataFrame:
@@ -101,8 +109,8 @@ def join_frame(frame: pl.DataFrame) -> pl.DataFrame:
 
     instances = set(frame["instance"].unique().to_list()) if frame.height else set()
     rows: list[JoinedResult] = []
-    for store_instance in sorted(i for i in instances if i.endswith(STORE_SUFFIX)):
-        engine_instance = store_instance.removesuffix(STORE_SUFFIX)
+    for store_instance in sorted(i for i in instances if i.endswith((STORE_SUFFIX, STORE_SUFFIX + "/0"))):
+        engine_instance = store_instance.removesuffix("/0").removesuffix(STORE_SUFFIX)
         if engine_instance not in instances:
             continue
         engine = _results(frame.filter(pl.col("instance") == engine_instance))

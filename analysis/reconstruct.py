@@ -25,6 +25,14 @@ class UnknownModel(KeyError):
     """A lookup for a model no recipe was given for."""
 
 
+def recipe_key(engine: str, model: str, recipes: Mapping[str, Recipe]) -> str:
+    """The recipe a lookup uses: `ENGINE:MODEL` when given, else `MODEL`. An engine and the KV
+    store behind it report the same model (vLLM and LMCache) but cache it in different units
+    (16-token blocks, 256-token chunks), so each may need its own recipe."""
+    qualified = f"{engine}:{model}"
+    return qualified if engine and qualified in recipes else model
+
+
 @dataclass(slots=True)
 class _Pending:
     lookup: Event
@@ -51,11 +59,11 @@ class Reconstructor:
         self.unmatched_adopts = 0
         self.pending_overflow = 0
 
-    def recipe_for(self, model: str) -> Recipe:
+    def recipe_for(self, model: str, engine: str = "") -> Recipe:
         if self._default is not None:
             return self._default
         try:
-            return self._recipes[model]
+            return self._recipes[recipe_key(engine, model, self._recipes)]
         except KeyError:
             raise UnknownModel(f"no recipe for model {model!r} (have: {', '.join(self._recipes)})") from None
 
@@ -78,7 +86,7 @@ class Reconstructor:
         key = (event.instance, event.request_id)
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
-        recipe = self.recipe_for(event.model)
+        recipe = self.recipe_for(event.model, event.engine)
         self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy))
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)

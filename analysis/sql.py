@@ -26,7 +26,7 @@ differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.analysis.reconstruct import UnknownModel
+from kvtrace.analysis.reconstruct import UnknownModel, recipe_key
 from kvtrace.schema.recipes import Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.schema.fields import field_specs
@@ -174,8 +174,8 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
     if d.clickhouse:
         writes = _writes_with_arrays(d, t, ids)
     requests = (
-        f"SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
-        f" r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
+        "SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
+        " r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
         + ", ".join(f"r.{f} AS {f}" for f in (*_IDENTITY_STR, "epoch"))
         + ", CAST(r.prompt_tokens AS BIGINT) AS prompt_tokens, r.group_block_keys AS group_block_keys,"
         " CAST(r.reported_hit_tokens AS BIGINT) AS reported_hit_tokens,"
@@ -228,12 +228,16 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     )
 
 
-def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
+def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str] = ()) -> list[tuple[str, str]]:
     keep = "1" if policy.keep_one_token else "0"
     if policy.keep_one_token and policy.stores:
         stores = ", ".join("'" + name.replace("'", "''") + "'" for name in sorted(policy.stores))
         keep = f"CASE WHEN l.engine IN ({stores}) THEN 0 ELSE 1 END"
     ids = ", ".join(f"l.{f} AS r_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    rkey = "l.model"
+    if qualified:  # lookups whose ENGINE:MODEL has a recipe of its own use it (see recipe_key)
+        names = ", ".join("'" + k.replace("'", "''") + "'" for k in qualified)
+        rkey = f"CASE WHEN concat(l.engine, ':', l.model) IN ({names}) THEN concat(l.engine, ':', l.model) ELSE l.model END"
     points = []
     for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"), (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):
         points.append(
@@ -242,7 +246,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
             " r.g AS g, r.comp AS comp, r.b AS b, r.win AS win, r.ratio AS ratio, r.align AS align, r.ngroups AS ngroups,"
             f" greatest(l.prompt_tokens - {keep}, 0) AS cap, l.group_block_keys[r.g + 1] AS chain,"
             f" CAST({d.list_len('l.group_block_keys[r.g + 1]')} AS BIGINT) AS len"
-            f" FROM {d.table(t.lk)} l JOIN {d.table(t.rc)} r ON r.model = l.model WHERE {cond}"
+            f" FROM {d.table(t.lk)} l JOIN {d.table(t.rc)} r ON r.model = {rkey} WHERE {cond}"
         )
     pg = " UNION ALL ".join(points)
     cols = "lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(
@@ -575,13 +579,16 @@ def _run(
     try:
         for name, select in _steps_events(d, t, source):
             step(name, select)
-        models = [str(m) for m in read(f"SELECT DISTINCT model FROM {d.table(t.lk)}")["model"].to_list()]
-        chosen = _recipes_for(models, recipes)
+        pairs = read(f"SELECT DISTINCT engine, model FROM {d.table(t.lk)}")
+        keys = {(str(e), str(m)): (str(m) if isinstance(recipes, Recipe) else recipe_key(str(e), str(m), recipes))
+                for e, m in zip(pairs["engine"].to_list(), pairs["model"].to_list(), strict=True)}
+        chosen = _recipes_for(set(keys.values()), recipes)
+        qualified = sorted({k for (_, m), k in keys.items() if k != m})
         execute(d.create(t.rc, _RECIPE_COLUMNS))
         created.append(t.rc)
         if chosen:
             execute(f"INSERT INTO {d.table(t.rc)} VALUES {_recipe_rows(d, chosen)}")
-        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
+        for name, select in (*_steps_blocks(d, t, policy, qualified), *_steps_boundaries(d, t)):
             step(name, select)
         return conform_results(read(_final(d, t)))
     finally:

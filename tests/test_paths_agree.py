@@ -123,3 +123,31 @@ def test_a_kv_store_may_serve_the_whole_prompt_in_every_path(store: Store, tmp_p
     assert_same(frames)
     logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
     assert logical == {"lmcache": 2 * bs, "vllm": bs}
+
+
+def test_an_engine_qualified_recipe_wins_in_every_path(store: Store, tmp_path: Path) -> None:
+    """vLLM and LMCache report the same model but cache it in different units: `lmcache:dense`
+    gives LMCache's lookups their own recipe (4-token chunks here), in all three paths."""
+    from kvtrace.schema.recipes import GroupSpec, Recipe
+
+    chunks = Recipe(name="chunks", groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=4),))
+    recipes = {**RECIPES, "lmcache:dense": chunks}
+    t0 = 1_750_000_000 * 10**9
+    events = []
+    for engine, src in (("lmcache", 7), ("vllm", 8)):
+        keys = [src * 100 + 1, src * 100 + 2]
+        events.append(Event(kind=EventKind.COMMIT, ts_ns=t0, source_id=src, seq=0, engine=engine, instance=engine,
+                            model="dense", component=ComponentKind.FULL_ATTENTION, block_key=keys[0],
+                            more_keys=keys[1:], tier=Tier.HOST, nbytes=64))
+        events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 1, source_id=src, seq=1, engine=engine, instance=engine,
+                            model="dense", request_id="r", prompt_tokens=8, group_block_keys=[keys]))
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    parquet = tmp_path / "events.parquet"
+    export_events(store, parquet)
+    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    frames = [conform_results(results_frame(Reconstructor(recipes).run(ordered))).sort(SORT),
+              clickhouse_results(store, recipes).sort(SORT), duckdb_results(parquet, recipes).sort(SORT)]
+    assert_same(frames)
+    logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
+    assert logical == {"lmcache": 8, "vllm": 4}  # two 4-token chunks; two 2-token blocks

@@ -86,7 +86,7 @@ def workload() -> list[tuple[str, list[int]]]:
 def run_both(tmp_path: Path) -> tuple[list, dict, object, EngineSpec]:
     """The workload through vLLM's cache manager and LMCache, both traced into one sink."""
     spec = replace(EngineSpec(layers=1, heads=1, head_size=8, chunk_size=256), cpu_gb=0.004, disk_gb=1.0,
-                   disk_path=str(tmp_path / "disk"))
+                   disk_path=str(tmp_path / "disk"), model="tiny")  # one model, as vLLM and its LMCache report it
     config = DriverConfig(num_blocks=400)  # 6,400 tokens on device: a few documents at a time
     manager = build_manager(config)
     sink = MemorySink()
@@ -141,7 +141,7 @@ def test_analyze_prints_and_writes_the_joined_picture(capsys, store, tmp_path: P
     (tmp_path / "l.json").write_bytes(msgspec.json.encode(dense(spec.chunk_size)))
     out = tmp_path / "joined.parquet"
     code = main(["--dsn", str(store.dsn), "analyze", "--recipe", f"tiny={tmp_path / 'v.json'}",
-                 "--recipe", f"{spec.model}={tmp_path / 'l.json'}", "--joined-output", str(out)])
+                 "--recipe", f"lmcache:tiny={tmp_path / 'l.json'}", "--joined-output", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "engine + KV store" in printed, printed
     rows = {r["request_id"]: r for r in pq.read_table(out).to_pylist()}
