@@ -25,20 +25,21 @@ from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 SORT = ["ts_ns", "source_id", "seq"]
 
 
-def streaming(events: list[Event], policy: Policy = Policy()) -> pl.DataFrame:
+def streaming(events: list[Event], policy: Policy = Policy(), recipes: dict = RECIPES) -> pl.DataFrame:
     ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    return conform_results(results_frame(Reconstructor(RECIPES, policy).run(ordered))).sort(SORT)
+    return conform_results(results_frame(Reconstructor(recipes, policy).run(ordered))).sort(SORT)
 
 
-def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy = Policy()) -> list[pl.DataFrame]:
+def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy = Policy(),
+                recipes: dict = RECIPES) -> list[pl.DataFrame]:
     store.command(f"TRUNCATE TABLE {store.db}.events")
     store.insert_events(events)
     parquet = folder / "events.parquet"
     export_events(store, parquet)
     return [
-        streaming(events, policy),
-        clickhouse_results(store, RECIPES, policy).sort(SORT),
-        duckdb_results(parquet, RECIPES, policy).sort(SORT),
+        streaming(events, policy, recipes),
+        clickhouse_results(store, recipes, policy).sort(SORT),
+        duckdb_results(parquet, recipes, policy).sort(SORT),
     ]
 
 
@@ -110,15 +111,7 @@ def test_a_kv_store_may_serve_the_whole_prompt_in_every_path(store: Store, tmp_p
     """The one-token rule is the computing engine's: a KV store (LMCache) asked about 32 tokens it
     holds reports 32, an engine 16 (it must compute the last token, and hits whole blocks)."""
     bs = DENSE.groups[0].block_size
-    t0 = 1_750_000_000 * 10**9
-    events = []
-    for engine, src in (("lmcache", 7), ("vllm", 8)):
-        keys = [src * 100 + 1, src * 100 + 2]
-        events.append(Event(kind=EventKind.COMMIT, ts_ns=t0, source_id=src, seq=0, engine=engine, instance=engine,
-                            model="dense", component=ComponentKind.FULL_ATTENTION, block_key=keys[0],
-                            more_keys=keys[1:], tier=Tier.HOST, nbytes=64, block_size=bs))
-        events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 1, source_id=src, seq=1, engine=engine, instance=engine,
-                            model="dense", request_id="r", prompt_tokens=2 * bs, group_block_keys=[keys]))
+    events = _two_blocks_each("dense", 2 * bs)
     frames = three_paths(store, tmp_path, events)
     assert_same(frames)
     logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
@@ -132,22 +125,21 @@ def test_an_engine_qualified_recipe_wins_in_every_path(store: Store, tmp_path: P
 
     chunks = Recipe(name="chunks", groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=4),))
     recipes = {**RECIPES, "lmcache:dense": chunks}
+    frames = three_paths(store, tmp_path, _two_blocks_each("dense", 8), recipes=recipes)
+    assert_same(frames)
+    logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
+    assert logical == {"lmcache": 8, "vllm": 4}  # two 4-token chunks; two 2-token blocks
+
+
+def _two_blocks_each(model: str, prompt_tokens: int) -> list[Event]:
+    """An LMCache and a vLLM instance, each holding two blocks of one prompt and looking it up."""
     t0 = 1_750_000_000 * 10**9
     events = []
     for engine, src in (("lmcache", 7), ("vllm", 8)):
         keys = [src * 100 + 1, src * 100 + 2]
         events.append(Event(kind=EventKind.COMMIT, ts_ns=t0, source_id=src, seq=0, engine=engine, instance=engine,
-                            model="dense", component=ComponentKind.FULL_ATTENTION, block_key=keys[0],
+                            model=model, component=ComponentKind.FULL_ATTENTION, block_key=keys[0],
                             more_keys=keys[1:], tier=Tier.HOST, nbytes=64))
         events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 1, source_id=src, seq=1, engine=engine, instance=engine,
-                            model="dense", request_id="r", prompt_tokens=8, group_block_keys=[keys]))
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.insert_events(events)
-    parquet = tmp_path / "events.parquet"
-    export_events(store, parquet)
-    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    frames = [conform_results(results_frame(Reconstructor(recipes).run(ordered))).sort(SORT),
-              clickhouse_results(store, recipes).sort(SORT), duckdb_results(parquet, recipes).sort(SORT)]
-    assert_same(frames)
-    logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
-    assert logical == {"lmcache": 8, "vllm": 4}  # two 4-token chunks; two 2-token blocks
+                            model=model, request_id="r", prompt_tokens=prompt_tokens, group_block_keys=[keys]))
+    return events

@@ -244,10 +244,8 @@ class LMCacheShim:
             yield item
 
     def _store(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self._run(_Op.STORE, original, args, kwargs, self._report_store)
-
-    def _report_store(self, scope: _Scope, result: Any, elapsed_ns: int) -> None:
-        """Nothing left to say: the store's scope only lent its chain's positions to the commits."""
+        # nothing to report after: the scope only lends its chain's positions to the commits
+        return self._run(_Op.STORE, original, args, kwargs, lambda scope, result, ns: None)
 
     def _lookup(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._run(_Op.LOOKUP, original, args, kwargs,
