@@ -73,8 +73,8 @@ def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
     store_side = s is not None and s_logical > e.logical_hit_tokens
     reason, side = GapReason.NONE, ""
     if recoverable < logical:
-        if store_side and s is not None:
-            reason, side = s.reason, "store"
+        if store_side:
+            reason, side = s.reason, "store"  # type: ignore[union-attr]  # store_side implies s
         else:
             reason, side = e.reason, "engine"
     if recoverable == 0:

@@ -79,7 +79,6 @@ class _Scope:
     fetch_tier: Tier = Tier.NONE  # set while a backend's get runs: CPU puts then are write-backs
     fetch_t0: int = 0
     got: dict[Any, tuple[Tier, int]] = field(default_factory=dict)  # key -> (tier, nbytes) a get returned
-    get_ns: dict[Tier, int] = field(default_factory=dict)  # time spent in each tier's gets
     removed: set[Any] = field(default_factory=set)  # keys a prefix clear invalidated
     all_locations: bool = True
 
@@ -198,6 +197,12 @@ class LMCacheShim:
         tenant, adapter = namespace(getattr(key, "tags", None)) if key is not None else ("", "")
         return replace(self._base, kind=kind, tenant=tenant or self.default_tenant, adapter=adapter, **fields)
 
+    def _for_request(self, kind: EventKind, kwargs: dict, **fields: Any) -> Event:
+        """A request's event (lookup, adopt), in the namespace its request configs' tags name."""
+        tenant, adapter = namespace(tags_of(kwargs.get("request_configs")))
+        return replace(self._base, kind=kind, tenant=tenant or self.default_tenant, adapter=adapter,
+                       component=ComponentKind.NONE, block_size=0, **fields)
+
     def _emit_runs(self, kind: EventKind, items: Iterable[tuple[Any, int]], where: dict[Any, tuple[int, int]] | None,
                    **fields: Any) -> None:
         """One event per run of chunks with the same namespace and size: key + more_keys."""
@@ -266,12 +271,9 @@ class LMCacheShim:
         self._looked_up[request_id] = hit
         if len(self._looked_up) > 65536:
             self._looked_up.popitem(last=False)
-        tenant, adapter = namespace(tags_of(kwargs.get("request_configs")))
-        self.emitter.emit(replace(self._base, kind=EventKind.LOOKUP, request_id=request_id, prompt_tokens=prompt,
-                                  tenant=tenant or self.default_tenant, adapter=adapter,
-                                  component=ComponentKind.NONE, block_size=0,
-                                  group_block_keys=[[block_key(k) for _, _, k in chain]],
-                                  group_hit_tokens=[hit], reported_hit_tokens=hit))
+        self.emitter.emit(self._for_request(EventKind.LOOKUP, kwargs, request_id=request_id, prompt_tokens=prompt,
+                                            group_block_keys=[[block_key(k) for _, _, k in chain]],
+                                            group_hit_tokens=[hit], reported_hit_tokens=hit))
 
     def _retrieve(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._run(_Op.RETRIEVE, original, args, kwargs,
@@ -286,31 +288,25 @@ class LMCacheShim:
         # cannot read: the chunks inside [held, held + retrieved) are the ones delivered.
         upto = held + int(ret_mask.sum())
         delivered: dict[Tier, list[tuple[Any, int]]] = {}
+        tokens_from: dict[Tier, int] = {}
         where = self._where(scope)
         got = scope.got
         for start, end, key in scope.chain or ():
             if held <= start < end <= upto:
                 tier, nbytes = got.get(key, (Tier.HOST, 0))
                 delivered.setdefault(tier, []).append((key, nbytes))
+                tokens_from[tier] = tokens_from.get(tier, 0) + end - start
         total_bytes = sum(n for chunks in delivered.values() for _, n in chunks) or 1
         for tier, chunks in delivered.items():
             share = sum(n for _, n in chunks) / total_bytes
             self._emit_runs(EventKind.LOAD, chunks, where, src_tier=tier, dst_tier=Tier.DEVICE,
                             duration_ns=int(elapsed_ns * share), request_id=_rid(kwargs))
             self._emit_runs(EventKind.EVICT, chunks, where, tier=Tier.DEVICE, reason=Reason.REQUEST_FINISHED)
-        tiers, counts = [], []
-        if held:
-            tiers.append(Tier.DEVICE)
-            counts.append(held)
-        for tier, chunks in delivered.items():
-            tiers.append(tier)
-            counts.append(sum(where[k][1] - where[k][0] for k, _ in chunks if k in where))
-        reused = sum(counts)
-        tenant, adapter = namespace(tags_of(kwargs.get("request_configs")))
-        self.emitter.emit(replace(self._base, kind=EventKind.ADOPT, request_id=_rid(kwargs), component=ComponentKind.NONE,
-                                  block_size=0, tenant=tenant or self.default_tenant, adapter=adapter,
-                                  reused_tiers=tiers, reused_tokens=counts, recomputed_tokens=max(total - reused, 0),
-                                  duration_ns=elapsed_ns))
+        reused = {Tier.DEVICE: held, **tokens_from} if held else tokens_from
+        self.emitter.emit(self._for_request(EventKind.ADOPT, kwargs, request_id=_rid(kwargs),
+                                            reused_tiers=list(reused), reused_tokens=list(reused.values()),
+                                            recomputed_tokens=max(total - sum(reused.values()), 0),
+                                            duration_ns=elapsed_ns))
 
     def _clear(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         tokens = kwargs.get("tokens", args[0] if args else None)
@@ -348,13 +344,12 @@ class LMCacheShim:
         location = kwargs.get("location", args[0] if args else None)
         tier = tier_of(str(location)) if location else Tier.HOST
         previous, scope.fetch_tier = scope.fetch_tier, tier
-        t0 = scope.fetch_t0 = time.perf_counter_ns()
+        scope.fetch_t0 = time.perf_counter_ns()
         try:
             objs = original(keys, *args, **kwargs)
         finally:
             scope.fetch_tier = previous
         try:
-            scope.get_ns[tier] = scope.get_ns.get(tier, 0) + time.perf_counter_ns() - t0
             disk = self._disk
             for key, obj in zip(keys, objs or (), strict=False):
                 if obj is not None:
