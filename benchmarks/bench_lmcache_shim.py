@@ -23,6 +23,7 @@ chunk) shows the worst case, where LMCache's own per-chunk Python work is nearly
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,42 +73,46 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     folder = Path(tempfile.mkdtemp(prefix="kvtrace-bench-lmcache-"))
-    base = replace(GEOMETRY[args.geometry], cpu_gb=args.cpu_gb, disk_gb=64.0)
-    specs = {name: replace(base, disk_path="" if args.no_disk else str(folder / name)) for name in ("off", "kvtrace")}
-    engines = {name: build_engine(spec, f"bench-{name}") for name, spec in specs.items()}
-    sink = CountingSink()
-    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
-    shim = LMCacheShim(engines["kvtrace"], emitter, instance="bench").install()
-    requests = [(r.request_id, tokens_of(r)[: args.max_tokens]) for r in read_trace(args.trace, limit=args.requests)]
-    prompts = [(rid, tokens, kv_for(base, tokens)) for rid, tokens in requests]
-    chunks = sum(-(-len(t) // base.chunk_size) for _, t, _ in prompts)
-    print(f"{len(prompts)} requests, {sum(len(t) for _, t, _ in prompts)} tokens, {chunks} chunks of "
-          f"{base.chunk_bytes / 2**20:.2f} MiB ({args.geometry}); CPU cache {args.cpu_gb} GB, "
-          f"disk {'off' if args.no_disk else 'on'}; {args.rounds} rounds", flush=True)
-    run_slice(engines["off"], base, prompts[:2])  # warm both: allocator pages, disk folders, lazy imports
-    run_slice(engines["kvtrace"], base, prompts[:2])
-    times = {name: 0.0 for name in engines}
-    per_round = []
-    step = max(len(prompts) // args.rounds, 1)
-    for i in range(args.rounds):
-        piece = prompts[i * step:(i + 1) * step]
-        order = ["off", "kvtrace"] if i % 2 == 0 else ["kvtrace", "off"]
-        took = {name: run_slice(engines[name], base, piece) for name in order}
-        for name, t in took.items():
-            times[name] += t
-        per_round.append(took["kvtrace"] / took["off"])
-    emitter.force_flush(60_000)
-    stats = emitter.stats()
-    ratio = times["kvtrace"] / times["off"]
-    print(f"{'variant':<10}{'seconds':>10}{'ratio':>8}")
-    for name in ("off", "kvtrace"):
-        print(f"{name:<10}{times[name]:>10.2f}{times[name] / times['off']:>8.3f}")
-    print(f"per-round ratios: {' '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})")
-    print(f"events {sink.events} ({sink.events / times['kvtrace']:.0f}/s), dropped {stats.dropped}, "
-          f"shim errors {shim.errors}; target <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'}")
-    emitter.shutdown()
-    for name in engines:
-        destroy_engine(f"bench-{name}")
+    try:
+        base = replace(GEOMETRY[args.geometry], cpu_gb=args.cpu_gb, disk_gb=64.0)
+        specs = {name: replace(base, disk_path="" if args.no_disk else str(folder / name)) for name in ("off", "kvtrace")}
+        engines = {name: build_engine(spec, f"bench-{name}") for name, spec in specs.items()}
+        sink = CountingSink()
+        emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+        shim = LMCacheShim(engines["kvtrace"], emitter, instance="bench").install()
+        requests = [(r.request_id, tokens_of(r)[: args.max_tokens]) for r in read_trace(args.trace, limit=args.requests)]
+        prompts = [(rid, tokens, kv_for(base, tokens)) for rid, tokens in requests]
+        chunks = sum(-(-len(t) // base.chunk_size) for _, t, _ in prompts)
+        print(f"{len(prompts)} requests, {sum(len(t) for _, t, _ in prompts)} tokens, {chunks} chunks of "
+              f"{base.chunk_bytes / 2**20:.2f} MiB ({args.geometry}); CPU cache {args.cpu_gb} GB, "
+              f"disk {'off' if args.no_disk else 'on'}; {args.rounds} rounds", flush=True)
+        run_slice(engines["off"], base, prompts[:2])  # warm both: allocator pages, disk folders, lazy imports
+        run_slice(engines["kvtrace"], base, prompts[:2])
+        times = {name: 0.0 for name in engines}
+        per_round = []
+        step = max(len(prompts) // args.rounds, 1)
+        for i in range(args.rounds):
+            piece = prompts[i * step:(i + 1) * step]
+            order = ["off", "kvtrace"] if i % 2 == 0 else ["kvtrace", "off"]
+            took = {name: run_slice(engines[name], base, piece) for name in order}
+            for name, t in took.items():
+                times[name] += t
+            per_round.append(took["kvtrace"] / took["off"])
+        emitter.force_flush(60_000)
+        stats = emitter.stats()
+        ratio = times["kvtrace"] / times["off"]
+        print(f"{'variant':<10}{'seconds':>10}{'ratio':>8}")
+        for name in ("off", "kvtrace"):
+            print(f"{name:<10}{times[name]:>10.2f}{times[name] / times['off']:>8.3f}")
+        print(f"per-round ratios: {' '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})")
+        print(f"events {sink.events} ({sink.events / times['kvtrace']:.0f}/s), dropped {stats.dropped}, "
+              f"shim errors {shim.errors}; target <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'}")
+        emitter.shutdown()
+        for name in engines:
+            destroy_engine(f"bench-{name}")
+    finally:
+        # The disk tier holds GBs of chunk files: never leave them behind, even on Ctrl-C.
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

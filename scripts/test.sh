@@ -10,8 +10,8 @@ PYTHON=${PYTHON:-python3}
 stamp=.venv/.kvtrace-pins
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,torch]'
+  .venv/bin/python -m pip install --quiet --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install --quiet --no-cache-dir -c constraints.txt -e '.[test,torch]'
   echo "$want" > "$stamp"
 fi
 # Headless Chromium for the dashboard tests: Debian's package (CI runs as root).
