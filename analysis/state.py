@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import EventKind, Reason, Tier
+from kvtrace.schema.kinds import OBJECT_KINDS, EventKind, Reason, Tier
 
 ObjectKey = tuple[str, int, int]  # instance, group_id, block_key
 
@@ -91,7 +91,7 @@ class CacheState:
 
     def apply(self, event: Event, ord: int) -> None:
         kind = event.kind
-        if kind is EventKind.LOOKUP or kind is EventKind.ADOPT or kind is EventKind.USAGE:
+        if kind not in OBJECT_KINDS:  # requests, usage samples and probes change no state
             return
         if kind is EventKind.INVALIDATE and event.block_key == 0:
             scopes = self.bulk.setdefault(event.instance, {})

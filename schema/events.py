@@ -22,6 +22,7 @@ from kvtrace.schema.columns import (
     U32,
     U64,
     DurationNs,
+    F64,
     Flag,
     Hash64,
     Label,
@@ -31,7 +32,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump when fields are added; readers accept every version up to this one."""
 
 
@@ -130,6 +131,24 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     evictable_bytes: Annotated[U64, _doc("Bytes of the tier holding reusable state nobody holds (usage).")] = 0
     free_bytes: Annotated[U64, _doc("Bytes of the tier holding nothing (usage).")] = 0
 
+    # -- probes: a request re-run with and without its cache (schema version 4) -----------------
+    # request_id names the re-run that read the cache (its lookup and adopt are ordinary events,
+    # so it gets a verdict of its own); prompt_tokens, reported_hit_tokens (what that run reused)
+    # and duration_ns (what the probe cost) keep their meaning.
+    probe_of: Annotated[Text, _doc("The request whose prompt the probe re-ran (probe).")] = ""
+    probe_positions: Annotated[U32, _doc("Token positions whose log-probabilities were compared (probe).")] = 0
+    probe_max_abs_diff: Annotated[
+        F64, _doc("Largest |logprob cached - logprob recomputed| of a compared token (probe).")
+    ] = 0.0
+    probe_mean_kl: Annotated[F64, _doc("KL(recomputed || cached) over the top-k, mean over positions (probe).")] = 0.0
+    probe_max_kl: Annotated[F64, _doc("KL(recomputed || cached) over the top-k, worst position (probe).")] = 0.0
+    probe_first_token_differs: Annotated[
+        Flag, _doc("The cached and the recomputed run generated different first tokens (probe).")
+    ] = False
+    noise_floor: Annotated[
+        F64, _doc("Largest difference between two cache-free runs of one prompt, measured by the prober (probe).")
+    ] = 0.0
+
 
 WIRE_REQUIRED: tuple[str, ...] = ("kind", "ts_ns", "source_id", "seq")
 """Fields a stored or transmitted event must carry explicitly: without its id an event could
@@ -148,6 +167,7 @@ REQUIRED_BY_KIND: dict[EventKind, tuple[str, ...]] = {
     EventKind.LOOKUP: ("request_id", "prompt_tokens"),
     EventKind.ADOPT: ("request_id",),
     EventKind.USAGE: ("tier",),
+    EventKind.PROBE: ("request_id", "probe_of"),
 }
 """Fields that must differ from their empty default for each kind."""
 

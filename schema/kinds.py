@@ -22,6 +22,7 @@ class EventKind(StrEnum):
     LOOKUP = "lookup"  # a request asked for its prefix
     ADOPT = "adopt"  # the engine reused and/or recomputed tokens for a request
     USAGE = "usage"  # a tier's occupancy at one moment: locked, evictable and free bytes (sampled)
+    PROBE = "probe"  # a request's cached run compared with a cache-free recompute (correctness canary)
 
 
 OBJECT_KINDS = frozenset(

@@ -7,6 +7,8 @@ takes its batch down: callers get the good events and a `Rejection` for each bad
 
 from __future__ import annotations
 
+import math
+
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +30,10 @@ UPGRADES: dict[int, Upgrade] = {}
 
 Added fields need no entry: rows that lack them take the field's default.
 """
+
+
+_MEASUREMENTS = ("probe_max_abs_diff", "probe_mean_kl", "probe_max_kl", "noise_floor")
+"""The float columns: JSON cannot carry NaN or infinity, and a negative distance is a bug."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,10 @@ def problems(event: Event, msgpack_decoded: bool = False) -> list[Problem]:
         out.append(Problem("ts_ns", "must be a positive Unix time in nanoseconds"))
     if event.source_id == 0:
         out.append(Problem("source_id", "must be non-zero (the emitter draws a random one)"))
+    for name in _MEASUREMENTS:
+        value = getattr(event, name)
+        if not (math.isfinite(value) and value >= 0.0):  # NaN compares false: caught here too
+            out.append(Problem(name, f"{value!r}: a measurement must be finite and not negative"))
     if event.token_end < event.token_start:
         out.append(
             Problem("token_end", f"token_end {event.token_end} < token_start {event.token_start}")

@@ -33,6 +33,8 @@ U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
 NONNEG_I64 = st.integers(0, 2**63 - 1)
 TS_NS = st.integers(1, 2**63 - 1)
+# Measurements: finite and not negative (validation refuses the rest).
+FLOAT = st.floats(0.0, 1e300, allow_nan=False, allow_infinity=False)
 
 # ClickHouse partitions events by day and refuses an insert that touches more than 100
 # partitions, so tests that store events keep their timestamps inside a few days.
@@ -86,6 +88,13 @@ _OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
     "group_hit_tokens": st.lists(U32, max_size=3),
     "reported_hit_tokens": U32,
     "recomputed_tokens": U32,
+    "probe_of": TEXT,
+    "probe_positions": U32,
+    "probe_max_abs_diff": FLOAT,
+    "probe_mean_kl": FLOAT,
+    "probe_max_kl": FLOAT,
+    "probe_first_token_differs": st.booleans(),
+    "noise_floor": FLOAT,
 }
 
 # Strategies for the fields a kind requires: never their empty default.
@@ -97,6 +106,7 @@ _REQUIRED: dict[str, st.SearchStrategy[Any]] = {
     "dst_tier": st.sampled_from(TIERS),
     "request_id": st.text(min_size=1, max_size=16),
     "prompt_tokens": st.integers(1, 2**32 - 1),
+    "probe_of": st.text(min_size=1, max_size=16),
 }
 
 
@@ -225,6 +235,17 @@ def seeded_events(n: int, seed: int = 0, sources: int = 4, ts_base: int = STORE_
             f["reused_tiers"] = tiers
             f["reused_tokens"] = [u(32) for _ in tiers]
             f["recomputed_tokens"] = u(32)
+        if kind is EventKind.PROBE:
+            f["request_id"] = f"kvtrace-verify-{i}"
+            f["probe_of"] = f"req-{i}-{_text(rng, 0, 6)}"
+            f["prompt_tokens"] = rng.randint(1, 8192)
+            f["reported_hit_tokens"] = rng.randint(0, f["prompt_tokens"])
+            f["probe_positions"] = u(32)
+            f["probe_max_abs_diff"] = rng.choice([0.0, 1e-300, 1e300, rng.random() * 20])
+            f["probe_mean_kl"] = rng.random()
+            f["probe_max_kl"] = rng.choice([0.0, rng.random() * 5])
+            f["probe_first_token_differs"] = rng.random() < 0.5
+            f["noise_floor"] = rng.choice([0.0, rng.random() * 1e-3])
         jump = rng.randint(0, 2) * DAY_NS if rng.random() < 0.05 else 0  # a few events days later
         ts = ts_base + seq * 1_000 + rng.randint(0, 999) + jump
         out.append(Event(kind=kind, ts_ns=ts, source_id=src, seq=seq, **f))

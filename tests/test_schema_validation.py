@@ -34,6 +34,9 @@ GOOD: dict[EventKind, dict] = {
     EventKind.LOOKUP: {"request_id": "r1", "prompt_tokens": 64, "reported_hit_tokens": 32},
     EventKind.ADOPT: {"request_id": "r1", "reused_tiers": ["host"], "reused_tokens": [32]},
     EventKind.USAGE: {"tier": "device", "locked_bytes": 1 << 20, "evictable_bytes": 1 << 30, "free_bytes": 0},
+    EventKind.PROBE: {"request_id": "kvtrace-verify-1", "probe_of": "r1", "prompt_tokens": 64,
+                      "reported_hit_tokens": 32, "probe_positions": 36, "probe_max_abs_diff": 0.25,
+                      "probe_max_kl": 0.01, "noise_floor": 1e-5},
 }
 
 
@@ -197,6 +200,14 @@ def test_every_kind_accepts_its_minimal_row():
         event = event_from_builtins(row(kind.value))
         assert event.kind is kind
         assert event.schema_version == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+@pytest.mark.parametrize("name", ["probe_max_abs_diff", "probe_mean_kl", "probe_max_kl", "noise_floor"])
+def test_a_probe_measurement_must_be_finite_and_not_negative(name, value):
+    with pytest.raises(InvalidEvent) as err:
+        event_from_builtins(row("probe", **{name: value}))
+    assert err.value.field == name and "finite and not negative" in str(err.value)
 
 
 def test_ensure_valid_reports_the_first_problem_and_problems_lists_all():
