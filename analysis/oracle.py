@@ -14,9 +14,12 @@ collects the numbers, this module judges them.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtrace.schema.events import PROBE_PREFIX, Event
+from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.verdicts import Agreement, LookupResult, Verification
 
 
@@ -133,7 +136,12 @@ def explain(result: LookupResult, agreement: Agreement, div: Divergence, tol: fl
 def verification(result: LookupResult, cached: Scores, fresh: Scores, floor: float, run_id: str, ts_ns: int,
                  factor: float = 4.0, atol: float = 1e-4) -> Verification:
     """The stored row for one verified request."""
-    div = divergence(cached, fresh)
+    return verification_of(result, divergence(cached, fresh), floor, run_id, ts_ns, factor, atol)
+
+
+def verification_of(result: LookupResult, div: Divergence, floor: float, run_id: str, ts_ns: int,
+                    factor: float = 4.0, atol: float = 1e-4, note: str = "") -> Verification:
+    """The stored row for one verified request, from its measured divergence."""
     tol = tolerance(floor, factor, atol)
     agreement = judge(result, div, tol)
     return Verification(
@@ -142,7 +150,81 @@ def verification(result: LookupResult, cached: Scores, fresh: Scores, floor: flo
         prompt_tokens=result.prompt_tokens, adopted_tokens=result.adopted_tokens, positions=div.positions,
         max_abs_diff=div.max_abs_diff, mean_kl=div.mean_kl, max_kl=div.max_kl,
         first_token_match=div.first_token_match, noise_floor=floor, tolerance=tol, agreement=agreement,
-        detail=explain(result, agreement, div, tol))
+        detail=note + explain(result, agreement, div, tol))
+
+
+def probe_divergence(probe: Event) -> Divergence:
+    """What a canary measured in the engine, as the judgement reads it."""
+    return Divergence(positions=probe.probe_positions, max_abs_diff=probe.probe_max_abs_diff,
+                      mean_kl=probe.probe_mean_kl, max_kl=probe.probe_max_kl,
+                      first_token_match=not probe.probe_first_token_differs)
+
+
+def probe_run_id(probe: Event) -> str:
+    """One engine process's canary is one run: its rows share a noise-floor measurement."""
+    return f"canary-{probe.source_id:016x}"
+
+
+class ProbeJudge:
+    """Turns an engine's probe events into verification rows once the re-run's verdict is known.
+
+    A probe names the re-run that read the cache (its own lookup and adopt went through the
+    ordinary pipeline), so the row is the probe's measurement judged against that re-run's
+    verdict. The probe is emitted after the re-run finished, so in stream order the verdict
+    comes first; probes seen before their verdict wait, a bounded number of them, and so do
+    the verdicts a probe may still ask for."""
+
+    def __init__(self, factor: float = 4.0, atol: float = 1e-4, keep: int = 4096) -> None:
+        self.factor, self.atol, self.keep = factor, atol, keep
+        self._verdicts: OrderedDict[tuple[str, str], LookupResult] = OrderedDict()
+        self._waiting: OrderedDict[tuple[str, str], Event] = OrderedDict()
+        self.dropped = 0  # probes whose verdict never came within `keep` newer probes
+
+    def verdicts(self, results: Iterable[LookupResult]) -> list[Verification]:
+        """Take verdicts (any; only re-runs' are kept); returns rows for probes that waited on them."""
+        out = []
+        for r in results:
+            if not r.request_id.startswith(PROBE_PREFIX):
+                continue
+            key = (r.instance, r.request_id)
+            probe = self._waiting.pop(key, None)
+            if probe is not None:
+                out.append(self._row(r, probe))
+                continue
+            self._verdicts[key] = r
+            if len(self._verdicts) > self.keep:
+                self._verdicts.popitem(last=False)
+        return out
+
+    def probes(self, probes: Iterable[Event]) -> list[Verification]:
+        """Take probe events; returns rows for those whose verdict is already known."""
+        out = []
+        for p in probes:
+            key = (p.instance, p.request_id)
+            result = self._verdicts.pop(key, None)
+            if result is not None:
+                out.append(self._row(result, p))
+                continue
+            self._waiting[key] = p
+            if len(self._waiting) > self.keep:
+                self._waiting.popitem(last=False)
+                self.dropped += 1
+        return out
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _row(self, result: LookupResult, probe: Event) -> Verification:
+        return verification_of(result, probe_divergence(probe), probe.noise_floor, probe_run_id(probe), probe.ts_ns,
+                               self.factor, self.atol, note=f"probe of {probe.probe_of}: ")
+
+
+def probe_verifications(probes: Iterable[Event], results: Iterable[LookupResult], factor: float = 4.0,
+                        atol: float = 1e-4) -> list[Verification]:
+    """Rows for the probes (of a batch of events) whose re-run has a verdict among `results`."""
+    judge_ = ProbeJudge(factor, atol, keep=1 << 62)
+    judge_.verdicts(results)
+    return judge_.probes(p for p in probes if p.kind is EventKind.PROBE)
 
 
 def sample_by_class(results: Sequence[LookupResult], per_class: int) -> list[LookupResult]:

@@ -508,22 +508,28 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
             with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
                 frame = lookup_results(path, recipes, policy, parquet=as_parquet(args.parquet, tmp))
+            probes: list = []
         else:
             with _store(args) as store:
                 store.require_schema()
                 frame = lookup_results(path, recipes, policy, store=store)
+                probes = _probes(store)
     except (UnknownModel, ValueError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
+    checked = _probe_rows(frame, probes)
     if args.output:
         frame.write_parquet(args.output)
     if args.write_verdicts:
-        from kvtrace.schema.arrow import conform
-        from kvtrace.schema.verdicts import LookupResult
+        from kvtrace.schema.arrow import conform, to_arrow
+        from kvtrace.schema.clickhouse import VERIFICATIONS
+        from kvtrace.schema.verdicts import LookupResult, Verification
 
         with _store(args) as store:
             store.init()
             store.insert_arrow("verdicts", conform(frame.to_arrow(), LookupResult))
+            if checked:
+                store.insert_arrow(VERIFICATIONS.name, to_arrow(checked, Verification))
     with pl.Config(tbl_rows=50, tbl_cols=20, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
                    float_precision=3, tbl_hide_column_data_types=True):
         print(f"{frame.height} lookups ({path.value} path)")
@@ -532,9 +538,50 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             print("\ngap between logical and recoverable, by reason")
             print(reasons(frame, by).head(20))
         _print_joined(frame, args.joined_output)
+        _print_probes(checked, len(probes))
     if args.output:
         print(f"per-lookup results: {args.output}")
     return 0
+
+
+def _probes(store: Any) -> list:
+    """The engine canaries' probe events (few: a small sample of requests)."""
+    from kvtrace.schema.arrow import from_arrow
+
+    return [e for table in store.iter_event_batches("kind = 'probe'") for e in from_arrow(table)]
+
+
+def _probe_rows(frame: Any, probes: list) -> list:
+    """Canary probes judged against their re-runs' verdicts."""
+    if not probes:
+        return []
+    import msgspec
+    import polars as pl
+
+    from kvtrace.analysis.oracle import probe_verifications
+    from kvtrace.schema.arrow import conform
+    from kvtrace.schema.events import PROBE_PREFIX
+    from kvtrace.schema.verdicts import LookupResult
+
+    reruns = frame.filter(pl.col("request_id").str.starts_with(PROBE_PREFIX))
+    results = msgspec.convert(conform(reruns.to_arrow(), LookupResult).to_pylist(), list[LookupResult])
+    return probe_verifications(probes, results)
+
+
+def _print_probes(rows: list, probes: int) -> None:
+    """What the engine canaries found: the reuse claims re-execution checked."""
+    if not probes:
+        return
+    from collections import Counter
+
+    from kvtrace.schema.verdicts import Agreement
+
+    counts = Counter(r.agreement for r in rows)
+    print(f"\ncanary: {probes} probes, {len(rows)} judged: "
+          + (", ".join(f"{a.value} {counts[a]}" for a in Agreement if counts[a]) or "none"))
+    for r in rows:
+        if r.agreement in (Agreement.DIVERGED, Agreement.ALARM_CONFIRMED):
+            print(f"  {r.instance} {r.request_id}: {r.agreement.value}: {r.detail}")
 
 
 def _print_joined(frame: Any, output: str | None) -> None:

@@ -24,14 +24,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.store import Store
 from kvtrace.schema.arrow import from_arrow, to_arrow
-from kvtrace.schema.clickhouse import VERDICTS
+from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.recipes import Recipe
-from kvtrace.schema.verdicts import LookupResult
+from kvtrace.schema.verdicts import LookupResult, Verification
 
 log = logging.getLogger("kvtrace.collector.live")
 
@@ -48,6 +50,7 @@ class _Instance:
     released: tuple[int, int, int] = (0, 0, 0)
     last_seen_s: float = 0.0
     counter: int = 0
+    probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
 
 
 class LiveReconstruction:
@@ -67,6 +70,8 @@ class LiveReconstruction:
         self.late_events = 0
         self.rebuilt_events = 0
         self.verdicts_written = 0
+        self.verifications_written = 0
+        self._rows: list[Verification] = []
 
     def instances(self) -> list[str]:
         return sorted(self._instances)
@@ -104,7 +109,9 @@ class LiveReconstruction:
                 if force or quiet >= self.lateness_ns / 1e9:
                     self._release(inst, None, results)
                 if force or quiet >= self.idle_s:
-                    results.extend(inst.reconstructor.finish())
+                    done = inst.reconstructor.finish()
+                    results.extend(done)
+                    self._rows.extend(inst.probes.verdicts(done))
                     if not force:
                         del self._instances[name]
             self.metrics.live_instances.set(len(self._instances))
@@ -138,12 +145,23 @@ class LiveReconstruction:
             self._use(inst, event, results)
 
     def _use(self, inst: _Instance, event: Event, results: list[LookupResult]) -> None:
+        if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict
+            self._rows.extend(inst.probes.probes((event,)))
+            return
         try:
-            results.extend(inst.reconstructor.feed(event))
+            new = inst.reconstructor.feed(event)
         except UnknownModel:
             self.metrics.live_skipped.labels("unknown_model").inc()
+            return
+        if new:
+            results.extend(new)
+            self._rows.extend(inst.probes.verdicts(new))
 
     def _write(self, results: list[LookupResult]) -> int:
+        if self._rows:
+            rows, self._rows = self._rows, []
+            self.store.insert_arrow(VERIFICATIONS.name, to_arrow(rows, Verification))
+            self.verifications_written += len(rows)
         if not results:
             return 0
         self.store.insert_arrow(VERDICTS.name, to_arrow(results, LookupResult))

@@ -102,12 +102,13 @@ PANELS: tuple[Panel, ...] = (
         kind=PanelKind.TABLE, x="time",
         series=("instance", "request_id", "model", "verdict", "agreement", "adopted_tokens", "max_abs_diff",
                 "noise_floor", "detail"),
-        description="`kvtrace verify` re-runs sampled requests with the prefix cache bypassed. recoverable_diverged "
+        description="`kvtrace verify` and the engine canary (KVTRACE_VERIFY_RATE) re-run sampled requests with the "
+                    "prefix cache bypassed. recoverable_diverged "
                     "is a reuse bug or an identity field kvtrace does not track; unsafe_diverged confirms an alarm; "
                     "unsafe_identical says an alarm was conservative.",
         sql="SELECT fromUnixTimestamp64Nano(ts_ns) AS time, instance, request_id, model, verdict, agreement, "
             "adopted_tokens, max_abs_diff, noise_floor, detail "
-            f"FROM {{db}}.verifications WHERE {filters('verifications')} ORDER BY ts_ns DESC, request_id LIMIT 500"),
+            f"FROM {{db}}.verifications FINAL WHERE {filters('verifications')} ORDER BY ts_ns DESC, request_id LIMIT 500"),
     Panel(
         key="tiers", title="Tier occupancy: bytes resident on each tier (GiB)",
         kind=PanelKind.TIMESERIES, x="time", series=("resident_gib", "in_flight_gib"), group_by="tier",

@@ -77,12 +77,13 @@ CALIBRATIONS = TableSpec(  # `kvtrace calibrate`: timings measured on a device, 
     order_by=("model", "kind", "ts_ns"),
     shard_key="rand()",
 )
-VERIFICATIONS = TableSpec(  # `kvtrace verify`: requests re-executed without their cache
+VERIFICATIONS = TableSpec(  # `kvtrace verify` and engine canaries: requests re-executed without their cache
     name="verifications",
     struct=Verification,
     time_column="ts_ns",
     order_by=("instance", "ts_ns", "request_id"),
     shard_key="cityHash64(instance)",
+    replacing=True,  # a collector rebuilding an instance may judge a canary's probe again
 )
 TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS, VERIFICATIONS)
 META_TABLE = "kvtrace_meta"

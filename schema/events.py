@@ -150,6 +150,10 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     ] = 0.0
 
 
+PROBE_PREFIX = "kvtrace-verify-"
+"""Request ids of the re-runs a correctness canary sends: what tells them from users' requests
+(shims always trace them; the analysis joins probes to their verdicts by them)."""
+
 WIRE_REQUIRED: tuple[str, ...] = ("kind", "ts_ns", "source_id", "seq")
 """Fields a stored or transmitted event must carry explicitly: without its id an event could
 not be de-duplicated, and without its time it could not be ordered."""

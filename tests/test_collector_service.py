@@ -25,7 +25,7 @@ from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.http import HttpSink
 from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
 from kvtrace.schema.verdicts import LookupResult
 from strategies import event_key, seeded_events
@@ -357,3 +357,31 @@ def test_idle_instances_are_finished_and_forgotten(store: Store, store_dsn: str,
     written = live.tick()
     assert live.instances() == [] and written == 3  # its lookups got their (adopt-less) verdicts first
     assert store.scalar(f"SELECT count() FROM {store.db}.verdicts") == 3
+
+
+def test_live_reconstruction_judges_a_canarys_probe_against_its_re_run(store: Store) -> None:
+    """A probe arrives after its re-run's adopt: the verdict and the probe make one verification row."""
+    from kvtrace.collector.live import LiveReconstruction
+    from kvtrace.collector.metrics import CollectorMetrics
+
+    live = LiveReconstruction(store, load_recipe("dense"), CollectorMetrics(), lateness_ns=0, idle_s=3600.0)
+    t, src = 1_750_000_000 * 10**9, 99
+    commit = Event(kind=EventKind.COMMIT, ts_ns=t, source_id=src, seq=0, instance="eng", model="m", block_size=16,
+                   component=ComponentKind.FULL_ATTENTION, block_key=11, tier=Tier.DEVICE, token_end=16)
+    rid = "kvtrace-verify-1"
+    lookup = Event(kind=EventKind.LOOKUP, ts_ns=t + 1, source_id=src, seq=1, instance="eng", model="m",
+                   request_id=rid, prompt_tokens=20, reported_hit_tokens=16, group_block_keys=[[11]],
+                   group_hit_tokens=[16])
+    adopt = Event(kind=EventKind.ADOPT, ts_ns=t + 2, source_id=src, seq=2, instance="eng", model="m",
+                  request_id=rid, reused_tiers=[Tier.DEVICE], reused_tokens=[16], recomputed_tokens=4)
+    probe = Event(kind=EventKind.PROBE, ts_ns=t + 3, source_id=src, seq=3, instance="eng", model="m",
+                  request_id=rid, probe_of="user-7", prompt_tokens=20, reported_hit_tokens=16, probe_positions=8,
+                  probe_max_abs_diff=0.0)
+    evs = [commit, lookup, adopt, probe]
+    store.insert_events(evs)
+    live.feed(evs)
+    live.tick(force=True)
+    assert live.verifications_written == 1
+    got = store.query_polars(f"SELECT request_id, agreement, adopted_tokens, detail FROM {store.db}.verifications")
+    assert got["request_id"].to_list() == [rid] and got["agreement"].to_list() == ["recoverable_identical"]
+    assert got["adopted_tokens"].to_list() == [16] and got["detail"][0].startswith("probe of user-7: ")

@@ -97,3 +97,62 @@ def test_verifications_round_trip_through_the_store(store: Store) -> None:
     got = store.query_polars(f"SELECT agreement, max_abs_diff, detail FROM {store.db}.verifications")
     assert got["agreement"].to_list() == ["unsafe_diverged"]
     assert got["max_abs_diff"][0] == pytest.approx(row.max_abs_diff)
+
+
+# -- engine canaries: probe events judged against their re-runs' verdicts ---------------------
+
+
+def probe(request_id: str = "kvtrace-verify-a", diff: float = 0.0, differs: bool = False, **kw: object):
+    from kvtrace.schema.events import Event
+    from kvtrace.schema.kinds import EventKind
+
+    fields = dict(kind=EventKind.PROBE, ts_ns=10, source_id=7, seq=3, instance="i", request_id=request_id,
+                  probe_of="user-1", prompt_tokens=64, reported_hit_tokens=32, probe_positions=36,
+                  probe_max_abs_diff=diff, probe_first_token_differs=differs, noise_floor=0.0)
+    fields.update(kw)
+    return Event(**fields)  # type: ignore[arg-type]
+
+
+def test_a_probe_is_judged_against_its_re_runs_verdict_whichever_comes_first() -> None:
+    from kvtrace.analysis.oracle import ProbeJudge
+
+    rerun = result(request_id="kvtrace-verify-a")
+    early = ProbeJudge()
+    assert early.verdicts([rerun, result(request_id="user-1")]) == []  # users' verdicts are not kept
+    (row,) = early.probes([probe()])
+    assert row.agreement is Agreement.IDENTICAL and row.request_id == "kvtrace-verify-a"
+    assert row.run_id == "canary-0000000000000007" and row.detail.startswith("probe of user-1: ")
+    late = ProbeJudge()
+    assert late.probes([probe(diff=2.0)]) == [] and late.waiting() == 1
+    (row,) = late.verdicts([rerun])
+    assert row.agreement is Agreement.DIVERGED and row.max_abs_diff == 2.0 and late.waiting() == 0
+    flagged = ProbeJudge()
+    flagged.verdicts([result(request_id="kvtrace-verify-a", unsafe_reuse=True, reason=GapReason.IDENTITY_MISMATCH)])
+    (row,) = flagged.probes([probe(differs=True)])  # a changed first token is divergence on its own
+    assert row.agreement is Agreement.ALARM_CONFIRMED
+
+
+def test_probes_waiting_for_a_verdict_are_bounded_and_counted() -> None:
+    from kvtrace.analysis.oracle import ProbeJudge
+
+    judge_ = ProbeJudge(keep=2)
+    for i in range(5):
+        judge_.probes([probe(request_id=f"kvtrace-verify-{i}")])
+    assert judge_.waiting() == 2 and judge_.dropped == 3
+    assert [r.request_id for r in judge_.verdicts([result(request_id=f"kvtrace-verify-{i}") for i in range(5)])] \
+        == ["kvtrace-verify-3", "kvtrace-verify-4"]
+
+
+def test_canary_settings_are_validated_by_name() -> None:
+    from kvtrace.instrumentation.config import ConfigError
+    from kvtrace.instrumentation.vllm.canary import CanarySettings
+
+    assert not CanarySettings.from_env({}).enabled
+    s = CanarySettings.from_env({"KVTRACE_VERIFY_RATE": "0.01", "KVTRACE_VERIFY_MAX_PER_MIN": "2"})
+    assert s.enabled and s.rate == 0.01 and s.max_per_minute == 2.0
+    for env, named in (({"KVTRACE_VERIFY_RATE": "2"}, "KVTRACE_VERIFY_RATE"),
+                       ({"KVTRACE_VERIFY_RATE": "lots"}, "KVTRACE_VERIFY_RATE"),
+                       ({"KVTRACE_VERIFY_N_GEN": "0"}, "KVTRACE_VERIFY_N_GEN"),
+                       ({"KVTRACE_VERIFY_MAX_TOKENS": "1.5"}, "KVTRACE_VERIFY_MAX_TOKENS")):
+        with pytest.raises(ConfigError, match=named):
+            CanarySettings.from_env(env)

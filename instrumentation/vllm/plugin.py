@@ -29,6 +29,7 @@ def register() -> None:
         if settings is None:
             return
         _patch_scheduler(settings)
+        _patch_engine_core()
         _installed = True
     except Exception:  # noqa: BLE001 - never stop vLLM from starting
         log.exception("kvtrace: could not instrument vLLM; the engine runs without tracing")
@@ -50,6 +51,36 @@ def _patch_scheduler(settings: Any) -> None:
             log.exception("kvtrace: could not attach to this scheduler; it runs without tracing")
 
     Scheduler.__init__ = __init__
+
+
+def _patch_engine_core() -> None:
+    """The correctness canary (KVTRACE_VERIFY_RATE > 0) sits on the engine core, beside the
+    scheduler it sends its re-runs to."""
+    from kvtrace.instrumentation.config import ConfigError
+    from kvtrace.instrumentation.vllm.canary import CanarySettings, attach as attach_canary
+
+    try:
+        canary = CanarySettings.from_env()
+    except ConfigError as exc:
+        log.error("kvtrace: %s; the canary is off", exc)
+        return
+    if not canary.enabled:
+        return
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        log.warning("kvtrace: vLLM's v1 EngineCore is not importable; the canary is off")
+        return
+    original = EngineCore.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            attach_canary(self, canary)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtrace: could not attach the canary; the engine runs without it")
+
+    EngineCore.__init__ = __init__
 
 
 def attach(scheduler: Any, settings: Any = None) -> Any:

@@ -43,7 +43,7 @@ from kvtrace.instrumentation.api import Emitter
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.vllm.weights import adapter_label
-from kvtrace.schema.events import Event
+from kvtrace.schema.events import PROBE_PREFIX, Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
@@ -208,8 +208,10 @@ class CacheManagerShim:
         manager.get_computed_blocks = get_computed_blocks
 
     def _sampled(self, request: Any) -> bool:
-        return self.sample_rate >= 1.0 or self.emitter.sampled(hash(request.request_id) & 0xFFFFFFFFFFFFFFFF,
-                                                               self.sample_rate)
+        # A canary's re-runs are always traced: their verdicts are what the canary's probes judge.
+        rid = request.request_id
+        return (self.sample_rate >= 1.0 or str(rid).startswith(PROBE_PREFIX)
+                or self.emitter.sampled(hash(rid) & 0xFFFFFFFFFFFFFFFF, self.sample_rate))
 
     def _failed(self, hook: str) -> None:
         self.errors += 1
