@@ -55,7 +55,9 @@ def _patch_scheduler(settings: Any) -> None:
 
 def _patch_engine_core() -> None:
     """The correctness canary (KVTRACE_VERIFY_RATE > 0) sits on the engine core, beside the
-    scheduler it sends its re-runs to."""
+    scheduler it sends its re-runs to. It attaches at the core's first request: in the engine
+    core's own process (`vllm serve`) plugins are loaded inside `EngineCore.__init__`, too late
+    to wrap that constructor, while a method patched on the class reaches the instance."""
     from kvtrace.instrumentation.config import ConfigError
     from kvtrace.instrumentation.vllm.canary import CanarySettings, attach as attach_canary
 
@@ -71,16 +73,19 @@ def _patch_engine_core() -> None:
     except ImportError:
         log.warning("kvtrace: vLLM's v1 EngineCore is not importable; the canary is off")
         return
-    original = EngineCore.__init__
+    original = EngineCore.add_request
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        try:
-            attach_canary(self, canary)
-        except Exception:  # noqa: BLE001
-            log.exception("kvtrace: could not attach the canary; the engine runs without it")
+    def add_request(self: Any, request: Any, request_wave: int = 0) -> Any:
+        if "_kvtrace_canary" not in self.__dict__:
+            self._kvtrace_canary = None
+            try:
+                if attach_canary(self, canary) is not None:
+                    return self.add_request(request, request_wave)  # through the canary's own wrapper
+            except Exception:  # noqa: BLE001
+                log.exception("kvtrace: could not attach the canary; the engine runs without it")
+        return original(self, request, request_wave)
 
-    EngineCore.__init__ = __init__
+    EngineCore.add_request = add_request
 
 
 def attach(scheduler: Any, settings: Any = None) -> Any:

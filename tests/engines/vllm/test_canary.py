@@ -15,9 +15,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvtrace.schema.verdicts import Agreement, GapReason, Verification
 
@@ -25,8 +27,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_verify import save_checkpoint  # noqa: E402 - the same tiny checkpoints
 
 
-def child(root: str) -> None:
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+def spooled(spool: Path) -> list:
+    """Events in the spool so far, in stream order (another process may be writing the last frame)."""
+    from kvtrace.collector.ingest import iter_file_events
+
+    while True:
+        try:
+            return sorted((e for f in sorted(spool.iterdir()) for e in iter_file_events(f)),
+                          key=lambda e: (e.ts_ns, e.source_id, e.seq))
+        except Exception:  # noqa: BLE001 - a frame being written: read again
+            time.sleep(0.2)
+
+
+def child(root: str, mode: str) -> None:
+    """`inproc`: `LLM` with the engine core in this process (the test steps the re-runs);
+    `mp`: the engine core in its own process, as under `vllm serve`, stepping them itself."""
+    mp = mode == "mp"
+    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0",
                        "VLLM_CACHE_ROOT": f"{root}/cache", "KVTRACE_ENABLED": "1", "KVTRACE_SINK": "spool",
                        "KVTRACE_SPOOL_DIR": f"{root}/spool", "KVTRACE_INSTANCE": "canary-llama",
                        "KVTRACE_VERIFY_RATE": "1", "KVTRACE_VERIFY_MAX_PER_MIN": "600"})
@@ -35,7 +52,6 @@ def child(root: str) -> None:
 
     from kvtrace.analysis.oracle import probe_verifications
     from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.collector.ingest import iter_file_events
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
     from kvtrace.schema.kinds import EventKind
@@ -44,16 +60,28 @@ def child(root: str) -> None:
     save_checkpoint("llama", model, seed=0)
     llm = LLM(model=str(model), skip_tokenizer_init=True, enable_prefix_caching=True, block_size=32,
               enforce_eager=True, max_model_len=512)
-    core = llm.llm_engine.engine_core.engine_core
-    canary = core._kvtrace_canary
+    core = None if mp else llm.llm_engine.engine_core.engine_core
+    canary = None  # attached at the engine core's first request
+    spool = Path(root) / "spool"
+    probed = 0
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # users ask for no log-probabilities
 
     def user(tokens: list[int]) -> dict:
         outs = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         assert len(outs) == 1  # the front end sees only its own request
         (out,) = outs
-        while canary.busy():  # the canary's re-runs: stepped until done (a serving engine's loop does this)
-            core.step()
+        nonlocal probed, canary
+        if out.num_cached_tokens:
+            probed += 1
+        if not mp:
+            canary = core._kvtrace_canary
+            while canary.busy():  # the canary's re-runs: stepped until done (a serving engine's loop does this)
+                core.step()
+        else:  # the engine core's busy loop runs them; their probe reaches the spool within a flush or two
+            deadline = time.monotonic() + 120
+            while sum(e.kind is EventKind.PROBE for e in spooled(spool)) < probed:
+                assert time.monotonic() < deadline, "the engine core never finished the canary's probe"
+                time.sleep(0.25)
         return {"id": out.request_id, "cached": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)}
 
     def uncached(tokens: list[int]) -> list[int]:
@@ -65,28 +93,33 @@ def child(root: str) -> None:
     prompts = [shared + [5] * 20, shared + [6] * 30, shared[:128] + [7] * 40]
     served = [user(p) for p in prompts]
     references = [uncached(p) for p in prompts]
-    stats_clean = dataclasses.asdict(canary.stats)
+    stats_clean = dataclasses.asdict(canary.stats) if canary else None
     save_checkpoint("llama", model, seed=1)  # the checkpoint changes under the running engine
     llm.collective_rpc("reload_weights")  # ... and the cache is not reset
     stale = user(shared + [9] * 30)
-    assert get_emitter().force_flush(timeout_millis=30_000)
+    if mp:
+        from kvtrace.schema.recipes import dense
 
-    events = sorted((e for f in sorted((Path(root) / "spool").iterdir()) for e in iter_file_events(f)),
-                    key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    config = core.scheduler.kv_cache_manager.kv_cache_config
-    recipe = recipe_from_kv_cache_config(config)
+        recipe = dense(32)  # the scheduler is in the engine core's process: one full-attention group of 32
+        events = spooled(spool)
+    else:
+        assert get_emitter().force_flush(timeout_millis=30_000)
+        events = spooled(spool)
+        recipe = recipe_from_kv_cache_config(core.scheduler.kv_cache_manager.kv_cache_config)
     (Path(root) / "recipe.json").write_bytes(msgspec.json.encode(recipe))
     rows = probe_verifications(events, reconstruct(events, recipe))
     probes = [e for e in events if e.kind is EventKind.PROBE]
     print("RESULT " + json.dumps({
         "served": served, "references": references, "stale": stale, "stats_clean": stats_clean,
-        "stats": dataclasses.asdict(canary.stats), "model": next(e.model for e in events if e.model),
+        "stats": dataclasses.asdict(canary.stats) if canary else None, "model": next(e.model for e in events if e.model),
         "probes": [json.loads(msgspec.json.encode(p)) for p in probes],
         "rows": json.loads(msgspec.json.encode(rows))}))
 
 
-def test_the_canary_probes_live_reuse_and_catches_stale_weights(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_the_canary_probes_live_reuse_and_catches_stale_weights(mode: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=900)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
     got = json.loads(line[len("RESULT "):])
@@ -98,9 +131,10 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(tmp_path: Path) 
     assert got["stale"]["cached"] == 256  # vLLM reused KV computed with the old weights
     # The canary drew every request (rate 1: the users' three and the three references) and probed
     # the two that reused cache.
-    clean = got["stats_clean"]
-    assert clean["drawn"] == 6 and clean["sampled"] == 2 and clean["probes"] == 2 and clean["errors"] == 0
-    assert got["stats"]["probes"] == 3 and got["stats"]["errors"] == 0
+    if mode == "inproc":  # (in mp the canary's counters live in the engine core's process)
+        clean = got["stats_clean"]
+        assert clean["drawn"] == 6 and clean["sampled"] == 2 and clean["probes"] == 2 and clean["errors"] == 0
+        assert got["stats"]["probes"] == 3 and got["stats"]["errors"] == 0
 
     probes = got["probes"]
     # The engine's own ids: the front end's, suffixed (as in every verdict of the shim's).
@@ -136,4 +170,4 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(tmp_path: Path) 
 
 
 if __name__ == "__main__":
-    child(sys.argv[1])
+    child(sys.argv[1], sys.argv[2])
