@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import polars as pl
 
+from kvtrace.schema.events import PROBE_PREFIX
 from kvtrace.schema.verdicts import LookupResult
 
 DIMENSIONS = ("model", "instance", "tenant")
@@ -28,6 +29,8 @@ def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> p
     non-zero hit of each kind. `bucket_ns` > 0 adds a time bucket to the grouping.
     """
     keys = list(by)
+    if frame.height:  # a correctness canary's re-runs are not users' traffic
+        frame = frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
     if bucket_ns:
         frame = frame.with_columns((pl.col("ts_ns") // bucket_ns * bucket_ns).alias("bucket_ns"))
         keys.append("bucket_ns")

@@ -25,6 +25,7 @@ import msgspec
 import polars as pl
 
 from kvtrace.collector.store import Store
+from kvtrace.schema.events import PROBE_PREFIX
 
 log = logging.getLogger("kvtrace.alerts")
 
@@ -184,6 +185,8 @@ def _labels(row: Mapping[str, Any], by: Sequence[Label]) -> tuple[tuple[str, str
 
 def _rates(frame: pl.DataFrame, by: Sequence[Label]) -> pl.DataFrame:
     keys = [b.value for b in by]
+    if frame.height:  # a correctness canary's re-runs are not users' traffic
+        frame = frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
     prompt = pl.col("prompt_tokens").sum()
     aggs = [pl.len().alias("lookups"), prompt.alias("prompt"),
             ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvtrace.schema.events import PROBE_PREFIX
+
 VARIABLES = ("model", "instance", "tenant", "engine")
 
 
@@ -45,6 +47,8 @@ def filters(table: str) -> str:
                "('${model}' = '' OR model = '${model}')",
                "('${instance}' = '' OR instance = '${instance}')",
                "('${tenant}' = '' OR tenant = '${tenant}')"]
+    if table == "verdicts":  # a correctness canary's re-runs are not users' traffic
+        clauses.append(f"NOT startsWith(request_id, '{PROBE_PREFIX}')")
     if table == "events":
         clauses.append("('${engine}' = '' OR engine = '${engine}')")
     else:

@@ -156,3 +156,19 @@ def test_canary_settings_are_validated_by_name() -> None:
                        ({"KVTRACE_VERIFY_MAX_TOKENS": "1.5"}, "KVTRACE_VERIFY_MAX_TOKENS")):
         with pytest.raises(ConfigError, match=named):
             CanarySettings.from_env(env)
+
+
+def test_canary_re_runs_stay_out_of_hit_rates_and_alerts() -> None:
+    """A canary's re-runs are not users' traffic: the funnel and the alert rates leave them out
+    (and the dashboards' verdict queries, by the same prefix)."""
+    from kvtrace.analysis.funnel import funnel, results_frame
+    from kvtrace.dashboards.alerts import Label, _rates
+    from kvtrace.dashboards.queries import filters
+
+    frame = results_frame([result(request_id="user-1", adopted_tokens=0, recoverable_hit_tokens=0),
+                           result(request_id="kvtrace-verify-9", unsafe_reuse=True)])
+    row = funnel(frame).row(0, named=True)
+    assert row["lookups"] == 1 and row["adopted_token_rate"] == 0.0 and row["unsafe_reuse"] == 0
+    assert _rates(frame, [Label.MODEL]).row(0, named=True)["unsafe"] == 0
+    assert "NOT startsWith(request_id, 'kvtrace-verify-')" in filters("verdicts")
+    assert "kvtrace-verify-" not in filters("verifications")  # the canary's own rows are what that table shows
