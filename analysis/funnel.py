@@ -22,6 +22,13 @@ def results_frame(results: Iterable[LookupResult]) -> pl.DataFrame:
     return frame.with_columns(pl.col("verdict").cast(pl.Utf8), pl.col("reason").cast(pl.Utf8))
 
 
+def users(frame: pl.DataFrame) -> pl.DataFrame:
+    """The lookups of users' requests: a correctness canary's re-runs are left out of rates."""
+    if not frame.height:
+        return frame
+    return frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
+
+
 def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> pl.DataFrame:
     """Logical, recoverable, resident and adopted hit rates, token- and request-weighted.
 
@@ -29,8 +36,7 @@ def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> p
     non-zero hit of each kind. `bucket_ns` > 0 adds a time bucket to the grouping.
     """
     keys = list(by)
-    if frame.height:  # a correctness canary's re-runs are not users' traffic
-        frame = frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
+    frame = users(frame)
     if bucket_ns:
         frame = frame.with_columns((pl.col("ts_ns") // bucket_ns * bucket_ns).alias("bucket_ns"))
         keys.append("bucket_ns")
@@ -62,7 +68,7 @@ def reasons(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
     """Tokens lost between logical and recoverable, per reason (largest first)."""
     keys = [*by, "reason"]
     return (
-        frame.filter(pl.col("reason") != "")
+        users(frame).filter(pl.col("reason") != "")
         .group_by(keys)
         .agg(
             pl.len().alias("lookups"),

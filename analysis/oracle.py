@@ -80,10 +80,14 @@ def divergence(cached: Scores, fresh: Scores) -> Divergence:
         if cached.tokens[i] != fresh.tokens[i]:
             break
         a, b = cached.chosen[i], fresh.chosen[i]
-        if math.isfinite(a) and math.isfinite(b):
-            worst = max(worst, abs(a - b))
         ta, tb = cached.top[i], fresh.top[i]
-        for t in ta.keys() & tb.keys():
+        common = ta.keys() & tb.keys()
+        scored = math.isfinite(a) and math.isfinite(b)
+        if not (scored or common):
+            continue  # a position one run has no numbers for is not a comparison
+        if scored:
+            worst = max(worst, abs(a - b))
+        for t in common:
             worst = max(worst, abs(ta[t] - tb[t]))
         kls.append(_kl(tb, ta))
         n += 1
@@ -111,6 +115,8 @@ def judge(result: LookupResult, div: Divergence, tol: float) -> Agreement:
     if result.adopted_tokens == 0:
         return Agreement.NOTHING_REUSED
     diverged = div.max_abs_diff > tol or not div.first_token_match
+    if div.positions == 0 and not diverged:
+        return Agreement.INCONCLUSIVE
     if result.unsafe_reuse:
         return Agreement.ALARM_CONFIRMED if diverged else Agreement.ALARM_CONSERVATIVE
     return Agreement.DIVERGED if diverged else Agreement.IDENTICAL
@@ -120,6 +126,9 @@ def explain(result: LookupResult, agreement: Agreement, div: Divergence, tol: fl
     """One line a person can act on."""
     if agreement is Agreement.NOTHING_REUSED:
         return "nothing was reused; the cache-free runs only measure noise"
+    if agreement is Agreement.INCONCLUSIVE:
+        return (f"reused {result.adopted_tokens} tokens, but no position had log-probabilities from both runs: "
+                "nothing was compared")
     gap = f"max |d logprob| {div.max_abs_diff:.3g} vs tolerance {tol:.3g} over {div.positions} positions"
     if agreement is Agreement.IDENTICAL:
         return f"reused {result.adopted_tokens} tokens, outputs match recompute: {gap}"

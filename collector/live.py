@@ -36,6 +36,7 @@ from kvtrace.schema.recipes import Recipe
 from kvtrace.schema.verdicts import LookupResult, Verification
 
 log = logging.getLogger("kvtrace.collector.live")
+_MAX_ROWS = 10_000  # verification rows held while their inserts fail (probes are few: rate-limited)
 
 
 def _key(event: Event) -> tuple[int, int, int]:
@@ -71,6 +72,7 @@ class LiveReconstruction:
         self.rebuilt_events = 0
         self.verdicts_written = 0
         self.verifications_written = 0
+        self.verifications_dropped = 0
         self._rows: list[Verification] = []
 
     def instances(self) -> list[str]:
@@ -158,15 +160,17 @@ class LiveReconstruction:
             self._rows.extend(inst.probes.verdicts(new))
 
     def _write(self, results: list[LookupResult]) -> int:
-        if self._rows:
-            rows, self._rows = self._rows, []
-            self.store.insert_arrow(VERIFICATIONS.name, to_arrow(rows, Verification))
-            self.verifications_written += len(rows)
-        if not results:
-            return 0
-        self.store.insert_arrow(VERDICTS.name, to_arrow(results, LookupResult))
-        self.verdicts_written += len(results)
-        self.metrics.verdicts.inc(len(results))
+        if results:
+            self.store.insert_arrow(VERDICTS.name, to_arrow(results, LookupResult))
+            self.verdicts_written += len(results)
+            self.metrics.verdicts.inc(len(results))
+        if len(self._rows) > _MAX_ROWS:  # the store has been failing for long: keep the newest
+            self.verifications_dropped += len(self._rows) - _MAX_ROWS
+            del self._rows[:-_MAX_ROWS]
+        if self._rows:  # kept until stored: a failed insert is tried again with the next batch
+            self.store.insert_arrow(VERIFICATIONS.name, to_arrow(self._rows, Verification))
+            self.verifications_written += len(self._rows)
+            self._rows = []
         return len(results)
 
 

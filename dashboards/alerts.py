@@ -24,8 +24,8 @@ from typing import Annotated, Any
 import msgspec
 import polars as pl
 
+from kvtrace.analysis.funnel import users
 from kvtrace.collector.store import Store
-from kvtrace.schema.events import PROBE_PREFIX
 
 log = logging.getLogger("kvtrace.alerts")
 
@@ -185,8 +185,7 @@ def _labels(row: Mapping[str, Any], by: Sequence[Label]) -> tuple[tuple[str, str
 
 def _rates(frame: pl.DataFrame, by: Sequence[Label]) -> pl.DataFrame:
     keys = [b.value for b in by]
-    if frame.height:  # a correctness canary's re-runs are not users' traffic
-        frame = frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
+    frame = users(frame)  # a correctness canary's re-runs are not users' traffic
     prompt = pl.col("prompt_tokens").sum()
     aggs = [pl.len().alias("lookups"), prompt.alias("prompt"),
             ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),

@@ -112,7 +112,8 @@ PANELS: tuple[Panel, ...] = (
                     "unsafe_identical says an alarm was conservative.",
         sql="SELECT fromUnixTimestamp64Nano(ts_ns) AS time, instance, request_id, model, verdict, agreement, "
             "adopted_tokens, max_abs_diff, noise_floor, detail "
-            f"FROM {{db}}.verifications FINAL WHERE {filters('verifications')} ORDER BY ts_ns DESC, request_id LIMIT 500"),
+            f"FROM {{db}}.verifications WHERE {filters('verifications')} ORDER BY ts_ns DESC, request_id "
+            "LIMIT 1 BY instance, ts_ns, request_id LIMIT 500"),
     Panel(
         key="tiers", title="Tier occupancy: bytes resident on each tier (GiB)",
         kind=PanelKind.TIMESERIES, x="time", series=("resident_gib", "in_flight_gib"), group_by="tier",

@@ -90,6 +90,7 @@ class Agreement(StrEnum):
     ALARM_CONFIRMED = "unsafe_diverged"  # kvtrace flagged the reuse, and outputs changed
     ALARM_CONSERVATIVE = "unsafe_identical"  # flagged, yet outputs matched (e.g. identical weights)
     NOTHING_REUSED = "nothing_reused"  # no cached token was used: a control, nothing to prove
+    INCONCLUSIVE = "inconclusive"  # reused, but no position had numbers from both runs to compare
 
 
 class Verification(msgspec.Struct, kw_only=True, omit_defaults=False):

@@ -172,3 +172,13 @@ def test_canary_re_runs_stay_out_of_hit_rates_and_alerts() -> None:
     assert _rates(frame, [Label.MODEL]).row(0, named=True)["unsafe"] == 0
     assert "NOT startsWith(request_id, 'kvtrace-verify-')" in filters("verdicts")
     assert "kvtrace-verify-" not in filters("verifications")  # the canary's own rows are what that table shows
+
+
+def test_a_reuse_with_nothing_to_compare_is_inconclusive_not_identical() -> None:
+    """Positions where one run has no numbers (vLLM computes none for cached prompt tokens) are
+    not comparisons; with none left the verdict's claim is neither proven nor refuted."""
+    blank = Scores((5, 6), (math.nan, math.nan), ({}, {}))
+    d = divergence(blank, scores([5, 6]))
+    assert d.positions == 0 and d.max_abs_diff == 0.0
+    assert judge(result(), d, tolerance(0.0)) is Agreement.INCONCLUSIVE
+    assert divergence(scores([5, 6]), scores([5, 6])).positions == 2

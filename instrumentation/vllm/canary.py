@@ -52,6 +52,10 @@ from kvtrace.schema.kinds import EventKind
 
 log = logging.getLogger("kvtrace.vllm.canary")
 
+_LAST = 1 << 30
+"""Scheduling priority of re-runs: under vLLM's priority policy lower values go first, so every
+user request goes ahead of them."""
+
 
 @dataclass(frozen=True, slots=True)
 class CanarySettings:
@@ -65,6 +69,7 @@ class CanarySettings:
     after_update: int = 4  # KVTRACE_VERIFY_AFTER_UPDATE: reusing requests probed after each weight update
     noise_every: int = 16  # KVTRACE_VERIFY_NOISE_EVERY: probes between noise-floor measurements
     queue: int = 8  # samples waiting for an idle engine; more are dropped and counted
+    timeout_s: float = 120.0  # a probe not done by then is abandoned (its runs aborted) and counted
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +97,8 @@ class CanarySettings:
                    n_gen=number("KVTRACE_VERIFY_N_GEN", 4, 1, 1024, True),
                    top_k=number("KVTRACE_VERIFY_TOP_K", 5, 1, 1024, True),
                    after_update=number("KVTRACE_VERIFY_AFTER_UPDATE", 4, 0, 1 << 20, True),
-                   noise_every=number("KVTRACE_VERIFY_NOISE_EVERY", 16, 1, 1 << 20, True))
+                   noise_every=number("KVTRACE_VERIFY_NOISE_EVERY", 16, 1, 1 << 20, True),
+                   timeout_s=number("KVTRACE_VERIFY_TIMEOUT_S", 120.0, 1.0, 86400.0))
 
 
 @dataclass(slots=True)
@@ -159,9 +165,10 @@ class _Run:
 @dataclass(slots=True)
 class _Probe:
     sample: _Sample
-    runs: dict[str, _Run]  # "cached", "fresh" and, when the floor is due, "noise": by request id below
-    ids: dict[str, str]
+    runs: dict[str, _Run]  # by request id: the roles' runs submitted so far
+    ids: dict[str, str]  # role ("cached", "fresh", "noise") -> request id
     started_ns: int
+    deadline: float  # time.monotonic() past which the probe is abandoned
 
     def done(self) -> bool:
         return all(r.done for r in self.runs.values())
@@ -172,8 +179,9 @@ class CanaryStats:
     drawn: int = 0  # user requests drawn at arrival
     sampled: int = 0  # drawn requests that reused cache: queued for a probe
     probes: int = 0  # probes finished and emitted
-    dropped: int = 0  # samples dropped: the queue was full, or the prompt too long
+    dropped: int = 0  # samples dropped: the queue was full, the prompt too long, or not plain token ids
     over_budget: int = 0  # samples dropped by the per-minute budget
+    abandoned: int = 0  # probes given up: timed out, aborted by the engine, or failed to submit
     errors: int = 0  # hook failures (the engine went on)
 
 
@@ -249,7 +257,8 @@ class Canary:
         if not (self._boost > 0 or self._rng.random() < self.settings.rate):
             return
         prompt = request.prompt_token_ids
-        if prompt is None or len(prompt) + self.settings.n_gen > self.settings.max_prompt_tokens:
+        plain = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+        if not plain or prompt is None or len(prompt) + self.settings.n_gen > self.settings.max_prompt_tokens:
             self.stats.dropped += 1
             return
         self.stats.drawn += 1
@@ -273,11 +282,15 @@ class Canary:
                     self._reported(self._watch.pop(rid), out)
             if len(keep) != len(eco.outputs):
                 eco.outputs = keep
-        if probe is not None and probe.done():
-            self._probe = None
-            self._finish(probe)
-        if self._probe is None and self._queue and not len(self.scheduler.waiting):
+        if probe is not None:
+            self._advance(probe)
+        if self._probe is None and self._queue and self._idle():
             self._start(self._queue.popleft())
+
+    def _idle(self) -> bool:
+        """No user request waits to be scheduled (re-runs never go ahead of users)."""
+        sched = self.scheduler
+        return not len(sched.waiting) and not len(getattr(sched, "kv_holding_waiting", ()) or ())
 
     def _reported(self, sample: _Sample, out: Any) -> None:
         stats = out.prefill_stats
@@ -309,27 +322,69 @@ class Canary:
         tag = uuid.uuid4().hex[:16]
         ids = {"cached": f"{PROBE_PREFIX}{tag}", "fresh": f"{PROBE_PREFIX}{tag}-fresh"}
         if self.floor is None or self._since_floor >= self.settings.noise_every:
-            ids["noise"] = f"{PROBE_PREFIX}{tag}-noise"
-        runs = {rid: _Run(sample.prompt) for rid in ids.values()}
-        self._probe = _Probe(sample, runs, ids, time.time_ns())
-        for role, rid in ids.items():
-            fresh = role != "cached"
-            self._submit(rid, sample, fresh)
+            ids["noise"] = f"{PROBE_PREFIX}{tag}-noise"  # submitted once the fresh run is done: another batch
+        probe = _Probe(sample, {}, ids, time.time_ns(), time.monotonic() + self.settings.timeout_s)
+        self._probe = probe
+        for role in ("cached", "fresh"):
+            if not self._submit(probe, role):
+                return
 
-    def _submit(self, rid: str, sample: _Sample, fresh: bool) -> None:
+    def _submit(self, probe: _Probe, role: str) -> bool:
+        """Send one of the probe's runs; on failure the probe is abandoned (its runs aborted)."""
+        rid = probe.ids[role]
+        probe.runs[rid] = _Run(probe.sample.prompt)
+        try:
+            self._send(rid, probe.sample, fresh=role != "cached")
+        except Exception:  # noqa: BLE001 - e.g. an engine whose request API changed
+            self._failed("submit")
+            self._abandon(probe)
+            return False
+        return True
+
+    def _send(self, rid: str, sample: _Sample, fresh: bool) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine import EngineCoreRequest
 
         k = self.settings.top_k
+        limit = getattr(getattr(getattr(self.core, "vllm_config", None), "model_config", None), "max_logprobs", -1)
+        if isinstance(limit, int) and limit >= 0:
+            k = min(k, limit)  # the front end's check, which requests sent here skip
         # Explicit: vLLM skips the cache for any request asking prompt log-probabilities unless told not to.
         params = SamplingParams(max_tokens=self.settings.n_gen, temperature=0.0, ignore_eos=True, logprobs=k,
                                 prompt_logprobs=k, skip_reading_prefix_cache=fresh)
         request = EngineCoreRequest(request_id=rid, prompt_token_ids=list(sample.prompt), mm_features=None,
                                     sampling_params=params, pooling_params=None, arrival_time=time.time(),
                                     lora_request=sample.lora, cache_salt=VERIFY_SALT if fresh else sample.salt,
-                                    data_parallel_rank=None)
+                                    data_parallel_rank=None, priority=_LAST,
+                                    current_wave=int(getattr(self.core, "current_wave", 0) or 0))
         req, wave = self.core.preprocess_add_request(request)
         self.core.add_request(req, wave)
+
+    def _advance(self, probe: _Probe) -> None:
+        """Finish, extend (the noise run) or give up on the probe in flight."""
+        known = self.scheduler.requests
+        lost = any(not run.done and rid not in known for rid, run in probe.runs.items())
+        if lost or time.monotonic() > probe.deadline:  # aborted by the engine (a pause, a sleep) or stuck
+            self._abandon(probe)
+            return
+        if not probe.done():
+            return
+        noise = probe.ids.get("noise")
+        if noise is not None and noise not in probe.runs:
+            self._submit(probe, "noise")
+            return
+        self._probe = None
+        self._finish(probe)
+
+    def _abandon(self, probe: _Probe) -> None:
+        self._probe = None
+        self.stats.abandoned += 1
+        pending = [rid for rid, run in probe.runs.items() if not run.done and rid in self.scheduler.requests]
+        if pending:
+            try:
+                self.core.abort_requests(pending)
+            except Exception:  # noqa: BLE001
+                self._failed("abort_requests")
 
     def _finish(self, probe: _Probe) -> None:
         cached = probe.runs[probe.ids["cached"]]

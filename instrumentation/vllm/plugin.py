@@ -28,11 +28,15 @@ def register() -> None:
         settings = enabled_settings(log)
         if settings is None:
             return
+        _installed = True  # before patching: a second call must never patch (and trace) twice
         _patch_scheduler(settings)
-        _patch_engine_core()
-        _installed = True
     except Exception:  # noqa: BLE001 - never stop vLLM from starting
         log.exception("kvtrace: could not instrument vLLM; the engine runs without tracing")
+        return
+    try:
+        _patch_engine_core()
+    except Exception:  # noqa: BLE001
+        log.exception("kvtrace: could not set up the correctness canary; tracing goes on without it")
 
 
 def _patch_scheduler(settings: Any) -> None:
@@ -79,10 +83,12 @@ def _patch_engine_core() -> None:
         if "_kvtrace_canary" not in self.__dict__:
             self._kvtrace_canary = None
             try:
-                if attach_canary(self, canary) is not None:
-                    return self.add_request(request, request_wave)  # through the canary's own wrapper
-            except Exception:  # noqa: BLE001
+                attached = attach_canary(self, canary) is not None
+            except Exception:  # noqa: BLE001 - only the attach is fenced: the request is the engine's business
                 log.exception("kvtrace: could not attach the canary; the engine runs without it")
+                attached = False
+            if attached:
+                return self.add_request(request, request_wave)  # through the canary's own wrapper
         return original(self, request, request_wave)
 
     EngineCore.add_request = add_request

@@ -94,6 +94,13 @@ def child(root: str, mode: str) -> None:
     served = [user(p) for p in prompts]
     references = [uncached(p) for p in prompts]
     stats_clean = dataclasses.asdict(canary.stats) if canary else None
+    abandoned, extra = None, None
+    if not mp:  # the engine aborts a probe's runs (as a pause or sleep does): given up, and the canary goes on
+        outs = llm.generate([TokensPrompt(prompt_token_ids=shared + [4] * 30)], params, use_tqdm=False)
+        assert outs[0].num_cached_tokens == 256 and canary.busy()
+        core.abort_requests(list(canary._probe.runs))
+        extra = user(shared + [3] * 30)  # the next step notices, and this request's own probe runs
+        abandoned = dataclasses.asdict(canary.stats)
     save_checkpoint("llama", model, seed=1)  # the checkpoint changes under the running engine
     llm.collective_rpc("reload_weights")  # ... and the cache is not reset
     stale = user(shared + [9] * 30)
@@ -111,6 +118,7 @@ def child(root: str, mode: str) -> None:
     probes = [e for e in events if e.kind is EventKind.PROBE]
     print("RESULT " + json.dumps({
         "served": served, "references": references, "stale": stale, "stats_clean": stats_clean,
+        "abandoned": abandoned, "extra": extra,
         "stats": dataclasses.asdict(canary.stats) if canary else None, "model": next(e.model for e in events if e.model),
         "probes": [json.loads(msgspec.json.encode(p)) for p in probes],
         "rows": json.loads(msgspec.json.encode(rows))}))
@@ -134,23 +142,26 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(mode: str, tmp_p
     if mode == "inproc":  # (in mp the canary's counters live in the engine core's process)
         clean = got["stats_clean"]
         assert clean["drawn"] == 6 and clean["sampled"] == 2 and clean["probes"] == 2 and clean["errors"] == 0
-        assert got["stats"]["probes"] == 3 and got["stats"]["errors"] == 0
+        after_abort = got["abandoned"]
+        assert after_abort["abandoned"] == 1 and after_abort["probes"] == 3 and after_abort["errors"] == 0
+        assert got["stats"]["probes"] == 4 and got["stats"]["errors"] == 0
 
     probes = got["probes"]
+    clean_users = [served[1], served[2]] + ([got["extra"]] if mode == "inproc" else [])
     # The engine's own ids: the front end's, suffixed (as in every verdict of the shim's).
-    assert [p["probe_of"].rsplit("-", 1)[0] for p in probes] == [served[1]["id"], served[2]["id"], got["stale"]["id"]]
+    assert [p["probe_of"].rsplit("-", 1)[0] for p in probes] == [u["id"] for u in clean_users + [got["stale"]]]
     # A re-run reuses what the user's request reused and the blocks that request wrote itself
     # (168 tokens: 5 whole blocks of 32), all of which the probe checks.
-    assert [p["reported_hit_tokens"] for p in probes] == [256, 160, 256]
+    assert [p["reported_hit_tokens"] for p in probes] == [256, 160] + [256] * (len(probes) - 2)
     assert all(p["request_id"].startswith("kvtrace-verify-") for p in probes)
     assert all(p.get("noise_floor", 0.0) == 0.0 for p in probes)  # CPU: two fresh runs are bit-identical
 
     rows = [msgspec.convert(r, Verification) for r in got["rows"]]
-    assert len(rows) == 3
-    for r in rows[:2]:  # clean hits: identical to recompute, bit for bit on CPU
+    assert len(rows) == len(probes)
+    for r in rows[:-1]:  # clean hits: identical to recompute, bit for bit on CPU
         assert r.agreement is Agreement.IDENTICAL and r.max_abs_diff == 0.0 and r.positions > 0, r.detail
         assert not r.unsafe_reuse and r.detail.startswith("probe of ")
-    stale = rows[2]
+    stale = rows[-1]
     assert stale.adopted_tokens == 256 and stale.unsafe_reuse and stale.reason is GapReason.IDENTITY_MISMATCH
     assert stale.agreement is Agreement.ALARM_CONFIRMED and stale.max_abs_diff > 0.5, stale.detail
 
@@ -165,7 +176,7 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(mode: str, tmp_p
     with Store(dsn) as store:
         stored = store.query_polars(f"SELECT request_id, agreement FROM {store.db}.verifications FINAL "
                                     "ORDER BY ts_ns")
-    assert stored["agreement"].to_list() == ["recoverable_identical"] * 2 + ["unsafe_diverged"]
+    assert stored["agreement"].to_list() == ["recoverable_identical"] * (len(probes) - 1) + ["unsafe_diverged"]
     assert stored["request_id"].to_list() == [p["request_id"] for p in probes]
 
 
