@@ -31,7 +31,6 @@ Uses vLLM's engine-core internals (`preprocess_add_request`, `add_request`,
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -45,7 +44,7 @@ from msgspec.structs import replace
 
 from kvtrace.analysis.oracle import Scores, divergence
 from kvtrace.instrumentation.config import ConfigError
-from kvtrace.instrumentation.vllm.verify import VERIFY_SALT
+from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, scores_from
 from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import PROBE_PREFIX
 from kvtrace.schema.kinds import EventKind
@@ -143,23 +142,13 @@ class _Run:
 
         Rows are aligned from the end: whatever vLLM sends for the positions it served from
         cache (values it never computed), position j's row is the (len - 1 - j)-th from last."""
-        tokens: list[int] = []
-        chosen: list[float] = []
-        top: list[dict[int, float]] = []
-        offset = len(self.prompt) - 1 - len(self.prompt_rows)
-        for j in range(max(start, 1), len(self.prompt)):
-            row_at = j - 1 - offset
-            row = self.prompt_rows[row_at] if 0 <= row_at < len(self.prompt_rows) else {}
-            token = self.prompt[j]
-            tokens.append(token)
-            chosen.append(row.get(token, math.nan))
-            top.append(row)
-        for i, token in enumerate(self.tokens):
-            row = self.generated[i] if i < len(self.generated) else {}
-            tokens.append(token)
-            chosen.append(row.get(token, math.nan))
-            top.append(row)
-        return Scores(tuple(tokens), tuple(chosen), tuple(top), generated=len(self.tokens))
+        rows, offset = self.prompt_rows, len(self.prompt) - 1 - len(self.prompt_rows)
+
+        def row(j: int) -> dict[int, float]:
+            at = j - 1 - offset
+            return rows[at] if 0 <= at < len(rows) else {}
+
+        return scores_from(self.prompt, row, self.tokens, self.generated, start)
 
 
 @dataclass(slots=True)

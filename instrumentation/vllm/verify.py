@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,26 +65,36 @@ def serve_prompt(llm: Any, prompt: Sequence[int], n_gen: int = 4, lora: Any = No
     return out
 
 
-def scores_of(output: Any, start: int) -> Scores:
-    """Log-probabilities of prompt positions [start, len) and of the generated tokens."""
-    prompt, table = list(output.prompt_token_ids), output.prompt_logprobs or []
+def scores_from(prompt: Sequence[int], prompt_row: Callable[[int], dict[int, float]], generated: Sequence[int],
+                generated_rows: Sequence[dict[int, float]], start: int) -> Scores:
+    """Log-probabilities of prompt positions [start, len) (`prompt_row(j)`: the top-k that scored
+    prompt token j) and of the generated tokens; a position with no row gets NaN and no top-k."""
     tokens: list[int] = []
     chosen: list[float] = []
     top: list[dict[int, float]] = []
 
-    def add(token: int, ranked: Any) -> None:
-        ranked = ranked or {}
+    def add(token: int, row: dict[int, float]) -> None:
         tokens.append(int(token))
-        chosen.append(float(ranked[token].logprob) if token in ranked else math.nan)
-        top.append({int(t): float(lp.logprob) for t, lp in ranked.items()})
+        chosen.append(row.get(token, math.nan))
+        top.append(row)
 
     for j in range(max(start, 1), len(prompt)):
-        add(prompt[j], table[j] if j < len(table) else None)
+        add(prompt[j], prompt_row(j))
+    for i, token in enumerate(generated):
+        add(token, generated_rows[i] if i < len(generated_rows) else {})
+    return Scores(tuple(tokens), tuple(chosen), tuple(top), generated=len(generated))
+
+
+def scores_of(output: Any, start: int) -> Scores:
+    """Log-probabilities of prompt positions [start, len) and of the generated tokens."""
+    table = output.prompt_logprobs or []
+
+    def floats(ranked: Any) -> dict[int, float]:
+        return {int(t): float(lp.logprob) for t, lp in (ranked or {}).items()}
+
     generated = output.outputs[0]
-    ranked_steps = list(generated.logprobs or [])
-    for i, token in enumerate(generated.token_ids):
-        add(token, ranked_steps[i] if i < len(ranked_steps) else None)
-    return Scores(tuple(tokens), tuple(chosen), tuple(top), generated=len(generated.token_ids))
+    return scores_from(list(output.prompt_token_ids), lambda j: floats(table[j] if j < len(table) else None),
+                       list(generated.token_ids), [floats(r) for r in generated.logprobs or []], start)
 
 
 def verify_prompts(llm: Any, prompts: Sequence[Sequence[int]], n_gen: int = 4, k: int = 5,
