@@ -22,6 +22,11 @@ def results_frame(results: Iterable[LookupResult]) -> pl.DataFrame:
     return frame.with_columns(pl.col("verdict").cast(pl.Utf8), pl.col("reason").cast(pl.Utf8))
 
 
+def frame_results(frame: pl.DataFrame) -> list[LookupResult]:
+    """The lookups of a results frame as typed values again (the inverse of results_frame)."""
+    return msgspec.convert(frame.to_dicts(), list[LookupResult], strict=False)
+
+
 def users(frame: pl.DataFrame) -> pl.DataFrame:
     """The lookups of users' requests: a correctness canary's re-runs are left out of rates."""
     if not frame.height:

@@ -107,19 +107,17 @@ def join_frame(frame: pl.DataFrame) -> pl.DataFrame:
     one row per engine lookup (empty when no instance has a store beside it)."""
     import polars as pl
 
+    from kvtrace.analysis.funnel import frame_results
+
     instances = set(frame["instance"].unique().to_list()) if frame.height else set()
     rows: list[JoinedResult] = []
     for store_instance in sorted(i for i in instances if i.endswith((STORE_SUFFIX, STORE_SUFFIX + "/0"))):
         engine_instance = store_instance.removesuffix("/0").removesuffix(STORE_SUFFIX)
         if engine_instance not in instances:
             continue
-        engine = _results(frame.filter(pl.col("instance") == engine_instance))
-        store = _results(frame.filter(pl.col("instance") == store_instance).sort("ts_ns", "source_id", "seq"))
+        engine = frame_results(frame.filter(pl.col("instance") == engine_instance))
+        store = frame_results(frame.filter(pl.col("instance") == store_instance).sort("ts_ns", "source_id", "seq"))
         rows.extend(join_store(engine, store))
     if not rows:
         return pl.DataFrame(schema={f: pl.Utf8 for f in JoinedResult.__struct_fields__}).clear()
     return pl.DataFrame([msgspec.structs.asdict(r) for r in rows])
-
-
-def _results(frame: pl.DataFrame) -> list[LookupResult]:
-    return msgspec.convert(frame.to_dicts(), list[LookupResult], strict=False)

@@ -555,17 +555,14 @@ def _probe_rows(frame: Any, probes: list) -> list:
     """Canary probes judged against their re-runs' verdicts."""
     if not probes:
         return []
-    import msgspec
     import polars as pl
 
+    from kvtrace.analysis.funnel import frame_results
     from kvtrace.analysis.oracle import probe_verifications
-    from kvtrace.schema.arrow import conform
     from kvtrace.schema.events import PROBE_PREFIX
-    from kvtrace.schema.verdicts import LookupResult
 
     reruns = frame.filter(pl.col("request_id").str.starts_with(PROBE_PREFIX))
-    results = msgspec.convert(conform(reruns.to_arrow(), LookupResult).to_pylist(), list[LookupResult])
-    return probe_verifications(probes, results)
+    return probe_verifications(probes, frame_results(reruns))
 
 
 def _print_probes(rows: list, probes: int) -> None:
