@@ -225,9 +225,10 @@ class Store:
                 for stmt in migration_statements(table, existing, opts):
                     self.client.command(stmt)
                     applied.append(stmt)
-            if table_settings(opts):  # stores made before the setting existed get it too
-                for table in TABLES:
-                    self.client.command(f"ALTER TABLE {self.db}.{table.name} MODIFY SETTING {table_settings(opts)}")
+            for table in TABLES:  # stores made before a setting existed get it too
+                name = f"{table.name}_local" if cluster else table.name
+                self.client.command(f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER `{cluster}`' if cluster else ''} "
+                                    f"MODIFY SETTING {table_settings(opts)}")
             if ttl_days:
                 for table in TABLES:
                     name = f"{table.name}_local" if cluster else table.name
