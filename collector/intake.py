@@ -21,7 +21,8 @@ import msgspec
 from kvtrace.collector.auth import Grant
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
-from kvtrace.schema.validation import event_from_builtins, event_from_json, problems, range_problems, validate_rows
+from kvtrace.schema.validation import (clean, event_from_builtins, event_from_json, problems, range_problems,
+                                       validate_rows)
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch, WireError, decode_batch, decode_raw_event
 
 JSON_TYPE = "application/json"
@@ -45,14 +46,18 @@ class Intake:
 
     batch: Batch
     received: int
+    accepted: int = 0
+    quarantined: int = 0
 
-    @property
-    def accepted(self) -> int:
-        return len(self.batch.events)
+    def __post_init__(self) -> None:
+        self.accepted = len(self.batch.events)
+        self.quarantined = len(self.batch.rejections)
 
-    @property
-    def quarantined(self) -> int:
-        return len(self.batch.rejections)
+    def release(self) -> None:
+        """Drop the decoded rows once spooled; the counts and rejections stay for the reply.
+        Freeing thousands of rows is real work, better done in the worker thread than on the
+        event loop that serves every connection."""
+        self.batch.events = []
 
 
 def media_type(content_type: str | None) -> str:
@@ -157,7 +162,7 @@ def _fast(payload: bytes) -> Batch | None:
     if any(not low <= getattr(batch, name) <= high for name, (low, high) in ENVELOPE_BOUNDS.items()):
         return None
     for event in batch.events:
-        if event.schema_version != SCHEMA_VERSION or problems(event, msgpack_decoded=True):
+        if event.schema_version != SCHEMA_VERSION or not clean(event):
             return None
     return batch
 
