@@ -184,6 +184,7 @@ class Collector:
         else:
             intake, foreign = intake_batch(payload, content_type or "", grant), 0
         self._spool(intake, grant, started)
+        intake.release()
         return intake, foreign
 
     def accept(self, batch: Batch, grant: Grant) -> Intake:
