@@ -78,7 +78,11 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     model_revision: Annotated[Label, _doc("Weights id: revision, checkpoint hash or RL step.")] = ""
     adapter: Annotated[Label, _doc("LoRA / adapter name; empty for the base model.")] = ""
     tenant: Annotated[Label, _doc("Tenant namespace (cache salt).")] = ""
-    transform: Annotated[Transform, _doc("Relation of stored values to exact state.")] = Transform.EXACT
+    # A factory, so that even an exact transform is always encoded: a reader that fills omitted
+    # fields with the type's zero (ClickHouse's faster JSON path, see clickhouse.zero_when_omitted)
+    # must not take it for an empty one.
+    transform: Annotated[Transform, _doc("Relation of stored values to exact state.")] = msgspec.field(
+        default_factory=lambda: Transform.EXACT)
     kv_dtype: Annotated[Label, _doc("Stored KV dtype, e.g. bfloat16, fp8_e4m3.")] = ""
     layout: Annotated[Label, _doc("Kernel / layout ABI the bytes follow, e.g. NHD, page_first.")] = ""
     block_size: Annotated[U32, _doc("Tokens per block in this object's cache group.")] = 0

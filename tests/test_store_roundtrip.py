@@ -9,7 +9,8 @@ from strategies import event_key, seeded_events, stored_events
 
 from kvtrace.collector.store import Dsn, Store, StoreError, parse_dsn
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
-from kvtrace.schema.clickhouse import DEFAULT_DATABASE
+from kvtrace.schema.clickhouse import DEFAULT_DATABASE, zero_when_omitted
+from kvtrace.schema.columns import I64, U32
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.records import EmitterStats, Rejection
@@ -54,6 +55,36 @@ def test_any_valid_events_round_trip(store, events):
     store.client.command(f"TRUNCATE TABLE {store.db}.events")
     store.insert_events(events)
     assert read_all(store) == sorted(events, key=event_key)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=stored_events(max_size=150))
+def test_json_lines_round_trip_with_omitted_fields_as_zeros(store, events):
+    """The collector's insert path: JSON lines without default fields, parsed by ClickHouse
+    with omitted fields as the type's zero. Non-zero defaults (an exact transform, the schema
+    version) are always encoded, so they come back too."""
+    assert zero_when_omitted(Event)
+    store.client.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_json_lines("events", msgspec.json.Encoder().encode_lines(events))
+    back = read_all(store)
+    assert back == sorted(events, key=event_key)
+    assert [e.transform for e in back] == [e.transform for e in sorted(events, key=event_key)]
+
+
+class _PlainDefault(msgspec.Struct, omit_defaults=True, kw_only=True):
+    ts_ns: I64
+    weight: U32 = 3
+
+
+class _FactoryDefault(msgspec.Struct, omit_defaults=True, kw_only=True):
+    ts_ns: I64
+    weight: U32 = msgspec.field(default_factory=lambda: 3)
+
+
+def test_zero_when_omitted_refuses_a_plain_non_zero_default():
+    assert not zero_when_omitted(_PlainDefault)  # an omitted 3 would be stored as 0
+    assert zero_when_omitted(_FactoryDefault)
+    assert msgspec.json.encode(_FactoryDefault(ts_ns=1)) == b'{"ts_ns":1,"weight":3}'
 
 
 def test_inserting_twice_stores_each_event_once(store):
