@@ -14,7 +14,10 @@ Measured in one run, alternating so machine noise hits both:
              and the collector's resident memory sampled throughout (bounded: it must not grow
              with the number of events sent).
 
-    .venv/bin/python benchmarks/bench_collector.py [--events 1000000] [--clients 4] [--rounds 2]
+    .venv/bin/python benchmarks/bench_collector.py [--events 1000000] [--clients 4] [--rounds 2] [--stages]
+
+Each round also prints the CPU time the collector process and this one (the load generator)
+spent per event; `--stages` then times each step alone in this process.
 """
 
 from __future__ import annotations
@@ -126,6 +129,12 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) -> dict[str, float]:
     port = 20000 + random.randint(0, 20000)
     url = f"http://127.0.0.1:{port}"
@@ -178,6 +187,7 @@ def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) 
                             break
                         time.sleep(float(r.headers.get("Retry-After", "0.5")))
 
+        cpu0, own0 = cpu_s(proc.pid), time.process_time()
         start = time.perf_counter()
         threads = [threading.Thread(target=send) for _ in range(clients)]
         for th in threads:
@@ -188,6 +198,7 @@ def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) 
         while poll.get(url + "/readyz").json()["spool_pending_bytes"]:
             time.sleep(0.05)
         stored = time.perf_counter() - start
+        cpu, own = cpu_s(proc.pid) - cpu0, time.process_time() - own0
         stop.set()
         sampler.join()
         half = rss[: max(1, len(rss) // 4)]
@@ -195,11 +206,49 @@ def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) 
                 "p50_ms": statistics.median(latencies) * 1e3,
                 "p99_ms": statistics.quantiles(latencies, n=100)[98] * 1e3,
                 "rss_idle_mib": idle_rss / 1024, "rss_peak_first_quarter_mib": max(half) / 1024,
-                "rss_peak_mib": max(rss) / 1024}
+                "rss_peak_mib": max(rss) / 1024, "cpu_us_per_event": cpu / n_events * 1e6,
+                "sender_cpu_us_per_event": own / n_events * 1e6}
     finally:
         poll.close()
         proc.terminate()
         proc.wait(120)
+
+
+def stage_costs(bodies: list[bytes], n_events: int, root: Path) -> dict[str, float]:
+    """CPU per event of each step, run one after another in this process (no HTTP, no
+    threads competing): where the collector's time goes, apart from serving requests."""
+    from kvtrace.collector.intake import decompress, intake_batch
+    from kvtrace.collector.service import Collector, config_from_env
+
+    # The raw inserts' embedded store: one chDB path per process.
+    collector = Collector(config_from_env({}, dsn=f"chdb://{root}/raw?database=stages_{int(time.time() * 1000)}",
+                                          spool_dir=str(root / "stages-spool")))
+    collector.store.init()
+    grant = collector.authenticate(None)
+    assert grant is not None
+    costs = dict.fromkeys(("decompress", "decode + validate", "spool (JSON lines, frame, write, fsync)",
+                           "free the decoded rows", "drain: read + ClickHouse insert (all threads)"), 0.0)
+    names = list(costs)
+    for body in bodies:
+        t0 = time.thread_time()
+        payload = decompress(body, "gzip", 1 << 30)
+        t1 = time.thread_time()
+        intake = intake_batch(payload, CONTENT_TYPE, grant)
+        t2 = time.thread_time()
+        collector._spool(intake, grant, time.perf_counter())
+        t3 = time.thread_time()
+        del intake
+        t4 = time.thread_time()
+        for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=False):
+            costs[name] += dt
+    while (chunk := collector.spool.read(max_bytes=collector.drain.chunk_bytes)) is not None:
+        c0 = time.process_time()  # ClickHouse parses on its own threads: count them all
+        collector.drain._store(chunk)
+        costs[names[4]] += time.process_time() - c0
+        collector.spool.done(chunk)
+    assert collector.store.count_events() == n_events
+    collector.store.command(f"DROP DATABASE {collector.store.db}")
+    return {name: v / n_events * 1e6 for name, v in costs.items()}
 
 
 def main() -> None:
@@ -207,6 +256,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--stages", action="store_true", help="also time each step alone, in this process")
     args = ap.parse_args()
     t = time.perf_counter()
     events = workload(args.events)
@@ -229,7 +279,12 @@ def main() -> None:
                   f"{raws[-1]['arrow_ipc']:,.0f} rows/s, json {raws[-1]['json']:,.0f} rows/s | collector {c['events_per_s']:,.0f} events/s stored end to end "
                   f"({c['ack_events_per_s']:,.0f}/s acknowledged), ratio {c['events_per_s'] / raw_best:.2f} | "
                   f"request p50 {c['p50_ms']:.1f} ms p99 {c['p99_ms']:.1f} ms | RSS idle {c['rss_idle_mib']:.0f} "
-                  f"MiB, peak in first quarter {c['rss_peak_first_quarter_mib']:.0f} MiB, peak {c['rss_peak_mib']:.0f} MiB")
+                  f"MiB, peak in first quarter {c['rss_peak_first_quarter_mib']:.0f} MiB, peak {c['rss_peak_mib']:.0f} MiB | "
+                  f"CPU per event: collector {c['cpu_us_per_event']:.1f} us, load generator {c['sender_cpu_us_per_event']:.1f} us")
+        if args.stages:
+            stages = stage_costs(bodies, len(events), Path(tmp))
+            print("each step alone, CPU per event: " + ", ".join(f"{k} {v:.2f} us" for k, v in stages.items())
+                  + f"; total {sum(stages.values()):.2f} us")
     ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs)]
     same_format = [c["events_per_s"] / r["json"] for r, c in zip(raws, runs)]
     print(f"median collector / fastest raw ClickHouse insert of the same rows: {statistics.median(ratios):.2f} "
