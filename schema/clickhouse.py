@@ -104,9 +104,7 @@ def zero_when_omitted(struct: type[msgspec.Struct]) -> bool:
             continue
         if f.default_factory is not msgspec.NODEFAULT and f.default_factory not in _OMITTED_WHEN_EMPTY:
             continue  # always encoded
-        spec = specs[f.name]
-        default = spec.default.value if hasattr(spec.default, "value") else spec.default
-        if default != _zero(spec):
+        if _default_value(specs[f.name]) != _zero(specs[f.name]):
             return False
     return True
 META_TABLE = "kvtrace_meta"
@@ -152,10 +150,15 @@ def _zero(spec: FieldSpec) -> object:
     return 0
 
 
+def _default_value(spec: FieldSpec) -> object:
+    """The field's default as stored (an enum member by its value)."""
+    return spec.default.value if hasattr(spec.default, "value") else spec.default
+
+
 def column_definition(spec: FieldSpec) -> str:
     """One column line; a non-zero default is spelled out so later-added columns fill right."""
     parts = [f"`{spec.name}`", spec.clickhouse_type]
-    default = spec.default.value if hasattr(spec.default, "value") else spec.default
+    default = _default_value(spec)
     if spec.default is not None and default != _zero(spec):
         parts.append(f"DEFAULT {_literal(default)}")
     codec = "CODEC(Delta, ZSTD(1))" if spec.is_sorted else spec.column.codec
