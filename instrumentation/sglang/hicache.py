@@ -11,10 +11,14 @@ about storage):
   read at the acknowledgement;
 - load host -> device: `cache_controller.load(host_indices, node_id=...)` returns the device
   slots; reported when `loading_check` retires the load;
-- offload host -> disk: `cache_controller.write_storage(host_indices, token_ids, hash_value)`
-  names the pages by SGLang's storage hashes (kvtrace's keys); reported when the controller's
-  storage acknowledgement queue hands back the operation, for the pages it completed;
-- load disk -> host: a finished prefetch lands through `tree_core.insert_host(...)`; prefetches
+- offload host -> disk: `cache_controller.write_storage(host_indices, token_ids, hash_value)`:
+  the host ledger names the pages, and SGLang's storage names for them are remembered
+  (`StorageNames`); reported when the controller's storage acknowledgement queue hands back the
+  operation, for the pages it completed;
+- load disk -> host: a finished prefetch lands through `tree_core.insert_host(...)` under
+  SGLang's storage names, translated back; a page another process stored is keyed from its
+  tokens, continuing the chain from the node it hangs under when that node is the root or a
+  page this process stored (else it is counted in `unnamed_pages`, not reported); prefetches
   started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
 - invalidate: `clear_storage_backend()` empties the disk tier.
 Evictions from host come through the shim's component `free_host_values` hooks.
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.instrumentation.sglang.keys import keys_of_hex
+from kvtrace.instrumentation.sglang.keys import Chain, StorageNames, continue_from, new_chain
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import EventKind, Reason, Tier
 
@@ -47,7 +51,9 @@ class HiCacheHooks:
         # ack id -> [(group, device slots, host slots, t0)]; ack id -> ([(group, keys)], t0)
         self._writes: dict[int, list[tuple[int, np.ndarray, np.ndarray, int]]] = {}
         self._loads: dict[int, tuple[list[tuple[int, np.ndarray]], int]] = {}
-        self._storage: dict[int, tuple[list[int], int]] = {}  # op id -> (keys, t0)
+        self._storage: dict[int, tuple[list[str], np.ndarray, int]] = {}  # op id -> (names, host slots, t0)
+        self.names = StorageNames()
+        self.unnamed_pages = 0
         self.prefetches_started = 0
         self.prefetches_revoked = 0
 
@@ -158,16 +164,24 @@ class HiCacheHooks:
                              *args: Any, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
-        self._storage[int(op_id)] = (keys_of_hex(list(hash_value)), time.monotonic_ns())
+        # Named at the acknowledgement: the write is submitted inside the host backup's own
+        # acknowledgement, before the host ledger holds the pages.
+        names = list(hash_value)
+        self._storage[int(op_id)] = (names, self.shim._page_slots(self.full, host_indices)[: len(names)],
+                                     time.monotonic_ns())
 
     def _after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
         pending = self._storage.pop(int(getattr(op, "id", -1)), None)
         if pending is None:
             return
-        keys, t0 = pending
-        done = int(getattr(op, "completed_tokens", len(keys) * self.page)) // self.page
-        keys = keys[:done]  # a batch stops at its first failed page
-        if keys:
+        names, slots, t0 = pending
+        done = int(getattr(op, "completed_tokens", len(slots) * self.page)) // self.page
+        names, slots = names[:done], slots[:done]  # a batch stops at its first failed page
+        book = self.shim.ledger.get((self.full, Tier.HOST))
+        keys = book.peek(slots) if book is not None else np.zeros(0, dtype=np.uint64)
+        self.names.learn(names, keys)
+        keys = keys[keys != 0]
+        if len(keys):
             self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.HOST, Tier.DISK, keys,
                                      time.monotonic_ns() - t0)
 
@@ -182,16 +196,36 @@ class HiCacheHooks:
                            *args: Any, **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
-        start = int(result.prefix_len)
-        slots = self.shim._page_slots(self.full, host_value)[start // self.page :]
-        keys = np.array(keys_of_hex(list(hash_value))[start // self.page :], dtype=np.uint64)
+        start = int(result.prefix_len) // self.page
+        names = list(hash_value)
+        keys = np.array([self.names.get(n) for n in names], dtype=np.uint64)
+        if not keys.all():
+            chain = self._chain_under(node_id, key)
+            if chain is not None:
+                made = chain.extend(key.token_ids, self.page)[: len(keys)]
+                keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
+        slots = self.shim._page_slots(self.full, host_value)[start:]
+        keys = keys[start:]
         n = min(len(slots), len(keys))
-        if n:
-            self.shim.install_slots(self.full, Tier.HOST, slots[:n], keys[:n], report=False)
-            self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[:n], 0)
+        slots, keys = slots[:n], keys[:n]
+        known = keys != 0
+        self.unnamed_pages += int(n - known.sum())
+        if known.any():
+            self.shim.install_slots(self.full, Tier.HOST, slots[known], keys[known], report=False)
+            self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[known], 0)
+
+    def _chain_under(self, node_id: Any, key: Any) -> Chain | None:
+        """The chain of pages that hang under a tree node: from the namespace's seed under the
+        root, else after the node's last page when this process knows its kvtrace key."""
+        tree = getattr(self.cache, "tree_core", None)
+        if tree is not None and tree.is_root(node_id):
+            return new_chain(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
+        parent = self.names.get(self.cache.get_last_hash_value(node_id))
+        return continue_from(parent) if parent else None
 
     def _after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:
+            self.names.clear()
             self.shim._emit_invalidate(Tier.DISK, Reason.RESET)
 
     def _after_reset(self, *args: Any, **kwargs: Any) -> None:

@@ -1,81 +1,95 @@
-"""Page keys of an SGLang request: SGLang's own storage hash chain, one 64-bit key per page.
+"""Page keys of an SGLang request: kvtrace's prefix-chained page keys, one 64-bit key per page.
 
-SGLang names a page by a SHA-256 chained over the pages before it, seeded by the request's
-namespace (LoRA `extra_key`, `cache_salt`). HiCache's storage tier files pages under these
-hashes and SGLang's KV events carry their first 64 bits (when the request has no namespace), so
-kvtrace keys made the same way name the same pages as the engine, its storage and the KV-event
-bridge, and never collide across namespaces.
+SGLang's radix tree matches tokens and names nothing, so the shim names every page of every
+prompt itself, on the scheduler thread. It uses kvtrace's own page keys (`page_keys`: a few
+vectorized passes, ~0.03 us a page) rather than SGLang's storage hash (SHA-256 chained through
+hex digests, ~0.25 us a page with the decoding to ints), which cost as much as the radix cache's
+own work per request. The chain is seeded by the request's namespace (LoRA `extra_key`,
+`cache_salt`) so namespaces never share keys, and it is deterministic, so every process names
+a page the same way. Where SGLang does name pages (HiCache's storage tier files them under its
+SHA-256 hashes), the HiCache hooks translate (`StorageNames`).
 
-The chain is computed once per request, natively (SGLang's C++ hasher), and extended as the
-request grows; lookups and commits of that request share it. Turning 256 hex digests into ints
-costs about as much as hashing, so it is one `bytes.fromhex` and one `struct.unpack` per call.
+The chain is computed once per request and extended as the request grows; lookups and commits
+of that request share it.
 """
 
 from __future__ import annotations
 
-import struct
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+from kvtrace.instrumentation.page_keys import chain_states, finalize, namespace_seed, state_of, token_words
 
-
-_FORMATS: dict[int, struct.Struct] = {}
-
-
-def keys_of_hex(hexes: list[str]) -> list[int]:
-    """kvtrace keys of SGLang page hashes: their first 64 bits, never 0.
-
-    All digests are decoded at once and the struct skips the last 24 bytes of each: no
-    per-page Python work."""
-    n = len(hexes)
-    if not n:
-        return []
-    if len(hexes[0]) != 64:  # not SHA-256 hex: take the first 16 digits of each
-        keys = list(struct.unpack(f">{n}Q", bytes.fromhex("".join([h[:16] for h in hexes]))))
-    else:
-        fmt = _FORMATS.get(n)
-        if fmt is None:
-            fmt = struct.Struct(">" + "Q24x" * n)
-            if len(_FORMATS) < 4096:
-                _FORMATS[n] = fmt
-        keys = list(fmt.unpack(bytes.fromhex("".join(hexes))))
-    if 0 in keys:
-        keys = [k or 1 for k in keys]
-    return keys
+_NONE = np.zeros(0, dtype=np.uint64)
 
 
 @dataclass(slots=True)
 class Chain:
-    """The page hashes and keys of one token sequence in one namespace, grown page by page."""
+    """The page keys of one token sequence in one namespace, grown page by page."""
 
-    seed: str | None  # SGLang's namespace seed (None: no namespace)
-    hexes: list[str] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    _array: np.ndarray | None = None  # the keys as uint64, for the slot ledgers
+    seed: int  # the namespace's starting state (0: no namespace)
+    states: np.ndarray = field(default_factory=lambda: _NONE)  # chain state after each page
+    keys: np.ndarray = field(default_factory=lambda: _NONE)  # uint64, one per page
 
-    def array(self) -> np.ndarray:
-        """The keys as a uint64 array (made once per length)."""
-        if self._array is None or len(self._array) != len(self.keys):
-            self._array = np.array(self.keys, dtype=np.uint64)
-        return self._array
-
-    def extend(self, token_ids: Any, page_size: int) -> list[int]:
+    def extend(self, token_ids: Any, page_size: int) -> np.ndarray:
         """Keys of every full page of `token_ids` (a prefix of what earlier calls saw, or an
-        extension of it); only pages not hashed yet are hashed."""
+        extension of it); only pages not keyed yet are hashed. Returns all keys so far."""
         pages = len(token_ids) // page_size
         done = len(self.keys)
         if pages > done:
-            prior = self.hexes[-1] if self.hexes else self.seed
-            new = get_hash_str(token_ids[done * page_size : pages * page_size], prior, page_size)
-            if isinstance(new, str):
-                new = [new]
-            self.hexes.extend(new)
-            self.keys.extend(keys_of_hex(new))
+            words = token_words(token_ids)
+            width = len(words) // len(token_ids)  # ids per token (1 unless tokens are tuples)
+            prior = int(self.states[-1]) if done else self.seed
+            new = chain_states(words[done * page_size * width : pages * page_size * width], page_size * width, prior)
+            if done:
+                self.states = np.concatenate([self.states, new])
+                self.keys = np.concatenate([self.keys, finalize(new)])
+            else:
+                self.states, self.keys = new, finalize(new)
         return self.keys
+
+    def prefix(self, pages: int) -> Chain:
+        """A chain of this one's first `pages` pages (sharing its arrays)."""
+        return Chain(self.seed, self.states[:pages], self.keys[:pages])
 
 
 def new_chain(extra_key: str | None, cache_salt: str | None) -> Chain:
-    return Chain(storage_namespace_seed(extra_key, cache_salt))
+    return Chain(namespace_seed(extra_key, cache_salt))
+
+
+def continue_from(key: int) -> Chain:
+    """An empty chain whose next page follows the page named `key`."""
+    return Chain(state_of(key))
+
+
+class StorageNames:
+    """SGLang's storage names (the first 64 bits of its SHA-256 page hashes) -> kvtrace keys, for
+    the pages this process wrote to storage, newest `limit` kept. Pages read back from storage
+    arrive under SGLang's names; this is how they get kvtrace's."""
+
+    def __init__(self, limit: int = 1 << 18) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[int, int] = OrderedDict()
+
+    @staticmethod
+    def short(name: str) -> int:
+        return int(name[:16], 16)
+
+    def learn(self, names: list[str], keys: np.ndarray) -> None:
+        for name, key in zip(names, keys.tolist()):
+            if key:
+                short = self.short(name)
+                self._keys[short] = key
+                self._keys.move_to_end(short)
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def get(self, name: str | None) -> int:
+        """The kvtrace key of a page SGLang named `name`, 0 if unknown."""
+        return self._keys.get(self.short(name), 0) if name else 0
+
+    def clear(self) -> None:
+        self._keys.clear()

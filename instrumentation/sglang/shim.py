@@ -22,8 +22,8 @@ filled from the values the cache hands around and emptied by the frees it perfor
 - adopt: `record_admission`, called where the engine settles what it reused per tier;
 - invalidate: `reset`.
 
-Keys are SGLang's storage page hashes (see `keys`), so the bridge, HiCache's storage and this
-shim agree on names.
+Keys are kvtrace's prefix-chained page keys (see `keys`), made once per request from its
+tokens and namespace; HiCache's storage names are translated to them.
 """
 
 from __future__ import annotations
@@ -465,8 +465,8 @@ class RadixCacheShim:
                 continue
             m = min(n, len(recent_tokens) // self.page * self.page)
             if m and tokens[:m] == recent_tokens[:m]:
-                if m < n:  # this key goes further: a copy of the shared part, extended
-                    return Chain(chain.seed, chain.hexes[: m // self.page], chain.keys[: m // self.page])
+                if m < n:  # this key goes further: the shared part, extended
+                    return chain.prefix(m // self.page)
                 return chain
         return fresh
 
@@ -501,7 +501,7 @@ class RadixCacheShim:
             return  # the scheduler asks again each round; one lookup per answer
         tokens = self._request_tokens(key, req)
         chain = self._chain_of(key, req)
-        keys = chain.extend(tokens, self.page)
+        keys = chain.extend(tokens, self.page)[: len(tokens) // self.page].tolist()
         self._remember(tokens, chain)
         if not rid:
             rid = f"anon-{id(key):x}"
@@ -517,7 +517,7 @@ class RadixCacheShim:
             self._base, kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=prompt,
             tenant=getattr(key, "cache_salt", None) or self.identity.default_tenant,
             adapter=str(getattr(key, "extra_key", None) or ""), block_size=0,
-            group_block_keys=tuple([keys[:]] * len(self.components)), group_hit_tokens=tuple(hits),
+            group_block_keys=tuple([keys] * len(self.components)), group_hit_tokens=tuple(hits),
             reported_hit_tokens=device + host))
         if self.usage_interval_ns:
             self.sample_usage()
@@ -557,8 +557,7 @@ class RadixCacheShim:
             return None
         pages = len(key) // self.page
         chain = self._chain_of(key, self._current_req)
-        chain.extend(key.token_ids, self.page)
-        keys = chain.array()
+        keys = chain.extend(key.token_ids, self.page)
         slots = self._page_slots(-1, value[: pages * self.page])
         scope = self._scope
         if scope is not None:

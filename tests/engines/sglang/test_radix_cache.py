@@ -17,7 +17,6 @@ from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, bui
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
-from kvtrace.instrumentation.kv_events import KvEventTranslator
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
@@ -131,27 +130,36 @@ def test_missing_mamba_checkpoints_are_hidden_recompute(core: str) -> None:
 def shim_key(tokens: list[int]) -> int:
     from kvtrace.instrumentation.sglang.keys import new_chain
 
-    return new_chain(None, None).extend(array("q", tokens), 1)[-1]
+    return int(new_chain(None, None).extend(array("q", tokens), 1)[-1])
 
 
 @pytest.mark.parametrize("core", CORES)
 def test_state_matches_sglangs_own_kv_events(core: str) -> None:
     """The shim's commits and evictions leave the same device pages resident as SGLang's own KV
-    events say, page for page (without a namespace the keys are the same 64 bits)."""
+    events say, page for page. SGLang names pages by its SHA-256 chain and kvtrace by its own
+    page keys, so each stored block is renamed by keying its tokens after its parent block: that
+    also checks that kvtrace's chain follows SGLang's tree."""
+    import numpy as np
+
+    from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from kvtrace.instrumentation.page_keys import chain_states, finalize, token_words
+
     _, served, events, own = replay(_config(Mix.FULL, core, kv_tokens=100_000), 80, events=True)
     assert own, "SGLang published no events"
-    import msgspec
-    from sglang.srt.disaggregation.kv_events import KVEventBatch
-
-    payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=own))  # what its publisher sends
-    translator = KvEventTranslator(engine="sglang")
+    state: dict[int, int] = {}  # SGLang's block hash -> kvtrace chain state after that block
     theirs: set[int] = set()
-    for e in translator.translate(payload):
-        keys = {e.block_key, *e.more_keys}
-        if e.kind is EventKind.COMMIT:
-            theirs |= keys
-        elif e.kind is EventKind.EVICT:
-            theirs -= keys
+    for e in own:
+        if isinstance(e, BlockStored):
+            prior = state[e.parent_block_hash] if e.parent_block_hash is not None else 0
+            states = chain_states(token_words(np.asarray(e.token_ids, dtype=np.int64)), e.block_size, prior)
+            assert len(states) == len(e.block_hashes)
+            state.update(zip(e.block_hashes, states.tolist()))
+            theirs |= set(finalize(states).tolist())
+        elif isinstance(e, BlockRemoved):
+            theirs -= set(finalize(np.array([state[h] for h in e.block_hashes], dtype=np.uint64)).tolist())
+        elif isinstance(e, AllBlocksCleared):
+            theirs.clear()
     ours: set[int] = set()
     for e in events:
         keys = {e.block_key, *e.more_keys}
