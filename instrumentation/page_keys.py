@@ -29,6 +29,7 @@ names the same page the same way.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from functools import lru_cache
 from typing import Any
@@ -93,6 +94,16 @@ class _Tables:
 
 
 _TABLES = _Tables()
+_LOCAL = threading.local()
+
+
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two uint64 work buffers of `size`, this thread's own, grown by doubling."""
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None or len(bufs[0]) < size:
+        cap = max(size, 2 * len(bufs[0]) if bufs is not None else 1 << 15)
+        bufs = _LOCAL.bufs = (np.empty(cap, dtype=np.uint64), np.empty(cap, dtype=np.uint64))
+    return bufs[0][:size], bufs[1][:size]
 
 
 def token_words(tokens: Any) -> np.ndarray:
@@ -135,8 +146,10 @@ def chain_states(words: np.ndarray, page_words: int, prior: int) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     total = n * page_words
     mul = _TABLES.lanes(page_words, total)
-    u = np.multiply(words[:total], mul)
-    u ^= u >> _S29
+    u, tmp = _scratch(total)  # reused buffers: fresh ones of this size cost page faults each call
+    np.multiply(words[:total], mul, out=u)
+    np.right_shift(u, _S29, out=tmp)
+    u ^= tmp
     h = np.einsum("ij->i", u.reshape(n, page_words))  # per-page sums (wrapping), fastest of numpy's reductions here
     h *= _M1  # M1 * sum == sum of M1 * u: one multiply per page instead of per token
     h += _K  # so that a page of zeros still moves the chain

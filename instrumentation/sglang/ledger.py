@@ -27,15 +27,22 @@ def as_slots(values: Any, step: int) -> np.ndarray:
         parts = [as_slots(v, step) for v in values]
         return np.concatenate(parts) if parts else NO_SLOTS
     if hasattr(values, "reshape") and hasattr(values, "cpu"):  # a torch tensor
-        flat = values.reshape(-1)
-        if step > 1:
-            flat = flat[::step]
-        out = flat.cpu().numpy().astype(np.int64, copy=False)
+        if values.is_cpu and values.dim() == 1:  # a view, no torch dispatch for the slice
+            out = values.numpy()
+            out = out[::step] if step > 1 else out
+        else:  # on a device: slice there, copy only the page starts
+            flat = values.reshape(-1)
+            out = (flat[::step] if step > 1 else flat).cpu().numpy()
+        out = out.astype(np.int64, copy=False)
     else:
         out = np.asarray(values, dtype=np.int64).reshape(-1)
         out = out[::step] if step > 1 else out
-    out = out[out >= 0]  # -1 pads and sentinels name no slot
-    return out // step if step > 1 else out
+    if len(out) and out.min() < 0:
+        out = out[out >= 0]  # -1 pads and sentinels name no slot
+    if step == 1:
+        return out
+    shift = step.bit_length() - 1
+    return out >> shift if step == 1 << shift else out // step
 
 
 def unique(keys: np.ndarray) -> np.ndarray:

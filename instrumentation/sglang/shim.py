@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 
 import numpy as np
 from collections import OrderedDict
@@ -464,7 +465,7 @@ class RadixCacheShim:
             if chain.seed != fresh.seed or type(recent_tokens) is not type(tokens):
                 continue
             m = min(n, len(recent_tokens) // self.page * self.page)
-            if m and tokens[:m] == recent_tokens[:m]:
+            if m and _same_prefix(tokens, recent_tokens, m):
                 if m < n:  # this key goes further: the shared part, extended
                     return chain.prefix(m // self.page)
                 return chain
@@ -606,6 +607,14 @@ class RadixCacheShim:
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
                                   component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def _same_prefix(a: Any, b: Any, m: int) -> bool:
+    """Whether two token sequences of one type agree on their first `m` tokens; SGLang's
+    `array("q")` keys are compared as numpy views, without copying either."""
+    if isinstance(a, array) and a.typecode == b.typecode:
+        return bool(np.array_equal(np.frombuffer(a, dtype=a.typecode)[:m], np.frombuffer(b, dtype=b.typecode)[:m]))
+    return a[:m] == b[:m]
 
 
 def resident_keys(shim: RadixCacheShim, group: int = 0, tier: Tier = Tier.DEVICE) -> set[int]:
