@@ -10,13 +10,13 @@ ints: as much as the radix cache's own work per request in a model-free replay. 
 ~0.02 us per page, because the chain is a polynomial over per-page digests and a polynomial
 prefix is a cumulative sum:
 
-    u_j   = xs29(t_j * L[j mod P])                  one word per token (uint64 arithmetic, wrapping)
-    d_i   = M1 * (sum of u_j over page i) + K       (P = page size)
+    u_j   = xs29(M1 * t_j)                           one word per token (uint64 arithmetic, wrapping)
+    d_i   = sum of L[j mod P] * u_j over page i + K   (P = page size)
     H_i   = B * H_(i-1) + d_i,   H_(-1) = namespace seed
           = B^i * (H_(-1) * B + sum_(k<=i) d_k * B^-k)        (B odd, so invertible mod 2^64)
     key_i = xs29(F * xs32(H_i)), 0 mapped to 1      (0 marks an empty ledger slot)
 
-`xsN(x) = x ^ (x >> N)`. Per-lane odd multipliers make the position inside a page count, the
+`xsN(x) = x ^ (x >> N)`. Per-lane odd weights make the position inside a page count, the
 xorshift makes the per-token word non-linear (so no small token differences cancel), K keeps a
 page of zeros from leaving the chain where it was, and the last step is a bijection that
 spreads the bits (keys are also sampled by their bits). These are
@@ -47,10 +47,13 @@ _S29, _S32 = _U64(29), _U64(32)
 _MASK = (1 << 64) - 1
 
 
+@lru_cache(maxsize=64)
 def _lanes(count: int) -> np.ndarray:
-    """Per-position odd multipliers L, from a fixed generator."""
+    """Per-position odd weights L, from a fixed generator (read-only: shared by every caller)."""
     rng = np.random.Generator(np.random.PCG64(0x6B767472616365))  # "kvtrace"
-    return rng.integers(0, 1 << 63, count, dtype=np.uint64) * _U64(2) + _U64(1)
+    out = rng.integers(0, 1 << 63, count, dtype=np.uint64) * _U64(2) + _U64(1)
+    out.setflags(write=False)
+    return out
 
 
 def _inverse(a: int) -> int:
@@ -64,36 +67,29 @@ def _inverse(a: int) -> int:
 _B_INV = _U64(_inverse(int(_B)))
 
 
-class _Tables:
-    """Per-position lane constants tiled over many pages, and powers of B and B^-1, grown on
-    demand (doubling) so a call only slices."""
+class _Powers:
+    """B^0..B^n and B^0..B^-n, grown on demand (doubling) so a call only slices. Both arrays
+    are swapped in as one tuple, so a thread never sees one grown without the other."""
 
     def __init__(self) -> None:
-        self.width = 0  # tokens per page the lane tables are tiled for
-        self.mul = np.zeros(0, dtype=np.uint64)
-        self.pow = self.inv = np.ones(1, dtype=np.uint64)
+        one = np.ones(1, dtype=np.uint64)
+        self.tables = (one, one)
 
-    def lanes(self, width: int, tokens: int) -> np.ndarray:
-        if width != self.width or len(self.mul) < tokens:
-            pages = max(-(-tokens // width), 1024 if width != self.width else 2 * (len(self.mul) // width))
-            self.mul, self.width = np.tile(_lanes(width), pages), width
-        return self.mul[:tokens]
-
-    def powers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """B^0..B^n and B^0..B^-n."""
-        if len(self.pow) <= n:
-            size = max(n + 1, 2 * len(self.pow), 4096)
+    def __call__(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        pw, iv = self.tables
+        if len(pw) <= n:
+            size = max(n + 1, 2 * len(pw), 4096)
             pw, iv = np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64)
             p, q = 1, 1
             b, bi = int(_B), int(_B_INV)
             for i in range(size):  # once per doubling; exact integer arithmetic
                 pw[i], iv[i] = p, q
                 p, q = (p * b) & _MASK, (q * bi) & _MASK
-            self.pow, self.inv = pw, iv
-        return self.pow[: n + 1], self.inv[: n + 1]
+            self.tables = (pw, iv)
+        return pw[: n + 1], iv[: n + 1]
 
 
-_TABLES = _Tables()
+_POWERS = _Powers()
 _LOCAL = threading.local()
 
 
@@ -145,15 +141,15 @@ def chain_states(words: np.ndarray, page_words: int, prior: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
     total = n * page_words
-    mul = _TABLES.lanes(page_words, total)
     u, tmp = _scratch(total)  # reused buffers: fresh ones of this size cost page faults each call
-    np.multiply(words[:total], mul, out=u)
+    np.multiply(words[:total], _M1, out=u)
     np.right_shift(u, _S29, out=tmp)
     u ^= tmp
-    h = np.einsum("ij->i", u.reshape(n, page_words))  # per-page sums (wrapping), fastest of numpy's reductions here
-    h *= _M1  # M1 * sum == sum of M1 * u: one multiply per page instead of per token
+    # Per-page weighted sums (wrapping) against the page's lane constants: one pass over the
+    # words and a table of `page_words` constants that stays in cache.
+    h = np.einsum("ij,j->i", u.reshape(n, page_words), _lanes(page_words))
     h += _K  # so that a page of zeros still moves the chain
-    pw, iv = _TABLES.powers(n)
+    pw, iv = _POWERS(n)
     h *= iv[:n]
     np.cumsum(h, out=h)
     if prior:
