@@ -502,7 +502,9 @@ class RadixCacheShim:
             return  # the scheduler asks again each round; one lookup per answer
         tokens = self._request_tokens(key, req)
         chain = self._chain_of(key, req)
-        keys = chain.extend(tokens, self.page)[: len(tokens) // self.page].tolist()
+        # A tuple, not a list: the collector stops tracking a tuple of ints, and a queue of
+        # lookups holding lists of hundreds of keys would be walked by every full collection.
+        keys = tuple(chain.extend(tokens, self.page)[: len(tokens) // self.page].tolist())
         self._remember(tokens, chain)
         if not rid:
             rid = f"anon-{id(key):x}"
