@@ -353,10 +353,13 @@ class RadixCacheShim:
         mapping = getattr(getattr(self.cache, "token_to_kv_pool_allocator", None), "full_to_swa_index_mapping", None)
         if mapping is None or not len(full_slots):
             return full_slots
-        import torch
+        if mapping.is_cpu:  # a numpy view of the live table: one gather, no torch dispatch
+            out = mapping.numpy()[full_slots * self.page].astype(np.int64, copy=False)
+        else:
+            import torch
 
-        idx = torch.from_numpy(full_slots * self.page).to(mapping.device)
-        out = mapping[idx].cpu().numpy().astype(np.int64, copy=False)
+            idx = torch.from_numpy(full_slots * self.page).to(mapping.device)
+            out = mapping[idx].cpu().numpy().astype(np.int64, copy=False)
         return out // self.page if self.page > 1 else out
 
     def _on_swa_recovered(self, action: Any) -> None:
