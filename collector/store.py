@@ -31,7 +31,8 @@ from kvtrace.schema.clickhouse import (
     DdlOptions,
     migration_statements,
     schema_statements,
-    table_settings,
+    settings_statements,
+    storage_table,
     zero_when_omitted,
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
@@ -218,7 +219,7 @@ class Store:
             for stmt in schema_statements(opts):
                 self.client.command(stmt)
             for table in TABLES:
-                name = f"{table.name}_local" if cluster else table.name
+                name = storage_table(table, opts)
                 existing = {
                     r[0]
                     for r in self.client.query(
@@ -229,17 +230,8 @@ class Store:
                 for stmt in migration_statements(table, existing, opts):
                     self.client.command(stmt)
                     applied.append(stmt)
-            for table in TABLES:  # stores made before a setting existed get it too
-                name = f"{table.name}_local" if cluster else table.name
-                self.client.command(f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER `{cluster}`' if cluster else ''} "
-                                    f"MODIFY SETTING {table_settings(opts)}")
-            if ttl_days:
-                for table in TABLES:
-                    name = f"{table.name}_local" if cluster else table.name
-                    self.client.command(
-                        f"ALTER TABLE {self.db}.{name}{f' ON CLUSTER `{cluster}`' if cluster else ''} MODIFY TTL "
-                        f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {ttl_days} DAY"
-                    )
+            for stmt in settings_statements(opts):  # stores made before a setting existed get it too
+                self.client.command(stmt)
             if stored != SCHEMA_VERSION:
                 self.client.insert(
                     f"{self.db}.{META_TABLE}",

@@ -208,9 +208,15 @@ def _on_cluster(opts: DdlOptions) -> str:
     return f" ON CLUSTER `{opts.cluster}`" if opts.cluster else ""
 
 
+def storage_table(table: TableSpec, opts: DdlOptions) -> str:
+    """The table that holds the rows: `<name>_local` on a cluster (its Distributed twin keeps
+    the plain name), else the plain name."""
+    return f"{table.name}_local" if opts.cluster else table.name
+
+
 def create_table(table: TableSpec, opts: DdlOptions) -> str:
     """CREATE TABLE for one table (the `_local` one on a cluster)."""
-    name = f"{table.name}_local" if opts.cluster else table.name
+    name = storage_table(table, opts)
     lines = [column_definition(s) for s in field_specs(table.struct)]
     lines += list(table.aliases) + list(table.indexes)
     body = ",\n    ".join(lines)
@@ -274,6 +280,19 @@ def migration_statements(table: TableSpec, existing: set[str], opts: DdlOptions)
                 f"ALTER TABLE {opts.database}.{target}{_on_cluster(opts)} "
                 f"ADD COLUMN IF NOT EXISTS {column_definition(spec)}{after}"
             )
+    return out
+
+
+def settings_statements(opts: DdlOptions) -> list[str]:
+    """ALTERs that give tables made by an earlier version this version's settings (and the TTL,
+    when one is asked for): CREATE ... IF NOT EXISTS leaves an existing table as it was."""
+    out = []
+    for table in TABLES:
+        target = f"{opts.database}.{storage_table(table, opts)}{_on_cluster(opts)}"
+        out.append(f"ALTER TABLE {target} MODIFY SETTING {table_settings(opts)}")
+        if opts.ttl_days:
+            out.append(f"ALTER TABLE {target} MODIFY TTL "
+                       f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {opts.ttl_days} DAY")
     return out
 
 

@@ -19,6 +19,7 @@ from kvtrace.schema.clickhouse import (
     create_table,
     migration_statements,
     schema_statements,
+    settings_statements,
 )
 from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event
 from kvtrace.schema.fields import field_specs
@@ -166,6 +167,20 @@ def test_cluster_migrations_are_accepted_by_clickhouse(store):
     assert "kvc.events_local" in texts[0] and "FIRST" in texts[0]
     assert "`transform` LowCardinality(String) DEFAULT 'exact'" in texts[2]
     assert "AFTER tenant" in texts[2]
+
+
+def test_cluster_settings_statements_are_accepted_by_clickhouse(store):
+    """What `Store.init` runs on every start to bring older tables' settings and TTL up to date:
+    aimed at the `_local` tables, on the whole cluster."""
+    opts = DdlOptions(database="kvc", cluster="my-cluster", ttl_days=3)
+    texts = [_format_query(store, s) for s in settings_statements(opts)]
+    assert len(texts) == 2 * len(TABLES)
+    for table, setting, ttl in zip(TABLES, texts[0::2], texts[1::2], strict=True):
+        assert setting.startswith(f"ALTER TABLE kvc.{table.name}_local ON CLUSTER `my-cluster`")
+        assert "MODIFY SETTING min_bytes_for_wide_part" in setting
+        assert ttl.startswith(f"ALTER TABLE kvc.{table.name}_local ON CLUSTER `my-cluster`")
+        assert "MODIFY TTL" in ttl and "toIntervalDay(3)" in ttl
+    assert not any("TTL" in s for s in settings_statements(DdlOptions(database="kv")))
 
 
 def test_single_node_ddl_creates_every_table(store):
