@@ -166,3 +166,40 @@ def test_a_sliding_window_travels_with_its_pages(core: str) -> None:
     result = next(r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.request_id == "r2")
     assert result.recoverable_hit_tokens == 32 == result.adopted_tokens and not result.unsafe_reuse
     assert result.verdict is Verdict.PARTIAL
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_pages_fetched_under_a_host_node_continue_its_chain(core: str, tmp_path: Path) -> None:
+    """A prefix on host and the rest only on storage, stored by another process (its names
+    unknown here): the fetched pages are keyed from their tokens, continuing the chain after the
+    host node's last page, and get the keys this process gave them when it first served them."""
+    rig = Rig(core, tmp_path)
+    cache = rig.cache
+    head, whole = PROMPT[:8], PROMPT[:16] + [999]
+    rig.driver.serve("a", head + [998])  # the tree gets two pages under the root ...
+    rig.settle()
+    rig.driver.serve("b", whole)  # ... then two more under them: a node of its own
+    rig.settle()
+    cache.evict(EvictParams(num_tokens=256))
+    assert cache.evict_host(8) == 8  # the leaf's host copy goes; the head's stays
+    tail_names = [n for n in {p.name.split("__")[0] for p in tmp_path.iterdir()}
+                  if rig.shim.hicache.names.get(n) in KEYS[2:]]
+    assert len(tail_names) == 2
+    for name in tail_names:  # forget the tail's names: as if another process had stored it
+        rig.shim.hicache.names._keys.pop(rig.shim.hicache.names.short(name))
+    rig.new()
+    probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", whole[:-1]))))
+    assert probe.device_prefix_len == 0 and probe.host_hit_length == 8
+    handle = CacheRequestHandle("c", 0)
+    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", whole[8:16]),
+                                cache.get_last_hash_value(probe.last_host_node))
+    for _ in range(200):
+        cache.check_hicache_events()
+        if cache.check_prefetch_progress(handle):
+            break
+        time.sleep(0.01)
+    assert cache.pop_prefetch_loaded_span(handle)[0] == 8
+    prefetch = next(e for e in rig.new() if e.kind is EventKind.LOAD)
+    assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS[2:])
+    assert rig.shim.hicache.unnamed_pages == 0
+    assert rig.emitter.shutdown() and rig.shim.errors == 0
