@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,17 @@ class Rig:
                 return
             time.sleep(0.01)
         raise AssertionError("HiCache never acknowledged its writes")
+
+    def prefetch(self, rid: str, node: Any, tokens: list[int]) -> int:
+        """Fetch `tokens` from storage under a host node, as the scheduler does; the tokens it loaded."""
+        handle = CacheRequestHandle(rid, 0)
+        self.cache.prefetch_from_storage(handle, node, array("q", tokens), self.cache.get_last_hash_value(node))
+        for _ in range(200):
+            self.cache.check_hicache_events()
+            if self.cache.check_prefetch_progress(handle):
+                break
+            time.sleep(0.01)
+        return self.cache.pop_prefetch_loaded_span(handle)[0]
 
     def new(self) -> list:
         self.emitter.force_flush()
@@ -100,15 +112,7 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", PROMPT[:-1]))))
     assert probe.device_prefix_len == probe.host_hit_length == 0
     rig.shim.hicache.names.clear()  # as if another process had stored them: keyed from their tokens
-    handle = CacheRequestHandle("r3", 0)
-    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", PROMPT[:16]),
-                                cache.get_last_hash_value(probe.last_host_node))
-    for _ in range(200):
-        cache.check_hicache_events()
-        if cache.check_prefetch_progress(handle):
-            break
-        time.sleep(0.01)
-    assert cache.pop_prefetch_loaded_span(handle)[0] == 16
+    assert rig.prefetch("r3", probe.last_host_node, PROMPT[:16]) == 16
     prefetch = next(e for e in rig.new() if e.kind is EventKind.LOAD)
     assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS)
 
@@ -190,15 +194,7 @@ def test_pages_fetched_under_a_host_node_continue_its_chain(core: str, tmp_path:
     rig.new()
     probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", whole[:-1]))))
     assert probe.device_prefix_len == 0 and probe.host_hit_length == 8
-    handle = CacheRequestHandle("c", 0)
-    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", whole[8:16]),
-                                cache.get_last_hash_value(probe.last_host_node))
-    for _ in range(200):
-        cache.check_hicache_events()
-        if cache.check_prefetch_progress(handle):
-            break
-        time.sleep(0.01)
-    assert cache.pop_prefetch_loaded_span(handle)[0] == 8
+    assert rig.prefetch("c", probe.last_host_node, whole[8:16]) == 8
     prefetch = next(e for e in rig.new() if e.kind is EventKind.LOAD)
     assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS[2:])
     assert rig.shim.hicache.unnamed_pages == 0
