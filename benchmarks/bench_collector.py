@@ -15,9 +15,12 @@ Measured in one run, alternating so machine noise hits both:
              with the number of events sent).
 
     .venv/bin/python benchmarks/bench_collector.py [--events 1000000] [--clients 4] [--rounds 2] [--stages]
+    .venv/bin/python benchmarks/bench_collector.py --formats [--events 200000]
 
 Each round also prints the CPU time the collector process and this one (the load generator)
-spent per event; `--stages` then times each step alone in this process.
+spent per event; `--stages` then times each step alone in this process. `--formats` instead
+compares, for the same rows, what each input format ClickHouse accepts costs to build in Python
+and to parse.
 """
 
 from __future__ import annotations
@@ -120,6 +123,90 @@ def raw_insert(events: list[Event], root: Path) -> dict[str, float]:
     ipc = len(events) / (time.perf_counter() - t)
     store.command(f"DROP DATABASE {store.db}")
     return {"arrow": arrow, "json": json_rate, "arrow_ipc": ipc}
+
+
+def insert_formats(events: list[Event], root: Path) -> dict[str, float]:
+    """CPU per row (this process, ClickHouse's threads included) of each way the same rows could
+    reach the embedded store: building the input in Python, then ClickHouse parsing it.
+    Also how much of a Python thread's speed survives a one-thread insert beside it: near 100 %
+    if chDB lets go of the GIL while ClickHouse works, near 0 if not."""
+    import msgspec
+    import pyarrow.json as pj
+
+    from kvtrace.collector.store import Store
+    from kvtrace.schema.arrow import arrow_schema
+
+    store = Store(f"chdb://{root}/formats?database=formats_{int(time.time() * 1000)}")
+    store.init()
+    table = f"{store.db}.events"
+    names = list(Event.__struct_fields__)
+    enc = msgspec.msgpack.Encoder()
+    header = len(enc.encode((None,) * len(names))) - len(names)  # the array header before each row's values
+    chunks = [events[i:i + 49152] for i in range(0, len(events), 49152)]
+    out: dict[str, float] = {}
+
+    def timed(name: str, build, insert=None) -> list:  # noqa: ANN001
+        t = time.process_time()
+        blocks = [build(c) for c in chunks]
+        out[f"build {name}"] = (time.process_time() - t) / len(events) * 1e6
+        if insert is not None:
+            t = time.process_time()
+            for block in blocks:
+                insert(block)
+            out[f"insert {name}"] = (time.process_time() - t) / len(events) * 1e6
+            store.command(f"TRUNCATE TABLE {table}")
+        return blocks
+
+    json_lines = timed("JSONEachRow", msgspec.json.Encoder().encode_lines,
+                       lambda b: store.insert_json_lines("events", b))
+    timed("JSONCompactEachRow", lambda c: msgspec.json.Encoder().encode_lines([msgspec.structs.astuple(e) for e in c]),
+          lambda b: store.client.raw_insert(table, column_names=names, insert_block=b, fmt="JSONCompactEachRow"))
+    timed("MsgPack", lambda c: b"".join(enc.encode(msgspec.structs.astuple(e))[header:] for e in c),
+          lambda b: store.client.raw_insert(table, column_names=names, insert_block=b, fmt="MsgPack"))
+
+    def ipc(c: list[Event]) -> bytes:
+        tab = to_arrow(c)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, tab.schema) as writer:
+            writer.write_table(tab)
+        return sink.getvalue().to_pybytes()
+
+    timed("ArrowStream (to_arrow + IPC)", ipc,
+          lambda b: store.client.raw_insert(table, insert_block=b, fmt="ArrowStream"))
+    nullable = pa.schema([f.with_nullable(True) for f in arrow_schema()])  # omitted defaults read as nulls
+    t = time.process_time()
+    for block in json_lines:
+        pj.read_json(pa.BufferReader(block), read_options=pj.ReadOptions(use_threads=False),
+                     parse_options=pj.ParseOptions(explicit_schema=nullable))
+    out["build Arrow from JSON lines (pyarrow's reader)"] = (time.process_time() - t) / len(events) * 1e6
+
+    spins: list[int] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+        spins.append(n)
+
+    for during_insert in (False, True):
+        th = threading.Thread(target=spin)
+        th.start()
+        t = time.perf_counter()
+        if during_insert:  # on one ClickHouse thread, so that the other core is the spinner's
+            for block in json_lines:
+                store.client.raw_insert(table, insert_block=block, fmt="JSONEachRow",
+                                        settings={"max_threads": 1, "input_format_parallel_parsing": 0})
+        else:
+            time.sleep(1.0)
+        elapsed = time.perf_counter() - t
+        stop.set()
+        th.join()
+        stop.clear()
+        spins[-1] /= elapsed
+    out["python thread speed during an insert, % of alone"] = spins[1] / spins[0] * 100
+    store.command(f"DROP DATABASE {store.db}")
+    return out
 
 
 def rss_kib(pid: int) -> int:
@@ -257,6 +344,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--stages", action="store_true", help="also time each step alone, in this process")
+    ap.add_argument("--formats", action="store_true",
+                    help="only compare insert formats for the same rows (CPU per row), then exit")
     args = ap.parse_args()
     t = time.perf_counter()
     events = workload(args.events)
@@ -266,6 +355,11 @@ def main() -> None:
     print(f"bench_collector: {len(events):,} events in {len(bodies)} batches of {BATCH} "
           f"({sum(map(len, bodies)) / len(events):.0f} B/event on the wire, gzip'd); built in "
           f"{time.perf_counter() - t:.1f} s; {platform.python_version()}, {os.cpu_count()} CPUs")
+    if args.formats:
+        with tempfile.TemporaryDirectory(prefix="kvt-bench-formats-") as tmp:
+            for name, value in insert_formats(events, Path(tmp)).items():
+                print(f"  {name:<52} {value:8.2f}{'' if name.startswith('python') else ' us/row'}")
+        return
     raws, runs = [], []
     with tempfile.TemporaryDirectory(prefix="kvt-bench-collector-") as tmp:
         for k in range(args.rounds):
