@@ -108,6 +108,8 @@ def token_words(tokens: Any) -> np.ndarray:
     if isinstance(tokens, array):
         if tokens.typecode in ("q", "Q"):
             return np.frombuffer(tokens, dtype=np.uint64)
+        if tokens.typecode not in "bBhHiIlL":
+            raise TypeError(f"page keys need integer token ids, got array({tokens.typecode!r})")
         return np.frombuffer(tokens, dtype=np.dtype(tokens.typecode)).astype(np.int64).view(np.uint64)
     if hasattr(tokens, "numpy") and hasattr(tokens, "cpu"):  # a torch tensor
         tokens = tokens.cpu().numpy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,6 +97,12 @@ def test_token_containers_agree() -> None:
     for container in (array("q", tokens), array("I", tokens), array("i", tokens), np.array(tokens, dtype=np.int32),
                       torch.tensor(tokens)):
         assert page_keys(container, 16).tolist() == want, type(container)
+
+
+def test_non_integer_tokens_are_refused() -> None:
+    for bad in (array("d", [1.0] * 16), np.ones(16), ["a"] * 16):
+        with pytest.raises(TypeError, match="integer token ids"):
+            page_keys(bad, 16)
 
 
 def test_pinned_values() -> None:
