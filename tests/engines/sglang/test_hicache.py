@@ -48,7 +48,8 @@ class Rig:
 
     def settle(self) -> None:
         """Run the scheduler's per-step HiCache poll until backups and storage writes are acked."""
-        for _ in range(200):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
             self.cache.check_hicache_events()
             if not self.cache.ongoing_write_through and not self.cache.ongoing_backup:
                 return
@@ -59,10 +60,9 @@ class Rig:
         """Fetch `tokens` from storage under a host node, as the scheduler does; the tokens it loaded."""
         handle = CacheRequestHandle(rid, 0)
         self.cache.prefetch_from_storage(handle, node, array("q", tokens), self.cache.get_last_hash_value(node))
-        for _ in range(200):
+        deadline = time.monotonic() + 20  # ~20 ms here; in one loaded CI run, 2 s was too short
+        while not self.cache.check_prefetch_progress(handle) and time.monotonic() < deadline:
             self.cache.check_hicache_events()
-            if self.cache.check_prefetch_progress(handle):
-                break
             time.sleep(0.01)
         return self.cache.pop_prefetch_loaded_span(handle)[0]
 
