@@ -7,8 +7,8 @@ tree does not hash pages at all unless HiCache's storage tier is on, so its shim
 every page of every prompt itself, on the scheduler thread. SGLang's storage hash (SHA-256 per
 page, chained through hex digests) costs ~0.15 us per page plus ~0.1 us to turn digests into
 ints: as much as the radix cache's own work per request in a model-free replay. These keys cost
-~0.02 us per page, because the chain is a polynomial over per-page digests and a polynomial
-prefix is a cumulative sum:
+~0.04 us per page (twice that with caches cold), because the chain is a polynomial over
+per-page digests and a polynomial prefix is a cumulative sum:
 
     u_j   = xs29(M1 * t_j)                           one word per token (uint64 arithmetic, wrapping)
     d_i   = sum of L[j mod P] * u_j over page i + K   (P = page size)

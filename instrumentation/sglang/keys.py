@@ -2,7 +2,7 @@
 
 SGLang's radix tree matches tokens and names nothing, so the shim names every page of every
 prompt itself, on the scheduler thread. It uses kvtrace's own page keys (`page_keys`: a few
-vectorized passes, ~0.03 us a page) rather than SGLang's storage hash (SHA-256 chained through
+vectorized passes, ~0.04 us a page) rather than SGLang's storage hash (SHA-256 chained through
 hex digests, ~0.25 us a page with the decoding to ints), which cost as much as the radix cache's
 own work per request. The chain is seeded by the request's namespace (LoRA `extra_key`,
 `cache_salt`) so namespaces never share keys, and it is deterministic, so every process names
