@@ -173,6 +173,11 @@ def _day(table: TableSpec) -> str:
     return f"toDate(fromUnixTimestamp64Nano({table.time_column}))"
 
 
+def _ttl(table: TableSpec, opts: DdlOptions) -> str:
+    """When a row expires: `ttl_days` after its own time."""
+    return f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {opts.ttl_days} DAY"
+
+
 def _engine(table: TableSpec, opts: DdlOptions) -> str:
     base = "ReplacingMergeTree" if table.replacing else "MergeTree"
     if not opts.cluster:
@@ -220,11 +225,7 @@ def create_table(table: TableSpec, opts: DdlOptions) -> str:
     lines = [column_definition(s) for s in field_specs(table.struct)]
     lines += list(table.aliases) + list(table.indexes)
     body = ",\n    ".join(lines)
-    ttl = (
-        f"\nTTL toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {opts.ttl_days} DAY"
-        if opts.ttl_days
-        else ""
-    )
+    ttl = f"\nTTL {_ttl(table, opts)}" if opts.ttl_days else ""
     return (
         f"CREATE TABLE IF NOT EXISTS {opts.database}.{name}{_on_cluster(opts)}\n(\n    {body}\n)\n"
         f"ENGINE = {_engine(table, opts)}\n"
@@ -269,7 +270,7 @@ def schema_statements(opts: DdlOptions = DdlOptions()) -> list[str]:
 def migration_statements(table: TableSpec, existing: set[str], opts: DdlOptions) -> list[str]:
     """ADD COLUMN for each field the stored table lacks; schema changes are additive."""
     specs = field_specs(table.struct)
-    targets = [f"{table.name}_local", table.name] if opts.cluster else [table.name]
+    targets = [storage_table(table, opts), table.name] if opts.cluster else [table.name]
     out = []
     for i, spec in enumerate(specs):
         if spec.name in existing:
@@ -291,8 +292,7 @@ def settings_statements(opts: DdlOptions) -> list[str]:
         target = f"{opts.database}.{storage_table(table, opts)}{_on_cluster(opts)}"
         out.append(f"ALTER TABLE {target} MODIFY SETTING {table_settings(opts)}")
         if opts.ttl_days:
-            out.append(f"ALTER TABLE {target} MODIFY TTL "
-                       f"toDateTime(fromUnixTimestamp64Nano({table.time_column})) + INTERVAL {opts.ttl_days} DAY")
+            out.append(f"ALTER TABLE {target} MODIFY TTL {_ttl(table, opts)}")
     return out
 
 

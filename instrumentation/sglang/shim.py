@@ -505,8 +505,8 @@ class RadixCacheShim:
             return  # the scheduler asks again each round; one lookup per answer
         tokens = self._request_tokens(key, req)
         chain = self._chain_of(key, req)
-        # A tuple, not a list: the collector stops tracking a tuple of ints, and a queue of
-        # lookups holding lists of hundreds of keys would be walked by every full collection.
+        # A tuple, not a list: Python's garbage collector stops tracking a tuple of ints, while a
+        # queue of lookups holding lists of hundreds of keys is walked by every full collection.
         keys = tuple(chain.extend(tokens, self.page)[: len(tokens) // self.page].tolist())
         self._remember(tokens, chain)
         if not rid:
