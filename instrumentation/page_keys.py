@@ -171,11 +171,19 @@ def finalize(states: np.ndarray) -> np.ndarray:
     return k
 
 
+def page_states(tokens: Any, page_size: int, prior: int = 0, skip: int = 0) -> np.ndarray:
+    """The chain states of the full pages of `tokens` after the first `skip`, continuing from
+    state `prior` (the namespace seed when `skip` is 0)."""
+    if len(tokens) // page_size <= skip:
+        return np.zeros(0, dtype=np.uint64)
+    words = token_words(tokens)
+    step = page_size * (len(words) // len(tokens))  # words per page: ids per token may be > 1
+    return chain_states(words[skip * step : len(tokens) // page_size * step], step, prior)
+
+
 def page_keys(tokens: Any, page_size: int, seed: int = 0) -> np.ndarray:
     """The key of every full page of `tokens` (uint64)."""
-    words = token_words(tokens)
-    width = len(words) // len(tokens) if len(tokens) else 1  # ids per token
-    return finalize(chain_states(words, page_size * width, seed))
+    return finalize(page_states(tokens, page_size, seed))
 
 
 _F1_INV = _inverse(int(_F1))

@@ -21,6 +21,7 @@ from kvtrace.instrumentation.page_keys import (
     finalize,
     namespace_seed,
     page_keys,
+    page_states,
     state_of,
     token_words,
 )
@@ -64,6 +65,7 @@ def test_a_chain_continues_from_a_key_alone(tokens: list[int], page: int, cut: i
     first = page_keys(tokens[: head * page], page).tolist()
     rest = finalize(chain_states(token_words(tokens[head * page :]), page, state_of(first[-1]))).tolist()
     assert first + rest == whole
+    assert finalize(page_states(tokens, page, state_of(first[-1]), skip=head)).tolist() == rest
 
 
 def test_keys_name_prefixes_not_pages() -> None:

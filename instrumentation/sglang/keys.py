@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.instrumentation.page_keys import chain_states, finalize, namespace_seed, state_of, token_words
+from kvtrace.instrumentation.page_keys import finalize, namespace_seed, page_states, state_of
 
 _NONE = np.zeros(0, dtype=np.uint64)
 
@@ -37,13 +37,9 @@ class Chain:
     def extend(self, token_ids: Any, page_size: int) -> np.ndarray:
         """Keys of every full page of `token_ids` (a prefix of what earlier calls saw, or an
         extension of it); only pages not keyed yet are hashed. Returns all keys so far."""
-        pages = len(token_ids) // page_size
         done = len(self.keys)
-        if pages > done:
-            words = token_words(token_ids)
-            width = len(words) // len(token_ids)  # ids per token (1 unless tokens are tuples)
-            prior = int(self.states[-1]) if done else self.seed
-            new = chain_states(words[done * page_size * width : pages * page_size * width], page_size * width, prior)
+        if len(token_ids) // page_size > done:
+            new = page_states(token_ids, page_size, int(self.states[-1]) if done else self.seed, skip=done)
             if done:
                 self.states = np.concatenate([self.states, new])
                 self.keys = np.concatenate([self.keys, finalize(new)])

@@ -143,7 +143,7 @@ def test_state_matches_sglangs_own_kv_events(core: str) -> None:
 
     from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-    from kvtrace.instrumentation.page_keys import chain_states, finalize, token_words
+    from kvtrace.instrumentation.page_keys import finalize, page_states
 
     _, served, events, own = replay(_config(Mix.FULL, core, kv_tokens=100_000), 80, events=True)
     assert own, "SGLang published no events"
@@ -152,7 +152,7 @@ def test_state_matches_sglangs_own_kv_events(core: str) -> None:
     for e in own:
         if isinstance(e, BlockStored):
             prior = state[e.parent_block_hash] if e.parent_block_hash is not None else 0
-            states = chain_states(token_words(np.asarray(e.token_ids, dtype=np.int64)), e.block_size, prior)
+            states = page_states(e.token_ids, e.block_size, prior)
             assert len(states) == len(e.block_hashes)
             state.update(zip(e.block_hashes, states.tolist()))
             theirs |= set(finalize(states).tolist())
