@@ -39,10 +39,17 @@ def test_prefill_on_cpu_grows_with_tokens_and_with_context() -> None:
 def test_copies_on_cpu_give_a_bandwidth() -> None:
     import polars as pl
 
-    samples = calibrate_transfers("tiny", sizes=(1 << 20, 8 << 20, 32 << 20))
-    (t,) = fit_transfers(empty_events(), min_samples=3,
-                         calibrations=pl.from_arrow(to_arrow(samples, CalibrationSample)))
-    assert 0.1e9 < t.bytes_per_s < 1e12
+    # Timed on a shared machine: a run where a stall hit the small copies can fit a flat line
+    # (infinite bandwidth), so, as for prefill above, one of three runs must come out right.
+    seen = []
+    for _ in range(3):
+        samples = calibrate_transfers("tiny", sizes=(1 << 20, 8 << 20, 32 << 20))
+        (t,) = fit_transfers(empty_events(), min_samples=3,
+                             calibrations=pl.from_arrow(to_arrow(samples, CalibrationSample)))
+        if 0.1e9 < t.bytes_per_s < 1e12:
+            return
+        seen.append(t.bytes_per_s)
+    raise AssertionError(f"copy bandwidth never came out plausible: {seen} bytes/s")
 
 
 def test_shape_errors_name_the_field() -> None:
