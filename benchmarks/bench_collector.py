@@ -2,9 +2,11 @@
 
 Rows: a realistic mix of kvtrace events (commit runs, lookups with per-group key chains, adopts,
 evictions, offloads and loads) built once, then cut into batches of the emitter's default size
-(8,192) and encoded as the emitter sends them (msgpack, gzip level 1).
+(8,192) and encoded as the emitter's HTTP sink sends them, in each wire format asked for:
+msgpack rows (the default, gzip level 1) and Arrow columns (zstd). The sender's CPU per event to
+encode each is printed first: the columnar wire moves work from the collector to the sender.
 
-Measured in one run, alternating so machine noise hits both:
+Measured in one run, alternating so machine noise hits all of them:
   raw        the same rows inserted straight into an embedded store in this process, in the
              same batch sizes, both as Arrow tables and as JSON lines (the faster counts): the
              floor of what any ingest path can reach.
@@ -15,6 +17,7 @@ Measured in one run, alternating so machine noise hits both:
              with the number of events sent).
 
     .venv/bin/python benchmarks/bench_collector.py [--events 1000000] [--clients 4] [--rounds 2] [--stages]
+        [--wire rows,columns]
     .venv/bin/python benchmarks/bench_collector.py --formats [--events 200000]
 
 Each round also prints the CPU time the collector process and this one (the load generator)
@@ -42,6 +45,7 @@ import httpx
 import pyarrow as pa
 
 from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
@@ -87,6 +91,26 @@ def workload(n: int, seed: int = 1) -> list[Event]:
             ev(kind=EventKind.LOAD, component=ComponentKind.FULL_ATTENTION, src_tier=Tier.HOST,
                dst_tier=Tier.DEVICE, block_key=keys[0], nbytes=2 << 20, duration_ns=60_000, request_id=rid)
     return out[:n]
+
+
+def _rows_body(part: list[Event], seq: int) -> bytes:
+    return encode_batch(Batch(source_id=part[0].source_id, batch_seq=seq, sent_ns=time.time_ns(), events=part))
+
+
+def _columns_body(part: list[Event], seq: int) -> bytes:
+    return encode_columns(Envelope(source_id=part[0].source_id, batch_seq=seq, sent_ns=time.time_ns()), part)
+
+
+def _zstd(body: bytes) -> bytes:
+    return pa.compress(body, "zstd", asbytes=True)
+
+
+def _gzip(body: bytes) -> bytes:
+    return gzip.compress(body, 1)
+
+
+WIRES = {"rows": (_rows_body, CONTENT_TYPE, _gzip, "gzip"), "columns": (_columns_body, ARROW_TYPE, _zstd, "zstd")}
+"""Each wire format as the emitter's HTTP sink sends it: encoder, Content-Type, compression."""
 
 
 def raw_insert(events: list[Event], root: Path) -> dict[str, float]:
@@ -222,7 +246,8 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) -> dict[str, float]:
+def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path,
+                  content_type: str = CONTENT_TYPE, encoding: str = "gzip") -> dict[str, float]:
     port = 20000 + random.randint(0, 20000)
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "KVTRACE_HOME": str(root), "KVTRACE_DSN": f"chdb://{root}/db",
@@ -267,7 +292,7 @@ def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path) 
                     while True:
                         t0 = time.perf_counter()
                         r = c.post(url + "/v1/batches", content=bodies[i],
-                                   headers={"Content-Type": CONTENT_TYPE, "Content-Encoding": "gzip"})
+                                   headers={"Content-Type": content_type, "Content-Encoding": encoding})
                         if r.status_code == 200:
                             with lock:
                                 latencies.append(time.perf_counter() - t0)
@@ -346,44 +371,57 @@ def main() -> None:
     ap.add_argument("--stages", action="store_true", help="also time each step alone, in this process")
     ap.add_argument("--formats", action="store_true",
                     help="only compare insert formats for the same rows (CPU per row), then exit")
+    ap.add_argument("--wire", default="rows,columns",
+                    help="wire formats the senders use, each measured in every round: rows (msgpack), columns (Arrow)")
     args = ap.parse_args()
+    wires = [w.strip() for w in args.wire.split(",") if w.strip()]
+    if not wires or any(w not in WIRES for w in wires):
+        ap.error(f"--wire {args.wire!r}: expected a comma-separated subset of {', '.join(WIRES)}")
     t = time.perf_counter()
     events = workload(args.events)
-    bodies = [gzip.compress(encode_batch(Batch(source_id=events[0].source_id, batch_seq=i // BATCH + 1,
-                                               sent_ns=time.time_ns(), events=events[i:i + BATCH])), 1)
-              for i in range(0, len(events), BATCH)]
-    print(f"bench_collector: {len(events):,} events in {len(bodies)} batches of {BATCH} "
-          f"({sum(map(len, bodies)) / len(events):.0f} B/event on the wire, gzip'd); built in "
-          f"{time.perf_counter() - t:.1f} s; {platform.python_version()}, {os.cpu_count()} CPUs")
+    print(f"bench_collector: {len(events):,} events in batches of {BATCH}, built in {time.perf_counter() - t:.1f} s; "
+          f"{platform.python_version()}, {os.cpu_count()} CPUs")
+    bodies: dict[str, list[bytes]] = {}
+    for wire in wires:
+        t = time.process_time()
+        encode, _, compress, encoding = WIRES[wire]
+        bodies[wire] = [compress(encode(events[i:i + BATCH], i // BATCH + 1)) for i in range(0, len(events), BATCH)]
+        print(f"  {wire:<8} sender's CPU to encode + {encoding}: {(time.process_time() - t) / len(events) * 1e6:.2f} us/event, "
+              f"{sum(map(len, bodies[wire])) / len(events):.0f} B/event on the wire")
     if args.formats:
         with tempfile.TemporaryDirectory(prefix="kvt-bench-formats-") as tmp:
             for name, value in insert_formats(events, Path(tmp)).items():
                 print(f"  {name:<52} {value:8.2f}{'' if name.startswith('python') else ' us/row'}")
         return
-    raws, runs = [], []
+    raws: list[dict[str, float]] = []
+    runs: dict[str, list[dict[str, float]]] = {w: [] for w in wires}
     with tempfile.TemporaryDirectory(prefix="kvt-bench-collector-") as tmp:
         for k in range(args.rounds):
             raws.append(raw_insert(events, Path(tmp)))
-            root = Path(tmp) / f"c{k}"
-            root.mkdir()
-            runs.append(collector_run(bodies, len(events), args.clients, root))
             raw_best = max(raws[-1].values())
-            c = runs[-1]
             print(f"round {k + 1}: raw insert arrow {raws[-1]['arrow']:,.0f} rows/s, arrow IPC "
-                  f"{raws[-1]['arrow_ipc']:,.0f} rows/s, json {raws[-1]['json']:,.0f} rows/s | collector {c['events_per_s']:,.0f} events/s stored end to end "
-                  f"({c['ack_events_per_s']:,.0f}/s acknowledged), ratio {c['events_per_s'] / raw_best:.2f} | "
-                  f"request p50 {c['p50_ms']:.1f} ms p99 {c['p99_ms']:.1f} ms | RSS idle {c['rss_idle_mib']:.0f} "
-                  f"MiB, peak in first quarter {c['rss_peak_first_quarter_mib']:.0f} MiB, peak {c['rss_peak_mib']:.0f} MiB | "
-                  f"CPU per event: collector {c['cpu_us_per_event']:.1f} us, load generator {c['sender_cpu_us_per_event']:.1f} us")
-        if args.stages:
-            stages = stage_costs(bodies, len(events), Path(tmp))
-            print("each step alone, CPU per event: " + ", ".join(f"{k} {v:.2f} us" for k, v in stages.items())
+                  f"{raws[-1]['arrow_ipc']:,.0f} rows/s, json {raws[-1]['json']:,.0f} rows/s")
+            for wire in wires if k % 2 == 0 else wires[::-1]:  # alternate which goes first
+                root = Path(tmp) / f"c{k}-{wire}"
+                root.mkdir()
+                c = collector_run(bodies[wire], len(events), args.clients, root, WIRES[wire][1], WIRES[wire][3])
+                runs[wire].append(c)
+                print(f"  {wire:<8} collector {c['events_per_s']:,.0f} events/s stored end to end "
+                      f"({c['ack_events_per_s']:,.0f}/s acknowledged), ratio {c['events_per_s'] / raw_best:.2f} | "
+                      f"request p50 {c['p50_ms']:.1f} ms p99 {c['p99_ms']:.1f} ms | RSS idle {c['rss_idle_mib']:.0f} "
+                      f"MiB, peak in first quarter {c['rss_peak_first_quarter_mib']:.0f} MiB, peak "
+                      f"{c['rss_peak_mib']:.0f} MiB | CPU per event: collector {c['cpu_us_per_event']:.1f} us, "
+                      f"load generator {c['sender_cpu_us_per_event']:.1f} us")
+        if args.stages and "rows" in bodies:
+            stages = stage_costs(bodies["rows"], len(events), Path(tmp))
+            print("rows, each step alone, CPU per event: " + ", ".join(f"{k} {v:.2f} us" for k, v in stages.items())
                   + f"; total {sum(stages.values()):.2f} us")
-    ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs)]
-    same_format = [c["events_per_s"] / r["json"] for r, c in zip(raws, runs)]
-    print(f"median collector / fastest raw ClickHouse insert of the same rows: {statistics.median(ratios):.2f} "
-          f"(target >= 0.50); / raw insert of the same rows as JSON lines (the collector's own insert "
-          f"format): {statistics.median(same_format):.2f}")
+    for wire in wires:
+        ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs[wire])]
+        same_format = [c["events_per_s"] / r["json" if wire == "rows" else "arrow_ipc"] for r, c in zip(raws, runs[wire])]
+        print(f"{wire}: median collector / fastest raw ClickHouse insert of the same rows: "
+              f"{statistics.median(ratios):.2f} (target >= 0.50); / raw insert in the collector's own insert format "
+              f"({'JSON lines' if wire == 'rows' else 'Arrow IPC'}): {statistics.median(same_format):.2f}")
 
 
 if __name__ == "__main__":

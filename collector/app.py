@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtrace.collector.auth import Grant
 from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
 from kvtrace.collector.service import Collector, Unavailable
+from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.clickhouse import EVENTS, VERDICTS
 from kvtrace.schema.events import WIRE_REQUIRED
 from kvtrace.schema.kinds import EventKind
@@ -171,10 +172,13 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
     @app.post("/v1/batches", response_model=IngestReply, responses=_ERRORS, summary="Ingest a kvtrace batch",
               openapi_extra={"requestBody": {"required": True, "content": {
                   CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                  ARROW_TYPE: {"schema": {"type": "string", "format": "binary"}},
                   JSON_TYPE: {"schema": {"$ref": "#/components/schemas/Batch"}}}}})
     async def post_batch(request: Request) -> Any:
-        """A batch in the emitter's wire format (msgpack) or its JSON form, optionally gzip'd.
-        Good rows are stored and bad ones quarantined; the reply counts both and says why."""
+        """A batch in the emitter's wire format (msgpack rows), as columns (an Arrow IPC stream
+        of the event schema, envelope as JSON in the schema metadata key `kvtrace.batch`) or in
+        its JSON form, optionally gzip'd. Good rows are stored and bad ones quarantined; the
+        reply counts both and says why."""
         result = await _ingest(request, otlp=False)
         if isinstance(result, Response):
             return result

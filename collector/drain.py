@@ -1,9 +1,9 @@
 """Moves spooled batches into the store in large inserts, retrying with backoff until it can.
 
-One thread, one chunk at a time, in spool order. A chunk's events (JSON lines, parsed by
-ClickHouse, which releases the GIL while it does), quarantined rows and emitter stats are
-inserted with the chunk's de-duplication token, then the spool checkpoint moves past it; a
-crash between the two is harmless (see `spool`). While the store is down the chunk is
+One thread, one chunk at a time, in spool order. A chunk's events (JSON lines and Arrow
+streams, parsed by ClickHouse, which releases the GIL while it does), quarantined rows and
+emitter stats are inserted with the chunk's de-duplication token, then the spool checkpoint
+moves past it; a crash between the two is harmless (see `spool`). While the store is down the chunk is
 retried with capped exponential backoff and the spool keeps accepting until its bound.
 """
 
@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import pyarrow as pa
 
 from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
 from kvtrace.collector.store import Store
-from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.arrow import arrow_schema, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
@@ -124,12 +125,17 @@ class Drain:
     def _store(self, chunk: Chunk) -> list[Event]:
         records, rejections = self._records(chunk)
         lines = b"".join(r.lines for r in records)
+        columns = pa.concat_tables([pa.ipc.open_stream(r.columns).read_all() for r in records if r.columns]
+                                   or [arrow_schema().empty_table()])
         stats: dict[int, EmitterStats] = {}
         for r in records:
             rejections.extend(r.rejections)
             if r.stats is not None:  # cumulative: the latest per source says it all
                 stats[r.stats.source_id] = r.stats
         self.store.insert_json_lines(EVENTS.name, lines, dedup_token=chunk.token)
+        # A second insert into the same table needs a token of its own, or it would be dropped
+        # as a repeat of the first.
+        self.store.insert_arrow(EVENTS.name, columns, dedup_token=f"{chunk.token}:columns")
         if rejections:
             self.store.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection), dedup_token=chunk.token)
         if stats:
@@ -141,10 +147,10 @@ class Drain:
             for tenant, count in r.tenants.items():
                 self.metrics.stored.labels(tenant).inc(count)
         self.stored_events += n
-        if self.on_stored is None or not lines:
+        if self.on_stored is None or not (lines or columns.num_rows):
             return []
         with no_gc():
-            return _decode_events(lines)
+            return _decode_events(lines) + from_arrow(columns)
 
     def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[Rejection]]:
         """The chunk's records. One that cannot be read back (a spool from another version, a

@@ -17,12 +17,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace.collector.auth import Grant
+from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.arrow_checks import clean_rows
+from kvtrace.schema.arrow_wire import ARROW_TYPE, read_stream
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.schema.validation import (clean, event_from_builtins, event_from_json, problems, range_problems,
-                                       validate_rows)
+                                       validate_numbered, validate_rows)
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch, WireError, decode_batch, decode_raw_event
 
 JSON_TYPE = "application/json"
@@ -42,15 +48,20 @@ class IntakeError(Exception):
 
 @dataclass(slots=True)
 class Intake:
-    """What one request contributes: the batch to spool and its counts."""
+    """What one request contributes: the batch to spool and its counts.
+
+    Accepted events are the batch's rows, or, for a columnar request, `table` (the batch then
+    carries only the envelope, stats and rejections).
+    """
 
     batch: Batch
     received: int
+    table: pa.Table | None = None
     accepted: int = 0
     quarantined: int = 0
 
     def __post_init__(self) -> None:
-        self.accepted = len(self.batch.events)
+        self.accepted = len(self.batch.events) + (self.table.num_rows if self.table is not None else 0)
         self.quarantined = len(self.batch.rejections)
 
     def release(self) -> None:
@@ -58,6 +69,7 @@ class Intake:
         Freeing thousands of rows is real work, better done in the worker thread than on the
         event loop that serves every connection."""
         self.batch.events = []
+        self.table = None
 
 
 def media_type(content_type: str | None) -> str:
@@ -65,14 +77,27 @@ def media_type(content_type: str | None) -> str:
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """Undo Content-Encoding (gzip, deflate or none) without ever holding more than `limit`."""
+    """Undo Content-Encoding (zstd, gzip, deflate or none) without ever holding more than `limit`.
+
+    zstd (through pyarrow's codec) costs a sender about a fifth of what gzip does for the same
+    size: what the columnar HTTP sink uses.
+    """
     encoding = (encoding or "identity").strip().lower()
     if encoding in ("", "identity"):
         if len(body) > limit:
             raise IntakeError(413, f"body is {len(body)} bytes; the limit is {limit}")
         return body
+    if encoding == "zstd":
+        try:
+            stream = pa.CompressedInputStream(pa.BufferReader(body), "zstd")
+            out = stream.read(limit + 1)  # inflates no further than one byte past the limit
+        except OSError as exc:
+            raise IntakeError(400, f"body is not valid zstd: {exc}") from None
+        if len(out) > limit:
+            raise IntakeError(413, f"body inflates past the limit of {limit} bytes")
+        return out
     if encoding not in ("gzip", "deflate"):
-        raise IntakeError(415, f"Content-Encoding {encoding!r} not supported (use gzip, deflate or none)")
+        raise IntakeError(415, f"Content-Encoding {encoding!r} not supported (use zstd, gzip, deflate or none)")
     inflater = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
     try:
         out = inflater.decompress(body, limit + 1)
@@ -168,9 +193,11 @@ def _fast(payload: bytes) -> Batch | None:
 
 
 def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
-    """A kvtrace batch in the msgpack wire format or its JSON form."""
+    """A kvtrace batch in the msgpack wire format, its JSON form or as Arrow columns."""
     kind = media_type(content_type)
     received_ns = time.time_ns()
+    if kind == ARROW_TYPE:
+        return intake_columns(payload, grant)
     if kind == CONTENT_TYPE:
         batch = _fast(payload)
         if batch is None:
@@ -196,10 +223,65 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
         batch = Batch(source_id=env.source_id, batch_seq=env.batch_seq, sent_ns=env.sent_ns, events=good,
                       stats=env.stats, rejections=bad)
     else:
-        raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported: send {CONTENT_TYPE} "
-                               f"or {JSON_TYPE}")
+        raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported: send {CONTENT_TYPE}, "
+                               f"{ARROW_TYPE} or {JSON_TYPE}")
     _finish(batch, grant, received_ns)
     return Intake(batch, len(batch.events) + len(batch.rejections))
+
+
+def intake_columns(payload: bytes, grant: Grant) -> Intake:
+    """A columnar batch (`arrow_wire`): rows checked column-wise, and only the rows that fail
+    go through the row path, which names their fault; the accepted rows stay columns."""
+    received_ns = time.time_ns()
+    try:
+        meta, table = read_stream(payload)
+    except WireError as exc:
+        raise IntakeError(400, str(exc)) from None
+    try:
+        env = _json_envelope.decode(meta)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise IntakeError(400, f"not a kvtrace batch: envelope: {exc}") from None
+    _check_envelope(env)
+    if env.wire_version != WIRE_VERSION:
+        raise IntakeError(400, f"wire version {env.wire_version} not supported (this collector knows {WIRE_VERSION})")
+    received = table.num_rows
+    ok = clean_rows(table)  # rows stored as they came
+    rejections: list[Rejection] = []
+    if ok.all():
+        _check_tenants(table, ok, grant)
+    else:
+        dirty = np.flatnonzero(~ok)
+        good, rejections = validate_numbered(zip((dirty + 1).tolist(), table.take(dirty).to_pylist(), strict=True),
+                                             _origin(env, grant))
+        accepted = ok.copy()
+        refused = {r.row - 1 for r in rejections}
+        accepted[[i for i in dirty.tolist() if i not in refused]] = True
+        _check_tenants(table, accepted, grant)
+        table = table.filter(pa.array(ok))
+        if good:  # rows the row path accepted after all (an older schema version, upgraded)
+            table = pa.concat_tables([table, to_arrow(good)])
+    if not grant.operator:
+        tenant = table.column("tenant")
+        if pc.any(pc.equal(tenant, "")).as_py():
+            table = table.set_column(table.schema.get_field_index("tenant"), table.schema.field("tenant"),
+                                     pc.if_else(pc.equal(tenant, ""), grant.home, tenant))
+    batch = Batch(source_id=env.source_id, batch_seq=env.batch_seq, sent_ns=env.sent_ns, stats=env.stats,
+                  rejections=rejections)
+    _finish(batch, grant, received_ns)
+    return Intake(batch, received, table=table)
+
+
+def _check_tenants(table: pa.Table, accepted: np.ndarray, grant: Grant) -> None:
+    """Refuse the request, naming the first accepted row written into another tenant's namespace."""
+    if grant.operator or not accepted.any():
+        return
+    tenant = table.column("tenant")
+    allowed = pa.array(sorted(grant.tenants), pa.string())
+    outside = np.asarray(pc.fill_null(pc.and_(pc.not_equal(tenant, ""),
+                                              pc.invert(pc.is_in(tenant, value_set=allowed))), False)) & accepted
+    if outside.any():
+        row = int(np.argmax(outside))
+        raise IntakeError(403, f"row {row + 1}: tenant {tenant[row].as_py()!r} is outside this token's namespace")
 
 
 def intake_events(batch: Batch, grant: Grant) -> Intake:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
+import pyarrow.compute as pc
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.auth import Grant, TokenTable
@@ -24,6 +25,7 @@ from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
 from kvtrace.collector.store import Store, data_dir
+from kvtrace.schema.arrow_wire import write_stream
 from kvtrace.schema.recipes import Recipe
 from kvtrace.schema.wire import Batch
 
@@ -200,11 +202,16 @@ class Collector:
         tenant = grant.name
         self.metrics.received.labels(tenant).inc(intake.received)
         if intake.accepted or intake.quarantined or intake.batch.stats is not None:
-            batch = intake.batch
+            batch, table = intake.batch, intake.table
+            tenants = Counter(e.tenant for e in batch.events)
+            if table is not None and table.num_rows:
+                counts = pc.value_counts(table.column("tenant")).to_pylist()
+                tenants.update({c["values"]: c["counts"] for c in counts})
             data = encode_record(SpoolRecord(
                 received_ns=time.time_ns(), origin=f"{grant.name}:{batch.source_id:016x}:{batch.batch_seq}",
-                events=len(batch.events), tenants=dict(Counter(e.tenant for e in batch.events)),
-                lines=json_lines(batch.events), rejections=batch.rejections, stats=batch.stats))
+                events=intake.accepted, tenants=dict(tenants), lines=json_lines(batch.events),
+                columns=write_stream(table) if table is not None and table.num_rows else b"",
+                rejections=batch.rejections, stats=batch.stats))
             try:
                 self.spool.append(data)
             except SpoolFull as exc:

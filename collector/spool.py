@@ -37,9 +37,10 @@ SPOOL_HEADER = MAGIC + WIRE_VERSION.to_bytes(2, "big")
 class SpoolRecord(msgspec.Struct, kw_only=True):
     """One accepted request, as the spool keeps it until it is stored.
 
-    Events are kept as the JSON lines ClickHouse parses on insert, so the drain never decodes
-    them again (live reconstruction decodes them only when it runs); `tenants` counts them per
-    tenant for the metrics.
+    Events are kept as ClickHouse takes them on insert, so the drain never decodes them again
+    (live reconstruction decodes them only when it runs): rows as JSON lines, and the events of
+    a columnar request as the Arrow IPC stream in `columns`. `tenants` counts them per tenant
+    for the metrics.
     """
 
     received_ns: int
@@ -47,6 +48,7 @@ class SpoolRecord(msgspec.Struct, kw_only=True):
     events: int
     tenants: dict[str, int]
     lines: bytes
+    columns: bytes = b""
     rejections: list[Rejection] = []
     stats: EmitterStats | None = None
 

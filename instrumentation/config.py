@@ -6,6 +6,8 @@ Variables (all optional; nothing is emitted unless KVTRACE_ENABLED is true):
   KVTRACE_DSN                store DSN for the store sink (chdb:///path or http(s)://...)
   KVTRACE_COLLECTOR_URL      collector base URL for the collector sink
   KVTRACE_TOKEN              bearer token for the collector
+  KVTRACE_COLLECTOR_WIRE     rows (msgpack, the default: cheapest for the engine) | columns
+                             (Arrow: costs the engine more, the collector much less)
   KVTRACE_OTLP_ENDPOINT      OTLP/HTTP logs endpoint for the otlp sink
   KVTRACE_SPOOL_DIR          directory for spool files
   KVTRACE_INSTANCE           instance name stamped on stats (default: hostname:pid)
@@ -26,6 +28,7 @@ from enum import StrEnum
 from kvtrace.instrumentation.api import Emitter, set_emitter
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import Sink
+from kvtrace.instrumentation.sinks.http import Wire
 
 
 class SinkKind(StrEnum):
@@ -49,6 +52,7 @@ class EmitterSettings:
     sink: SinkKind = SinkKind.SPOOL
     dsn: str = ""
     collector_url: str = ""
+    collector_wire: Wire = Wire.ROWS
     token: str = field(default="", repr=False)
     otlp_endpoint: str = ""
     spool_dir: str = ""
@@ -88,6 +92,12 @@ class EmitterSettings:
 
         dsn = env.get("KVTRACE_DSN", "")
         url = env.get("KVTRACE_COLLECTOR_URL", "")
+        raw_wire = env.get("KVTRACE_COLLECTOR_WIRE", "").strip().lower() or Wire.ROWS.value
+        try:
+            wire = Wire(raw_wire)
+        except ValueError:
+            raise ConfigError(f"KVTRACE_COLLECTOR_WIRE={raw_wire!r}: expected one of "
+                              f"{', '.join(w.value for w in Wire)}") from None
         otlp = env.get("KVTRACE_OTLP_ENDPOINT", "")
         spool = env.get("KVTRACE_SPOOL_DIR", "")
         sink_name = env.get("KVTRACE_SINK", "").strip().lower()
@@ -118,6 +128,7 @@ class EmitterSettings:
             sink=sink,
             dsn=dsn,
             collector_url=url,
+            collector_wire=wire,
             token=env.get("KVTRACE_TOKEN", ""),
             otlp_endpoint=otlp,
             spool_dir=spool,
@@ -143,7 +154,7 @@ def build_sink(settings: EmitterSettings) -> Sink:
     if settings.sink is SinkKind.COLLECTOR:
         from kvtrace.instrumentation.sinks.http import HttpSink
 
-        return HttpSink(settings.collector_url, token=settings.token)
+        return HttpSink(settings.collector_url, token=settings.token, wire=settings.collector_wire)
     if settings.sink is SinkKind.STORE:
         from kvtrace.collector.store import Store
         from kvtrace.instrumentation.sinks.store import StoreSink

@@ -32,7 +32,7 @@ Added fields need no entry: rows that lack them take the field's default.
 """
 
 
-_MEASUREMENTS = ("probe_max_abs_diff", "probe_mean_kl", "probe_max_kl", "noise_floor")
+MEASUREMENTS = ("probe_max_abs_diff", "probe_mean_kl", "probe_max_kl", "noise_floor")
 """The float columns: JSON cannot carry NaN or infinity, and a negative distance is a bug."""
 
 
@@ -124,7 +124,7 @@ def problems(event: Event, msgpack_decoded: bool = False) -> list[Problem]:
         out.append(Problem("ts_ns", "must be a positive Unix time in nanoseconds"))
     if event.source_id == 0:
         out.append(Problem("source_id", "must be non-zero (the emitter draws a random one)"))
-    for name in _MEASUREMENTS:
+    for name in MEASUREMENTS:
         value = getattr(event, name)
         if not (math.isfinite(value) and value >= 0.0):  # NaN compares false: caught here too
             out.append(Problem(name, f"{value!r}: a measurement must be finite and not negative"))
@@ -201,7 +201,7 @@ def clean(event: Event) -> bool:
     return not (kind is EventKind.LOOKUP and e.reported_hit_tokens > e.prompt_tokens)
 
 
-if {name for name, *_ in _int64_bounds()} != {"ts_ns", "lease_expiry_ns", "duration_ns"} or set(_MEASUREMENTS) != {
+if {name for name, *_ in _int64_bounds()} != {"ts_ns", "lease_expiry_ns", "duration_ns"} or set(MEASUREMENTS) != {
         "probe_max_abs_diff", "probe_mean_kl", "probe_max_kl", "noise_floor"}:
     raise RuntimeError("schema columns changed: update validation.clean() to match problems()")
 

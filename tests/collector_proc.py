@@ -15,6 +15,7 @@ import httpx
 
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 
 SOURCE = 0x5EED
@@ -97,14 +98,20 @@ def commits(start: int, n: int, t0: int) -> list[Event]:
 
 
 def send_until_acked(url: str, batch_seq: int, events: list[Event], timeout_s: float = 120) -> int:
-    """At-least-once, as the emitter does it: re-send until a 200. Returns attempts made."""
-    body = encode_batch(Batch(source_id=SOURCE, batch_seq=batch_seq, sent_ns=time.time_ns(), events=events))
+    """At-least-once, as the emitter does it: re-send until a 200. Returns attempts made.
+    Odd batches go as columns, even ones as msgpack rows: both wire formats cross the crash."""
+    if batch_seq % 2:
+        body = encode_columns(Envelope(source_id=SOURCE, batch_seq=batch_seq, sent_ns=time.time_ns()), events)
+        content_type = ARROW_TYPE
+    else:
+        body = encode_batch(Batch(source_id=SOURCE, batch_seq=batch_seq, sent_ns=time.time_ns(), events=events))
+        content_type = CONTENT_TYPE
     deadline = time.monotonic() + timeout_s
     attempts = 0
     while True:
         attempts += 1
         try:
-            r = httpx.post(url + "/v1/batches", content=body, headers={"Content-Type": CONTENT_TYPE}, timeout=30)
+            r = httpx.post(url + "/v1/batches", content=body, headers={"Content-Type": content_type}, timeout=30)
             if r.status_code == 200:
                 assert r.json()["accepted"] == len(events)
                 return attempts

@@ -17,7 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvtrace.schema.events import REQUIRED_BY_KIND, Event
+from kvtrace.schema.events import REQUIRED_BY_KIND, SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import (
     EVICT_REASONS,
     INVALIDATE_REASONS,
@@ -250,3 +250,29 @@ def seeded_events(n: int, seed: int = 0, sources: int = 4, ts_base: int = STORE_
         ts = ts_base + seq * 1_000 + rng.randint(0, 999) + jump
         out.append(Event(kind=kind, ts_ns=ts, source_id=src, seq=seq, **f))
     return out
+
+
+# Values at and past the edges of what `problems` accepts, for the fields its rules read.
+EDGES: dict[str, st.SearchStrategy] = {
+    "schema_version": st.sampled_from([0, 1, SCHEMA_VERSION, SCHEMA_VERSION + 1]),
+    "ts_ns": st.sampled_from([-1, 0, 1, 2**63 - 1, 2**63]),
+    "lease_expiry_ns": st.sampled_from([-1, 0, 2**63 - 1, 2**63]),
+    "duration_ns": st.sampled_from([-1, 0, 2**63 - 1, 2**63]),
+    "source_id": st.sampled_from([0, 1]),
+    "token_start": st.integers(0, 64),
+    "token_end": st.integers(0, 64),
+    "block_key": st.sampled_from([0, 7]),
+    "more_keys": st.sampled_from([[], [3], [0, 3]]),
+    "reason": st.sampled_from(list(Reason)),
+    "reported_hit_tokens": st.integers(0, 128),
+    "prompt_tokens": st.integers(0, 128),
+    "reused_tokens": st.sampled_from([[], [1], [1, 2]]),
+    "request_id": st.sampled_from(["", "r"]),
+    "probe_of": st.sampled_from(["", "r"]),
+    "component": st.sampled_from([ComponentKind.NONE, ComponentKind.MAMBA]),
+    "tier": st.sampled_from([Tier.NONE, Tier.HOST]),
+    "probe_max_abs_diff": st.sampled_from([0.0, -0.0, 1.5, -1e-9, float("nan"), float("inf")]),
+    "probe_mean_kl": st.sampled_from([0.0, float("-inf"), 2.0]),
+    "probe_max_kl": st.sampled_from([0.0, float("nan"), 2.0]),
+    "noise_floor": st.sampled_from([0.0, -1.0, 1e300]),
+}

@@ -22,6 +22,7 @@ from kvtrace.collector.auth import TokenTable
 from kvtrace.collector.service import Collector, CollectorConfig
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.wire import CONTENT_TYPE
 
 TOKEN = "fuzz-token"
@@ -121,9 +122,9 @@ def test_mutated_batches_never_fail_the_server(batch: dict, as_json: bool, gz: b
         assert all(p["reason"] for p in reply["problems"])
 
 
-@given(body=st.binary(max_size=2048), ctype=st.sampled_from([CONTENT_TYPE, "application/json",
+@given(body=st.binary(max_size=2048), ctype=st.sampled_from([CONTENT_TYPE, ARROW_TYPE, "application/json",
                                                               "application/x-protobuf", "text/plain", ""]),
-       encoding=st.sampled_from(["", "gzip", "deflate", "br"]), path=st.sampled_from(["/v1/batches", "/v1/logs"]))
+       encoding=st.sampled_from(["", "gzip", "deflate", "zstd", "br"]), path=st.sampled_from(["/v1/batches", "/v1/logs"]))
 @settings(max_examples=EXAMPLES * 5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=FIXED)
 def test_random_bytes_are_refused_with_a_reason(body: bytes, ctype: str, encoding: str, path: str) -> None:
     headers = {**AUTH, "Content-Type": ctype}

@@ -6,6 +6,7 @@ import gzip
 from pathlib import Path
 
 import msgspec
+import pyarrow as pa
 import pytest
 
 from kvtrace.collector.auth import OPEN, AuthConfigError, TokenTable
@@ -180,6 +181,18 @@ def test_decompression_is_bounded() -> None:
         decompress(b"x", "br", 100)
     assert err.value.status == 415
     assert decompress(gzip.compress(b"hello"), "gzip", 100) == b"hello"
+
+
+def test_zstd_decompression_is_bounded_too() -> None:
+    bomb = pa.compress(b"\x00" * (64 << 20), "zstd", asbytes=True)  # ~2 KB that would inflate to 64 MiB
+    with pytest.raises(IntakeError) as err:
+        decompress(bomb, "zstd", 1 << 20)
+    assert err.value.status == 413
+    for broken in (bomb[:-8], b"not zstd at all"):
+        with pytest.raises(IntakeError) as err:
+            decompress(broken, "zstd", 64 << 20)
+        assert err.value.status == 400 and "not valid zstd" in err.value.message
+    assert decompress(pa.compress(b"hello", "zstd", asbytes=True), "ZSTD", 100) == b"hello"
 
 
 def test_otlp_logs_carry_events_in_protobuf_and_json() -> None:

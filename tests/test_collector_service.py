@@ -24,6 +24,7 @@ from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequ
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.http import HttpSink
 from kvtrace.schema.arrow import from_arrow, to_arrow
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
@@ -98,8 +99,9 @@ def post(client: httpx.Client, evs: list[Event], seq: int = 1) -> httpx.Response
     return client.post("/v1/batches", content=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def test_the_emitter_delivers_through_the_collector_into_the_store(served: Served, store: Store) -> None:
-    emitter = BatchEmitter(HttpSink(served.url, token="tok-acme"), BatchConfig(max_export_batch_size=500))
+@pytest.mark.parametrize("wire", ["rows", "columns"])
+def test_the_emitter_delivers_through_the_collector_into_the_store(served: Served, store: Store, wire: str) -> None:
+    emitter = BatchEmitter(HttpSink(served.url, token="tok-acme", wire=wire), BatchConfig(max_export_batch_size=500))
     sent = events(3000)
     for e in sent:
         emitter.emit(e)
@@ -212,13 +214,15 @@ def test_readiness_and_metrics_report_what_happened(served: Served) -> None:
     assert "kvtrace_collector_spool_pending_bytes 0.0" in text
 
 
+@pytest.mark.parametrize("wire", ["rows", "columns"])
 def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store: Store, store_dsn: str,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path, wire: str) -> None:
     recipe = load_recipe("mamba-hybrid")
     config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), recipes=recipe,
                              lateness_ns=200_000_000)
     with Served(config) as s:
-        emitter = BatchEmitter(HttpSink(s.url), BatchConfig(max_export_batch_size=256, schedule_delay_millis=20))
+        emitter = BatchEmitter(HttpSink(s.url, wire=wire),
+                               BatchConfig(max_export_batch_size=256, schedule_delay_millis=20))
         sim = CacheSimulator(SimConfig(recipe=recipe, model="m"), emitter)
         prefix = list(range(1000, 1000 + 96))
         for i in range(40):
@@ -238,13 +242,17 @@ def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store:
 
 
 def test_every_field_survives_the_collector_exactly(served: Served, store: Store) -> None:
-    """Extremes, non-ASCII text, NUL bytes, every kind and enum: stored as sent."""
+    """Extremes, non-ASCII text, NUL bytes, every kind and enum: stored as sent, whether they
+    came as rows or as columns (alternately, so that drain chunks hold both)."""
     sent = seeded_events(3000, seed=5)
     with served.client("tok-op") as c:
         for i in range(0, len(sent), 500):
             part = sent[i:i + 500]
-            r = c.post("/v1/batches", headers={"Content-Type": CONTENT_TYPE},
-                       content=encode_batch(Batch(source_id=1, batch_seq=i, sent_ns=1, events=part)))
+            if i // 500 % 2:
+                body, ctype = encode_columns(Envelope(source_id=1, batch_seq=i, sent_ns=1), part), ARROW_TYPE
+            else:
+                body, ctype = encode_batch(Batch(source_id=1, batch_seq=i, sent_ns=1, events=part)), CONTENT_TYPE
+            r = c.post("/v1/batches", headers={"Content-Type": ctype}, content=body)
             assert r.status_code == 200 and r.json()["accepted"] == len(part), r.text
     served.settle()
     assert sorted(stored(store), key=event_key) == sorted(sent, key=event_key)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import TIERS, events
+from strategies import EDGES, TIERS, events
 
 from kvtrace.schema import validation
 from kvtrace.schema.arrow import from_arrow, to_arrow
@@ -371,35 +371,9 @@ def test_runs_name_more_blocks_only_on_object_events():
     assert "0 is not a block key" in validation.problems(zero)[0].reason
 
 
-# Values at and past the edges of what `problems` accepts, for the fields its rules read.
-_EDGES: dict[str, st.SearchStrategy] = {
-    "schema_version": st.sampled_from([0, 1, SCHEMA_VERSION, SCHEMA_VERSION + 1]),
-    "ts_ns": st.sampled_from([-1, 0, 1, 2**63 - 1, 2**63]),
-    "lease_expiry_ns": st.sampled_from([-1, 0, 2**63 - 1, 2**63]),
-    "duration_ns": st.sampled_from([-1, 0, 2**63 - 1, 2**63]),
-    "source_id": st.sampled_from([0, 1]),
-    "token_start": st.integers(0, 64),
-    "token_end": st.integers(0, 64),
-    "block_key": st.sampled_from([0, 7]),
-    "more_keys": st.sampled_from([[], [3], [0, 3]]),
-    "reason": st.sampled_from(list(Reason)),
-    "reported_hit_tokens": st.integers(0, 128),
-    "prompt_tokens": st.integers(0, 128),
-    "reused_tokens": st.sampled_from([[], [1], [1, 2]]),
-    "request_id": st.sampled_from(["", "r"]),
-    "probe_of": st.sampled_from(["", "r"]),
-    "component": st.sampled_from([ComponentKind.NONE, ComponentKind.MAMBA]),
-    "tier": st.sampled_from([Tier.NONE, Tier.HOST]),
-    "probe_max_abs_diff": st.sampled_from([0.0, -0.0, 1.5, -1e-9, float("nan"), float("inf")]),
-    "probe_mean_kl": st.sampled_from([0.0, float("-inf"), 2.0]),
-    "probe_max_kl": st.sampled_from([0.0, float("nan"), 2.0]),
-    "noise_floor": st.sampled_from([0.0, -1.0, 1e300]),
-}
-
-
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events(), st.dictionaries(st.sampled_from(sorted(_EDGES)), st.none(), max_size=4), st.data())
+@given(events(), st.dictionaries(st.sampled_from(sorted(EDGES)), st.none(), max_size=4), st.data())
 def test_clean_agrees_with_problems(event: Event, fields: dict, data: st.DataObject) -> None:
     """The ingest fast path's `clean` accepts exactly the events `problems` finds nothing wrong with."""
-    changed = msgspec.structs.replace(event, **{name: data.draw(_EDGES[name], label=name) for name in fields})
+    changed = msgspec.structs.replace(event, **{name: data.draw(EDGES[name], label=name) for name in fields})
     assert validation.clean(changed) == (not problems(changed, msgpack_decoded=True)), problems(changed)

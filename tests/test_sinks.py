@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import msgspec
+import pyarrow as pa
 import pytest
 
 from kvtrace.collector.store import Store
@@ -25,6 +26,8 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.sinks.otlp import EVENT_NAME, STATS_NAME, OtlpLogSink
 from kvtrace.instrumentation.sinks.spool import SpoolSink, SpoolWriter
 from kvtrace.instrumentation.sinks.store import StoreSink
+from kvtrace.schema.arrow import from_arrow
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, read_stream
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.records import EmitterStats
@@ -263,6 +266,22 @@ def test_http_sink_posts_gzip_msgpack_with_auth(collector: Collector) -> None:
     assert (batch.source_id, batch.batch_seq, batch.sent_ns) == (0xABCDEF, 3, 11)
     assert decode_events(batch) == events
     assert batch.stats == stats
+
+
+def test_http_sink_posts_columns_zstd_compressed(collector: Collector) -> None:
+    sink = HttpSink(collector.url, timeout_s=5, wire="columns")
+    events = stamped(5)
+    events[0].block_key = 2**64 - 1
+    stats = EmitterStats(ts_ns=9, source_id=0xABCDEF, emitted=5)
+    assert sink.export(Batch(source_id=0xABCDEF, batch_seq=3, sent_ns=11, events=events, stats=stats)).status is ExportStatus.SUCCESS
+    req = collector.requests[0]
+    assert req.headers["Content-Type"] == ARROW_TYPE and req.headers["Content-Encoding"] == "zstd"
+    envelope, table = read_stream(pa.CompressedInputStream(pa.BufferReader(req.body), "zstd").read())
+    assert msgspec.json.decode(envelope, type=Envelope) == Envelope(source_id=0xABCDEF, batch_seq=3, sent_ns=11,
+                                                                   stats=stats)
+    assert from_arrow(table) == events
+    with pytest.raises(ValueError, match="wire 'arrow' is not one of rows, columns"):
+        HttpSink(collector.url, wire="arrow")
 
 
 def test_http_sink_without_token_or_compression(collector: Collector) -> None:
