@@ -140,6 +140,18 @@ def _check_envelope(batch: object) -> None:
             raise IntakeError(400, f"not a kvtrace batch: {name} {value} is out of range [{low}, {high}]")
 
 
+def _envelope(data: bytes, what: str = "") -> _JsonBatch:
+    """A batch's JSON envelope (a JSON batch, or a columnar batch's metadata), checked."""
+    try:
+        env = _json_envelope.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise IntakeError(400, f"not a kvtrace batch: {what}{exc}") from None
+    _check_envelope(env)
+    if env.wire_version != WIRE_VERSION:
+        raise IntakeError(400, f"wire version {env.wire_version} not supported (this collector knows {WIRE_VERSION})")
+    return env
+
+
 def _origin(batch: _JsonBatch | Batch | object, grant: Grant) -> str:
     return f"{grant.name}:{getattr(batch, 'source_id', 0):016x}:{getattr(batch, 'batch_seq', 0)}"
 
@@ -211,14 +223,7 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
             batch = Batch(source_id=raw.source_id, batch_seq=raw.batch_seq, sent_ns=raw.sent_ns, events=good,
                           stats=raw.stats, rejections=bad)
     elif kind == JSON_TYPE:
-        try:
-            env = _json_envelope.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise IntakeError(400, f"not a kvtrace batch: {exc}") from None
-        _check_envelope(env)
-        if env.wire_version != WIRE_VERSION:
-            raise IntakeError(400, f"wire version {env.wire_version} not supported (this collector knows "
-                                   f"{WIRE_VERSION})")
+        env = _envelope(payload)
         good, bad = validate_rows(env.events, _origin(env, grant), decode=lambda r: event_from_json(bytes(r)))
         batch = Batch(source_id=env.source_id, batch_seq=env.batch_seq, sent_ns=env.sent_ns, events=good,
                       stats=env.stats, rejections=bad)
@@ -237,13 +242,7 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
         meta, table = read_stream(payload)
     except WireError as exc:
         raise IntakeError(400, str(exc)) from None
-    try:
-        env = _json_envelope.decode(meta)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise IntakeError(400, f"not a kvtrace batch: envelope: {exc}") from None
-    _check_envelope(env)
-    if env.wire_version != WIRE_VERSION:
-        raise IntakeError(400, f"wire version {env.wire_version} not supported (this collector knows {WIRE_VERSION})")
+    env = _envelope(meta, "envelope: ")
     received = table.num_rows
     ok = clean_rows(table)  # rows stored as they came
     rejections: list[Rejection] = []
