@@ -2,8 +2,9 @@
 
 One thread, one chunk at a time, in spool order. A chunk's events (JSON lines and Arrow
 streams, parsed by ClickHouse, which releases the GIL while it does), quarantined rows and
-emitter stats are inserted with the chunk's de-duplication token, then the spool checkpoint
-moves past it; a crash between the two is harmless (see `spool`). While the store is down the chunk is
+emitter stats are inserted with de-duplication tokens named by the chunk (the chunk's token,
+and for its Arrow events that token + ":columns"), then the spool checkpoint moves past it; a
+crash between the two is harmless (see `spool`). While the store is down the chunk is
 retried with capped exponential backoff and the spool keeps accepting until its bound.
 """
 
@@ -22,7 +23,7 @@ from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
 from kvtrace.collector.store import Store
-from kvtrace.schema.arrow import arrow_schema, from_arrow, to_arrow
+from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
@@ -123,10 +124,9 @@ class Drain:
                     log.exception("live reconstruction failed on a chunk; ingest continues")
 
     def _store(self, chunk: Chunk) -> list[Event]:
-        records, rejections = self._records(chunk)
+        records, tables, rejections = self._records(chunk)
         lines = b"".join(r.lines for r in records)
-        columns = pa.concat_tables([pa.ipc.open_stream(r.columns).read_all() for r in records if r.columns]
-                                   or [arrow_schema().empty_table()])
+        columns = pa.concat_tables(tables or [arrow_schema().empty_table()])
         stats: dict[int, EmitterStats] = {}
         for r in records:
             rejections.extend(r.rejections)
@@ -152,17 +152,25 @@ class Drain:
         with no_gc():
             return _decode_events(lines) + from_arrow(columns)
 
-    def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[Rejection]]:
-        """The chunk's records. One that cannot be read back (a spool from another version, a
-        bug) is quarantined whole instead of blocking the drain forever (a poison frame)."""
+    def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[pa.Table], list[Rejection]]:
+        """The chunk's records, and the events of those that came as columns (in the current
+        schema, whatever schema version spooled them). One that cannot be read back (a spool
+        from another version, a bug) is quarantined whole instead of blocking the drain forever
+        (a poison frame)."""
         records: list[SpoolRecord] = []
+        tables: list[pa.Table] = []
         bad: list[Rejection] = []
         for i, payload in enumerate(chunk.payloads):
             try:
-                records.append(decode_record(payload))
+                record = decode_record(payload)
+                table = conform(pa.ipc.open_stream(record.columns).read_all()) if record.columns else None
             except Exception as exc:  # noqa: BLE001
                 log.error("spooled record %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
                 bad.append(Rejection(received_ns=time.time_ns(), origin=f"spool:{chunk.token}", row=i + 1, field="",
                                      reason=f"cannot store this record: {type(exc).__name__}: {exc}",
                                      raw=payload[:32768].hex()))
-        return records, bad
+                continue
+            records.append(record)
+            if table is not None:
+                tables.append(table)
+        return records, tables, bad

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from kvtrace.collector.auth import Grant
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.arrow_checks import clean_rows
-from kvtrace.schema.arrow_wire import ARROW_TYPE, read_stream
+from kvtrace.schema.arrow_wire import ARROW_TYPE, TooLarge, read_stream
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.schema.validation import (clean, event_from_builtins, event_from_json, problems, range_problems,
@@ -241,17 +241,15 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
     try:
         meta, table = read_stream(payload)
     except WireError as exc:
-        raise IntakeError(400, str(exc)) from None
+        raise IntakeError(413 if isinstance(exc, TooLarge) else 400, str(exc)) from None
     env = _envelope(meta, "envelope: ")
-    received = table.num_rows
     ok = clean_rows(table)  # rows stored as they came
     rejections: list[Rejection] = []
     if ok.all():
         _check_tenants(table, ok, grant)
     else:
         dirty = np.flatnonzero(~ok)
-        good, rejections = validate_numbered(zip((dirty + 1).tolist(), table.take(dirty).to_pylist(), strict=True),
-                                             _origin(env, grant))
+        good, rejections = validate_numbered(_numbered_rows(table, dirty), _origin(env, grant))
         accepted = ok.copy()
         refused = {r.row - 1 for r in rejections}
         accepted[[i for i in dirty.tolist() if i not in refused]] = True
@@ -266,8 +264,16 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
                                      pc.if_else(pc.equal(tenant, ""), grant.home, tenant))
     batch = Batch(source_id=env.source_id, batch_seq=env.batch_seq, sent_ns=env.sent_ns, stats=env.stats,
                   rejections=rejections)
-    _finish(batch, grant, received_ns)
-    return Intake(batch, received, table=table)
+    _finish(batch, grant, received_ns)  # may quarantine the stats: counted as received, as in the row formats
+    return Intake(batch, table.num_rows + len(batch.rejections), table=table)
+
+
+def _numbered_rows(table: pa.Table, rows: np.ndarray, step: int = 8192) -> Iterator[tuple[int, dict]]:
+    """The given rows as (1-based row number, dict), made a slice at a time: a batch of bad rows
+    never exists as Python dicts all at once."""
+    for start in range(0, len(rows), step):
+        part = rows[start:start + step]
+        yield from zip((part + 1).tolist(), table.take(part).to_pylist(), strict=True)
 
 
 def _check_tenants(table: pa.Table, accepted: np.ndarray, grant: Grant) -> None:

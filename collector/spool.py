@@ -2,7 +2,7 @@
 
 Segments are append-only files framed like the emitter's spool (a header, then length + CRC32
 framed records) under their own magic, since their records are the collector's (`SpoolRecord`:
-events already validated and encoded as the JSON lines the store parses). `append` writes a
+events already validated and encoded as the store takes them, JSON lines or an Arrow stream). `append` writes a
 frame and fsyncs it; the drain reads frames in order, stores them, then moves a checkpoint past
 them.
 

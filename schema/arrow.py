@@ -47,7 +47,7 @@ def to_arrow(records: Sequence[msgspec.Struct], struct: type[msgspec.Struct] = E
     the cyclic GC is never woken (transposing `astuple` rows woke it, and in an engine process
     its full collections scanned the engine's whole heap), and pausing it is not ours to do in
     another program's process. A column holding only its field's default (most of the wide
-    event's columns, for any one kind) is made without converting its values. About 1.3-2x
+    event's columns, for any one kind) is made without converting its values. About 1.4x
     faster than the row transpose; it matters where a batch becomes Arrow on a hot path (the
     columnar wire, the store sink).
     """
@@ -67,12 +67,15 @@ def to_arrow(records: Sequence[msgspec.Struct], struct: type[msgspec.Struct] = E
 
 @cache
 def _defaults(struct: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
-    """Each field's name, and its default as a column value (None where it has no plain one)."""
+    """Each field's name, and its default as a column value where a column of only that value
+    can be made without looking at the values' types (None elsewhere)."""
     out = []
     for s in field_specs(struct):
         default = s.default.value if isinstance(s.default, enum.Enum) else s.default
-        # Not floats: -0.0 counts as equal to a 0.0 default, and would come back as 0.0.
-        out.append((s.name, default if isinstance(default, int | str | list) else None))
+        # Only where equality is exact: "" equals only (enum) strings and [] only lists, whereas
+        # 0 == False == 0.0 == -0.0, so counting an int, bool or float default would skip the
+        # conversion that refuses a bool in an integer column (or turn -0.0 into 0.0).
+        out.append((s.name, default if isinstance(default, str | list) else None))
     return tuple(out)
 
 

@@ -116,8 +116,7 @@ def clean_rows(table: pa.Table) -> np.ndarray:
     n = table.num_rows
     if not n:
         return np.zeros(0, dtype=bool)
-    table = table.combine_chunks()
-    col = {name: table.column(name).chunk(0) for name in table.column_names}
+    col = {name: table.column(name).combine_chunks() for name in table.column_names}
     specs = {s.name: s for s in field_specs(Event)}
     bad = np.zeros(n, dtype=bool)
 

@@ -10,9 +10,9 @@ msgpack rows take, so senders choose it (`HttpSink(wire="columns")`); rows stay 
 Layout: an Arrow IPC stream (media type `application/vnd.apache.arrow.stream`) whose columns
 are the event schema's (`arrow.arrow_schema`), with the batch envelope (`wire_version`,
 `source_id`, `batch_seq`, `sent_ns`, `stats`) as JSON under the schema metadata key
-`kvtrace.batch`. Any Arrow writer can produce it. Readers cast columns of other types when
-every value fits, fill columns an older writer lacked (and nulls, outside the fields every row
-must carry) with their defaults and ignore unknown ones. Buffers inside the stream must not be compressed: the stream is compressed as a whole by
+`kvtrace.batch`. Any Arrow writer can produce it. Readers take a column of another width of
+the same kind of value (see `_plain_fit`), fill columns an older writer lacked (and nulls,
+outside the fields every row must carry) with their defaults and ignore unknown ones. Buffers inside the stream must not be compressed: the stream is compressed as a whole by
 HTTP Content-Encoding, which the collector inflates within its size limit, whereas an IPC body
 codec declares its own inflated sizes, so a small request could allocate without bound before
 anything could check it.
@@ -37,6 +37,14 @@ from kvtrace.schema.wire import WIRE_VERSION, WireError
 
 ARROW_TYPE = "application/vnd.apache.arrow.stream"
 ENVELOPE_KEY = b"kvtrace.batch"
+MAX_ROWS = 1 << 18
+"""Rows in one columnar batch (32 times the emitter's default batch): a few bytes a row on the
+wire become a full row of the wide event schema once read, so the count is bounded as well as
+the bytes."""
+
+
+class TooLarge(WireError):
+    """A batch with more rows than one request may carry."""
 
 
 class Envelope(msgspec.Struct, kw_only=True):
@@ -93,6 +101,14 @@ def read_stream(payload: bytes) -> tuple[bytes, pa.Table]:
     twice = [name for name, count in Counter(table.column_names).items() if count > 1]
     if twice:
         raise WireError(f"column {twice[0]!r} appears more than once")
+    if table.num_rows > MAX_ROWS:
+        raise TooLarge(f"{table.num_rows} rows in one batch; the limit is {MAX_ROWS} (send smaller batches)")
+    target = arrow_schema()
+    for f in target:
+        if f.name in table.column_names and not _plain_fit(sent := table.schema.field(f.name).type, f.type):
+            raise WireError(f"column {f.name!r} is {sent}; the event schema has {f.type}, and only the same kind "
+                            f"of plain values is read (integers of any width, strings, lists of those)")
+    table = table.select([name for name in table.column_names if name in target.names])
     try:
         table = conform(table)
     except (pa.ArrowException, ValueError, TypeError) as exc:
@@ -115,15 +131,36 @@ def _absent_as_default(table: pa.Table) -> pa.Table:
     return table
 
 
+def _plain_fit(sent: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether a column sent with one type may be read as the schema's type.
+
+    Only the same kind of value, in a plain encoding: an integer of any width for an integer
+    (a value out of range refuses the request), a float or integer for a float, a large string
+    for a string, a (large) list of fitting values for a list. Arrow's casts would take far more
+    (a bool or a timestamp as an integer, text parsed as a number), where the row formats
+    refuse the row; and encodings that share data between rows (dictionaries, views, run ends,
+    the null type) would let a small request decode into an unbounded table.
+    """
+    if sent == wanted:
+        return True
+    if pa.types.is_integer(wanted):
+        return pa.types.is_integer(sent)
+    if pa.types.is_floating(wanted):
+        return pa.types.is_floating(sent) or pa.types.is_integer(sent)
+    if pa.types.is_string(wanted):
+        return pa.types.is_large_string(sent)
+    if pa.types.is_list(wanted):
+        return (pa.types.is_list(sent) or pa.types.is_large_list(sent)) and _plain_fit(sent.value_type,
+                                                                                      wanted.value_type)
+    return False
+
+
 def _failing_column(table: pa.Table) -> str:
     target = arrow_schema()
     for f in target:
         if f.name in table.column_names:
             try:
-                col = table.column(f.name)
-                if pa.types.is_dictionary(col.type):
-                    col = col.cast(col.type.value_type)
-                col.cast(f.type)
+                table.column(f.name).cast(f.type)
             except (pa.ArrowException, ValueError, TypeError):
                 return f.name
     return ""

@@ -18,13 +18,14 @@ from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.collector.app import create_app
 from kvtrace.collector.auth import TokenTable
 from kvtrace.collector.service import Collector, CollectorConfig
+from kvtrace.collector.spool import SpoolRecord, encode_record
 from kvtrace.collector.store import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.http import HttpSink
 from kvtrace.schema.arrow import from_arrow, to_arrow
-from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns, write_stream
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
@@ -263,15 +264,21 @@ def test_a_poison_batch_in_the_spool_is_quarantined_and_the_drain_goes_on(store:
     """Intake never spools what cannot be stored; if a frame ever cannot be read back (say, a
     spool left by another kvtrace version), it must not stall the drain."""
     config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"))
+    older = to_arrow(events(3, source=98)).drop_columns(["noise_floor", "probe_of"])  # as an older schema spooled it
     with Served(config) as s:
         s.collector.spool.append(b"\x93not a batch")
+        s.collector.spool.append(encode_record(SpoolRecord(received_ns=1, origin="t", events=1, tenants={}, lines=b"",
+                                                           columns=b"not an Arrow stream")))
+        s.collector.spool.append(encode_record(SpoolRecord(received_ns=1, origin="t", events=3, tenants={}, lines=b"",
+                                                           columns=write_stream(older))))
         s.collector.drain.poke()
         with s.client() as c:
             assert post(c, events(7, source=99)).status_code == 200
         s.settle()
-    assert store.count_events() == 7
-    (row,) = store.query_arrow(f"SELECT origin, reason FROM {store.db}.quarantine").to_pylist()
-    assert row["origin"].startswith("spool:") and "cannot store this record" in row["reason"]
+    assert store.count_events() == 10
+    rows = store.query_arrow(f"SELECT origin, reason FROM {store.db}.quarantine").to_pylist()
+    assert len(rows) == 2
+    assert all(r["origin"].startswith("spool:") and "cannot store this record" in r["reason"] for r in rows)
 
 
 def _serve_requests(url: str, sim: CacheSimulator, requests: list[SimRequest]) -> None:

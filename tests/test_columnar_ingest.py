@@ -14,7 +14,7 @@ from kvtrace.collector.auth import OPEN, TokenTable
 from kvtrace.collector.intake import IntakeError, intake_batch
 from kvtrace.schema.arrow import arrow_schema, from_arrow, to_arrow
 from kvtrace.schema.arrow_checks import clean_rows
-from kvtrace.schema.arrow_wire import ARROW_TYPE, ENVELOPE_KEY, Envelope, encode_columns
+from kvtrace.schema.arrow_wire import ARROW_TYPE, ENVELOPE_KEY, MAX_ROWS, Envelope, encode_columns
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.records import EmitterStats
@@ -108,16 +108,55 @@ def test_nulls_and_strangers_inside_list_columns_flag_only_their_row() -> None:
     assert sorted(r.row for r in intake.batch.rejections) == [1, 2] and intake.accepted == 1
 
 
-def test_columns_of_other_types_are_cast_when_they_fit_and_missing_ones_take_defaults() -> None:
+def test_other_widths_of_the_same_values_are_read_and_missing_columns_take_defaults() -> None:
     events = [lookup(i) for i in range(4)]
     full = to_arrow(events)
     keep = ["kind", "ts_ns", "source_id", "seq", "request_id", "prompt_tokens", "instance", "model"]
     table = full.select(keep)
     table = table.set_column(keep.index("prompt_tokens"), "prompt_tokens", table.column("prompt_tokens").cast(pa.int64()))
-    table = table.set_column(keep.index("kind"), "kind", table.column("kind").dictionary_encode())
-    table = table.append_column("from_a_newer_writer", pa.array([1, 2, 3, 4]))
+    table = table.set_column(keep.index("kind"), "kind", table.column("kind").cast(pa.large_string()))
+    table = table.append_column("from_a_newer_writer", pa.array([1, 2, 3, 4]).dictionary_encode())
     intake = intake_batch(stream(table), ARROW_TYPE, OPEN)
     assert intake.accepted == 4 and from_arrow(intake.table) == events
+    # several record batches (a chunked table) read like one
+    batches = to_arrow(events).to_batches(max_chunksize=1)
+    intake = intake_batch(stream(pa.Table.from_batches(batches)), ARROW_TYPE, OPEN)
+    assert intake.accepted == 4 and from_arrow(intake.table) == events
+
+
+def test_columns_whose_type_means_something_else_are_refused_by_name() -> None:
+    """Arrow would cast these; the row formats would refuse each row. Encodings that share data
+    between rows are refused too: they would let a small request decode into a huge table."""
+    table = to_arrow([lookup(0)])
+    n = table.num_rows
+
+    def with_column(name: str, values: pa.Array) -> bytes:
+        return stream(table.set_column(table.schema.get_field_index(name), name, values))
+
+    cases = {
+        "ts_ns": pa.array([1_750_000_000_000_000], pa.timestamp("us")),
+        "seq": pa.array([True]),
+        "prompt_tokens": pa.array([32.0]),
+        "in_flight": pa.array([1], pa.int8()),
+        "tenant": pa.array([1]),
+        "model": pa.array(["m"]).dictionary_encode(),
+        "request_id": pa.array(["r0"], pa.string_view()),
+        "instance": pa.nulls(n),
+        "group_hit_tokens": pa.array([["1"]], pa.list_(pa.string())),
+    }
+    for name, values in cases.items():
+        with pytest.raises(IntakeError) as err:
+            intake_batch(with_column(name, values), ARROW_TYPE, OPEN)
+        assert err.value.status == 400 and f"column {name!r} is {values.type}" in err.value.message, err.value.message
+
+
+def test_a_batch_of_too_many_rows_is_refused_before_it_is_read_out() -> None:
+    n = MAX_ROWS + 1
+    table = pa.table({"kind": pa.array(["lookup"] * n), "ts_ns": pa.array([1] * n, pa.int8()),
+                      "source_id": pa.array([1] * n, pa.int8()), "seq": pa.array([1] * n, pa.int8())})
+    with pytest.raises(IntakeError) as err:
+        intake_batch(stream(table), ARROW_TYPE, OPEN)
+    assert err.value.status == 413 and f"the limit is {MAX_ROWS}" in err.value.message
 
 
 def test_whole_columnar_request_faults_name_their_cause() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -100,6 +103,17 @@ def test_arrow_round_trip(evs):
     assert from_arrow(table) == evs
     # rows read off Arrow validate as untrusted input too (the Parquet ingest path)
     assert [event_from_builtins(r) for r in table.to_pylist()] == evs
+
+
+def test_to_arrow_refuses_a_value_of_the_wrong_kind_even_where_it_equals_the_default():
+    """0 == False, so a column of defaults made without converting its values would have let a
+    bool into an integer column (and 0 into a bool one); the store sink relies on the refusal."""
+    base = Event(kind=EventKind.LOOKUP, ts_ns=1, source_id=1, seq=0, request_id="r", prompt_tokens=1)
+    for name, value in (("in_flight", 0), ("dp_rank", False)):
+        with pytest.raises((TypeError, ValueError, pa.ArrowException)):
+            to_arrow([msgspec.structs.replace(base, **{name: value})])
+    negative_zero = to_arrow([msgspec.structs.replace(base, noise_floor=-0.0)]).column("noise_floor")[0].as_py()
+    assert math.copysign(1.0, negative_zero) == -1.0
 
 
 def test_envelope_and_wire_version_are_always_encoded():

@@ -284,6 +284,20 @@ def test_http_sink_posts_columns_zstd_compressed(collector: Collector) -> None:
         HttpSink(collector.url, wire="arrow")
 
 
+def test_http_sink_sends_a_batch_columns_cannot_hold_as_rows(collector: Collector) -> None:
+    """A shim bug (a value its column cannot hold) must cost that event, not the batch: rows
+    carry it to the collector, which quarantines it alone."""
+    events = stamped(3)
+    events[1].dp_rank = 70_000  # past uint16
+    sink = HttpSink(collector.url, timeout_s=5, wire="columns")
+    assert sink.export(Batch(source_id=1, batch_seq=1, sent_ns=1, events=events)).status is ExportStatus.SUCCESS
+    req = collector.requests[0]
+    assert req.headers["Content-Type"] == CONTENT_TYPE and req.headers["Content-Encoding"] == "zstd"
+    rows = [msgspec.msgpack.decode(r) for r in decode_batch(pa.CompressedInputStream(pa.BufferReader(req.body),
+                                                                                      "zstd").read()).events]
+    assert [r["seq"] for r in rows] == [0, 1, 2] and rows[1]["dp_rank"] == 70_000
+
+
 def test_http_sink_without_token_or_compression(collector: Collector) -> None:
     sink = HttpSink(collector.url + INGEST_PATH, compress=False, timeout_s=5)
     assert sink.url == collector.url + INGEST_PATH

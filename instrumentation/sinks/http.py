@@ -70,7 +70,13 @@ class HttpSink:
             def columns(batch: Batch) -> tuple[bytes, str]:
                 envelope = Envelope(source_id=batch.source_id, batch_seq=batch.batch_seq, sent_ns=batch.sent_ns,
                                     stats=batch.stats)
-                return encode_columns(envelope, batch.events), ARROW_TYPE
+                try:
+                    return encode_columns(envelope, batch.events), ARROW_TYPE
+                except (OverflowError, TypeError, ValueError):  # ArrowInvalid is a ValueError
+                    # An event whose value its column cannot hold (a shim bug): rows carry it,
+                    # and the collector quarantines that event alone instead of the batch
+                    # failing on every retry.
+                    return _encode_rows(batch)
 
             self._encode = columns
             # pyarrow is loaded anyway: its zstd costs a fifth of gzip's CPU for the same size.
