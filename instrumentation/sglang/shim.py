@@ -505,9 +505,7 @@ class RadixCacheShim:
             return  # the scheduler asks again each round; one lookup per answer
         tokens = self._request_tokens(key, req)
         chain = self._chain_of(key, req)
-        # A tuple, not a list: Python's garbage collector stops tracking a tuple of ints, while a
-        # queue of lookups holding lists of hundreds of keys is walked by every full collection.
-        keys = tuple(chain.extend(tokens, self.page)[: len(tokens) // self.page].tolist())
+        chain_keys = chain.extend(tokens, self.page)  # extended for every request: its inserts name pages by it
         self._remember(tokens, chain)
         if not rid:
             rid = f"anon-{id(key):x}"
@@ -516,6 +514,10 @@ class RadixCacheShim:
             self._looked_up.popitem(last=False)
         if not self._sampled(rid):
             return
+        # Python ints only for a lookup that is emitted. A tuple, not a list: Python's garbage
+        # collector stops tracking a tuple of ints, while a queue of lookups holding lists of
+        # hundreds of keys is walked by every full collection.
+        keys = tuple(chain_keys[: len(tokens) // self.page].tolist())
         full = int(getattr(result, "full_kv_hit_length", 0) or 0) or device + host
         hits = [full if g == self._full else device + host for g in range(len(self.components))]
         prompt = len(tokens) + (1 if req is None else 0)  # a bare key is the prompt less its last token
