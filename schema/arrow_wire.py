@@ -63,12 +63,8 @@ _envelope_json = msgspec.json.Encoder()
 def encode_columns(envelope: Envelope, events: Sequence[Event]) -> bytes:
     """The batch as an Arrow IPC stream, envelope in the schema metadata."""
     table = to_arrow(events)
-    schema = table.schema.with_metadata({**(table.schema.metadata or {}),
-                                         ENVELOPE_KEY: _envelope_json.encode(envelope)})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_table(table.replace_schema_metadata(schema.metadata))
-    return sink.getvalue().to_pybytes()
+    return write_stream(table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                                       ENVELOPE_KEY: _envelope_json.encode(envelope)}))
 
 
 def write_stream(table: pa.Table) -> bytes:
