@@ -10,7 +10,9 @@ a page the same way. Where SGLang does name pages (HiCache's storage tier files 
 SHA-256 hashes), the HiCache hooks translate (`StorageNames`).
 
 The chain is computed once per request and extended as the request grows; lookups and commits
-of that request share it.
+of that request share it, and share its keys as Python ints too (`ints`): the events carry keys
+as ints, and making ~850 of them costs as much as hashing the prompt, so a request's commit
+reuses the very objects its lookup made instead of making them again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Chain:
     seed: int  # the namespace's starting state (0: no namespace)
     states: np.ndarray = field(default_factory=lambda: _NONE)  # chain state after each page
     keys: np.ndarray = field(default_factory=lambda: _NONE)  # uint64, one per page
+    _ints: tuple[int, ...] = ()  # keys[: len(_ints)] as Python ints, made on demand
 
     def extend(self, token_ids: Any, page_size: int) -> np.ndarray:
         """Keys of every full page of `token_ids` (a prefix of what earlier calls saw, or an
@@ -47,9 +50,17 @@ class Chain:
                 self.states, self.keys = new, finalize(new)
         return self.keys
 
+    def ints(self, start: int, stop: int) -> tuple[int, ...]:
+        """Keys [start, stop) as Python ints (a tuple: the garbage collector stops tracking a
+        tuple of ints). The first call makes every key up to `stop`; later calls slice."""
+        made = self._ints
+        if stop > len(made):
+            made = self._ints = made + tuple(self.keys[len(made) : stop].tolist())
+        return made[start:stop]
+
     def prefix(self, pages: int) -> Chain:
-        """A chain of this one's first `pages` pages (sharing its arrays)."""
-        return Chain(self.seed, self.states[:pages], self.keys[:pages])
+        """A chain of this one's first `pages` pages (sharing its arrays and ints)."""
+        return Chain(self.seed, self.states[:pages], self.keys[:pages], self._ints[:pages])
 
 
 def new_chain(extra_key: str | None, cache_salt: str | None) -> Chain:

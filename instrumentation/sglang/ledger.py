@@ -9,6 +9,7 @@ Key 0 marks an empty slot (kvtrace keys are never 0).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -24,16 +25,20 @@ def as_slots(values: Any, step: int) -> np.ndarray:
     if values is None:
         return NO_SLOTS
     if isinstance(values, (list, tuple)):
+        if len(values) == 1:
+            return as_slots(values[0], step)
         parts = [as_slots(v, step) for v in values]
         return np.concatenate(parts) if parts else NO_SLOTS
-    if hasattr(values, "reshape") and hasattr(values, "cpu"):  # a torch tensor
+    torch = sys.modules.get("torch")  # SGLang has imported it whenever it hands a tensor over
+    if torch is not None and isinstance(values, torch.Tensor):
         if values.is_cpu and values.dim() == 1:  # a view, no torch dispatch for the slice
             out = values.numpy()
             out = out[::step] if step > 1 else out
         else:  # on a device: slice there, copy only the page starts
             flat = values.reshape(-1)
             out = (flat[::step] if step > 1 else flat).cpu().numpy()
-        out = out.astype(np.int64, copy=False)
+        if out.dtype != np.int64:
+            out = out.astype(np.int64)
     else:
         out = np.asarray(values, dtype=np.int64).reshape(-1)
         out = out[::step] if step > 1 else out
@@ -46,11 +51,15 @@ def as_slots(values: Any, step: int) -> np.ndarray:
 
 
 def unique(keys: np.ndarray) -> np.ndarray:
-    """Keys without repeats, in first-seen order."""
+    """Keys without repeats, in first-seen order. Repeats are rare (a page held in two slots),
+    so one plain sort checks for them and the order-keeping pass runs only when there are."""
     if len(keys) < 2:
         return keys
+    ordered = np.sort(keys)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return keys
     _, first = np.unique(keys, return_index=True)
-    return keys if len(first) == len(keys) else keys[np.sort(first)]
+    return keys[np.sort(first)]
 
 
 class SlotBook:

@@ -81,6 +81,7 @@ class _Scope:
 
     freed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)  # (group, tier) -> keys
     installed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)
+    installed_ints: dict[tuple[int, Tier], tuple[int, ...]] = field(default_factory=dict)  # a lone install's keys as ints
     reason: Reason = Reason.CAPACITY
     insert_slots: np.ndarray | None = None  # ledger slots of the insert in progress, by page
     insert_pos: np.ndarray | None = None  # ledger slot -> page position, built when a rebuild needs it
@@ -313,9 +314,10 @@ class RadixCacheShim:
             self._record(self._scope.freed, (group, tier), keys)
 
     def install_slots(self, group: int, tier: Tier, slots: np.ndarray, keys: np.ndarray,
-                      report: bool = True) -> None:
+                      report: bool = True, ints: tuple[int, ...] | None = None) -> None:
         """Record that `slots` of a group's pool on a tier now hold the pages `keys`; reported
-        as commits unless a transfer reports them (`report=False`)."""
+        as commits unless a transfer reports them (`report=False`). `ints`: the same keys as
+        Python ints where the caller has them already (a request's chain)."""
         book = self.ledger.get((group, tier))
         if book is None:
             book = self.ledger[(group, tier)] = SlotBook()
@@ -323,9 +325,11 @@ class RadixCacheShim:
         if not report or not len(keys):
             return
         if self._scope is None:
-            self._emit_run(EventKind.COMMIT, group, tier, keys)
+            self._emit_run(EventKind.COMMIT, group, tier, keys if ints is None else ints)
         else:
             self._record(self._scope.installed, (group, tier), keys)
+            if ints is not None:
+                self._scope.installed_ints[(group, tier)] = ints
 
     @staticmethod
     def _record(into: dict[tuple[int, Tier], list[np.ndarray]], where: tuple[int, Tier], keys: np.ndarray) -> None:
@@ -420,10 +424,12 @@ class RadixCacheShim:
             if len(gone):
                 self._emit_run(EventKind.EVICT, where[0], where[1], gone, reason=scope.reason)
         for where, parts in installed.items():
-            new = parts[0] if len(parts) == 1 else unique(np.concatenate(parts))
+            new: Any = parts[0] if len(parts) == 1 else unique(np.concatenate(parts))
             dropped = freed.get(where)
             if dropped:
                 new = new[~np.isin(new, np.concatenate(dropped))]
+            elif len(parts) == 1:  # one install, nothing netted: its keys as ints, if made already
+                new = scope.installed_ints.get(where, new)
             if len(new):
                 self._emit_run(EventKind.COMMIT, where[0], where[1], new, tenant=scope.tenant or
                                self.identity.default_tenant, adapter=scope.adapter)
@@ -505,7 +511,7 @@ class RadixCacheShim:
             return  # the scheduler asks again each round; one lookup per answer
         tokens = self._request_tokens(key, req)
         chain = self._chain_of(key, req)
-        chain_keys = chain.extend(tokens, self.page)  # extended for every request: its inserts name pages by it
+        chain.extend(tokens, self.page)  # extended for every request: its inserts name pages by it
         self._remember(tokens, chain)
         if not rid:
             rid = f"anon-{id(key):x}"
@@ -517,7 +523,7 @@ class RadixCacheShim:
         # Python ints only for a lookup that is emitted. A tuple, not a list: Python's garbage
         # collector stops tracking a tuple of ints, while a queue of lookups holding lists of
         # hundreds of keys is walked by every full collection.
-        keys = tuple(chain_keys[: len(tokens) // self.page].tolist())
+        keys = chain.ints(0, len(tokens) // self.page)
         full = int(getattr(result, "full_kv_hit_length", 0) or 0) or device + host
         hits = [full if g == self._full else device + host for g in range(len(self.components))]
         prompt = len(tokens) + (1 if req is None else 0)  # a bare key is the prompt less its last token
@@ -572,15 +578,16 @@ class RadixCacheShim:
             scope.insert_slots, scope.insert_pos, scope.insert_keys = slots, None, keys
             scope.tenant = getattr(key, "cache_salt", None) or self.identity.default_tenant
             scope.adapter = str(getattr(key, "extra_key", None) or "")
-        return keys, slots, pages
+        return keys, slots, pages, chain
 
     def _after_insert(self, result: Any, token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         if token is None:
             return
-        keys, slots, pages = token
+        keys, slots, pages, chain = token
         start = int(result.prefix_len) // self.page
         if start < pages:
-            self.install_slots(self._full, Tier.DEVICE, slots[start:pages], keys[start:pages])
+            self.install_slots(self._full, Tier.DEVICE, slots[start:pages], keys[start:pages],
+                               ints=chain.ints(start, pages))
         mamba_value = getattr(params, "mamba_value", None)
         if self._mamba is not None and mamba_value is not None and pages and not result.mamba_exist:
             self.install_slots(self._mamba, Tier.DEVICE, self._page_slots(self._mamba, mamba_value)[:1],
