@@ -32,6 +32,18 @@ device memory, and with torch's default of one thread per core a `torch.cat` of 
 slots waits for a second thread that a shared machine has often lent elsewhere (milliseconds
 per call, in every variant alike), which buries what is being measured.
 
+`--breakdown` replays the requests once without and once with the shim (no profiler) and
+times the shim's hooks and their main steps where they run, in microseconds per request. The
+profiler slows Python calls more than C ones; these timers do not, and they show what a step
+costs with the caches as SGLang's own work leaves them (two to four times its cost in a
+tight loop).
+
+`--capture-floor` measures a design that is not built: what the request path would pay if it
+only copied what the shim reads (the request's tokens, the slots of each insert and free) into a
+prefaulted shared-memory ring and left keys, ledger and events to another process. It wraps the
+same cache methods as the shim, writes and overwrites the ring (nothing reads it), and reports
+that variant against `off` with the same rotation as the main table.
+
 `--profile` instead replays the requests once through a shim-equipped cache under cProfile and
 lists the functions in kvtrace's own code (the SGLang shim, its key chains, the emitter, the
 event schema) by their own time and their time with callees, as shares of the whole replay.
@@ -43,10 +55,15 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import struct
 import sys
+import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from counting_sink import CountingSink  # beside this script
@@ -161,6 +178,148 @@ def profile(prompts: list[tuple[str, list[int]]], config: DriverConfig, top: int
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
+# What --breakdown times: the hooks SGLang's calls enter (top level), then steps inside them.
+HOOKS = ("_after_lookup", "_before_insert", "_after_insert", "_flush", "_on_device_free", "record_admission")
+STEPS = (("shim", "_emit_run"), ("shim", "_chain_of"), ("shim", "install_slots"), ("shim", "_free"),
+         ("keys", "Chain.extend"), ("keys", "Chain.ints"), ("ledger", "SlotBook.take"), ("ledger", "SlotBook.put"))
+
+
+def breakdown(prompts: list[tuple[str, list[int]]], config: DriverConfig) -> None:
+    """Per-request cost of each hook, timed in place; the steps are inside the hooks."""
+    from kvtrace.instrumentation.sglang import keys, ledger, shim as shim_module
+
+    spent: dict[str, float] = {}
+    modules = {"shim": shim_module, "keys": keys, "ledger": ledger}
+
+    def timed(owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def run(*args: object, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, run)
+
+    for name in HOOKS:
+        timed(RadixCacheShim, name, name)
+    for module, dotted in STEPS:
+        owner: object = modules[module]
+        *path, name = dotted.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if module == "shim":
+            owner = RadixCacheShim
+        timed(owner, name, dotted)
+    # The shim module imported these two by name: its calls go to its own references.
+    timed(shim_module, "as_slots", "as_slots")
+    timed(shim_module, "unique", "unique")
+    off = Driver(*build_cache(config), config)
+    started = time.perf_counter()
+    for rid, tokens in prompts:
+        off.serve(rid, tokens)
+    off_s = time.perf_counter() - started
+    emitter = _emitter()
+    driver, _shim = _shimmed(config, emitter, 1.0)
+    started = time.perf_counter()
+    for rid, tokens in prompts:
+        driver.serve(rid, tokens)
+    emitter.force_flush(timeout_millis=120_000)
+    on_s = time.perf_counter() - started
+    emitter.shutdown()
+    n = len(prompts)
+    print(f"breakdown: {n} requests, mix {config.mix.value}, core {config.tree_core}, page {config.page_size}: "
+          f"off {off_s / n * 1e6:.0f} us a request, with the shim {on_s / n * 1e6:.0f} "
+          f"(+{(on_s - off_s) / n * 1e6:.0f}; the timers add ~1 us a call)")
+    print(f"{'us/request':>10}  hook (top level)")
+    for name in HOOKS:
+        print(f"{spent.get(name, 0.0) / n * 1e6:>10.1f}  {name}")
+    print(f"{'us/request':>10}  step (inside the hooks above)")
+    for label, secs in sorted(((k, v) for k, v in spent.items() if k not in HOOKS), key=lambda kv: -kv[1]):
+        print(f"{secs / n * 1e6:>10.1f}  {label}")
+
+
+class _FloorRing:
+    """A byte ring in shared memory, touched once up front so no write takes a page fault;
+    records overwrite each other (the floor measures the copies, not a consumer)."""
+
+    HEADER = struct.Struct("<BxxxIq")
+
+    def __init__(self, size: int = 64 << 20) -> None:
+        self.memory = shared_memory.SharedMemory(create=True, size=size)
+        self.bytes = np.ndarray((size,), dtype=np.uint8, buffer=self.memory.buf)
+        self.bytes[:] = 1
+        self.size, self.at = size, 0
+        self.fence = threading.Lock()  # acquire/release: the store barrier a reader would need
+
+    def put(self, kind: int, value: int, words: np.ndarray | None = None) -> None:
+        data = words.view(np.uint8) if words is not None else None
+        n = self.HEADER.size + (len(data) if data is not None else 0)
+        at = self.at if self.at + n <= self.size else 0
+        self.HEADER.pack_into(self.memory.buf, at, kind, n, value)
+        if data is not None:
+            self.bytes[at + self.HEADER.size : at + n] = data
+        self.at = at + n
+        with self.fence:
+            pass
+
+    def close(self) -> None:
+        del self.bytes
+        self.memory.close()
+        self.memory.unlink()
+
+
+def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
+    """Wrap the methods the shim wraps; copy what it would read and nothing more."""
+    from kvtrace.instrumentation.sglang.ledger import as_slots
+
+    match, insert, action = cache.match_prefix, cache.insert, cache._apply_cache_action
+
+    def match_prefix(params: Any) -> Any:
+        result = match(params)
+        tokens = params.req.origin_input_ids if params.req is not None else params.key.token_ids
+        ring.put(1, int(result.device_prefix_len), np.frombuffer(tokens, dtype=np.int64))
+        return result
+
+    def insert_(params: Any) -> Any:
+        result = insert(params)
+        ring.put(2, 0, np.frombuffer(params.key.token_ids, dtype=np.int64))  # no request named here
+        ring.put(3, int(result.prefix_len), as_slots(params.value, page))
+        return result
+
+    def apply(cache_action: Any) -> Any:
+        indices = getattr(cache_action, "indices", None)
+        if indices is not None:
+            ring.put(4, 0, as_slots(indices, page))
+        return action(cache_action)
+
+    cache.match_prefix, cache.insert, cache._apply_cache_action = match_prefix, insert_, apply
+
+
+def capture_floor(prompts: list[tuple[str, list[int]]], config: DriverConfig, rounds: int) -> None:
+    ring = _FloorRing()
+    drivers = {"off": Driver(*build_cache(config), config)}
+    cache, allocator, req_pool = build_cache(config)
+    _capture_only(cache, ring, int(cache.page_size))
+    drivers["capture"] = Driver(cache, allocator, req_pool, config)
+    seconds = dict.fromkeys(drivers, 0.0)
+    size = -(-len(prompts) // rounds)
+    for r in range(rounds):
+        chunk = prompts[r * size : (r + 1) * size]
+        for name in (list(drivers) if r % 2 else list(drivers)[::-1]):
+            started = time.perf_counter()
+            for rid, tokens in chunk:
+                drivers[name].serve(rid, tokens)
+            seconds[name] += time.perf_counter() - started
+    ring.close()
+    n = len(prompts)
+    print(f"capture floor: {n} requests, mix {config.mix.value}, {rounds} rounds: off {seconds['off'] / n * 1e6:.0f} us "
+          f"a request, copying to a ring {seconds['capture'] / n * 1e6:.0f} us = "
+          f"{seconds['capture'] / seconds['off']:.3f}x off")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
@@ -171,6 +330,10 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=1 << 17)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--profile", action="store_true", help="profile the kvtrace variant instead of timing")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the shim's hooks in place (us per request) instead of the variants")
+    ap.add_argument("--capture-floor", action="store_true",
+                    help="measure the copy-only floor of an out-of-process design (see the docstring)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=20,
                     help="requests served untimed on throwaway caches first")
@@ -187,6 +350,12 @@ def main() -> None:
     _warm(prompts, config, args.warmup)
     if args.profile:
         profile(prompts, config, args.top)
+        return
+    if args.breakdown:
+        breakdown(prompts, config)
+        return
+    if args.capture_floor:
+        capture_floor(prompts, config, args.rounds)
         return
 
     emitters = {name: _emitter() for name in SHIMMED}
