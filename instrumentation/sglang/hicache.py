@@ -86,7 +86,7 @@ class HiCacheHooks:
         out = []
         for transfer in pools or ():
             name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
-            group = self.shim.group_of.get(self.shim._type(name)) if name in ("SWA", "MAMBA") else None
+            group = self.shim._group_named(name) if name in ("SWA", "MAMBA") else None
             if group is not None:
                 out.append((group, getattr(transfer, "device_indices", None), getattr(transfer, "host_indices", None)))
         return out

@@ -104,9 +104,9 @@ class RadixCacheShim:
         self.component_types = component_types(cache)
         self.group_of = {ct: g for g, ct in enumerate(self.component_types)}
         self.components = [component_of(ct) for ct in self.component_types]
-        self._full = self.group_of.get(self._type("FULL"), 0)  # the group whose slots name KV pages
-        self._swa = self.group_of.get(self._type("SWA")) if len(self.component_types) > 1 else None
-        self._mamba = self.group_of.get(self._type("MAMBA"))
+        self._full = self._group_named("FULL", 0)  # the group whose slots name KV pages
+        self._swa = self._group_named("SWA") if len(self.component_types) > 1 else None
+        self._mamba = self._group_named("MAMBA")
         # page keys by slot, per (group, tier): one entry per page of a token pool, per state of Mamba's
         self.ledger: dict[tuple[int, Tier], SlotBook] = {}
         self._saved: list[tuple[Any, str, Any]] = []
@@ -125,14 +125,12 @@ class RadixCacheShim:
                            group_block_keys=(), group_hit_tokens=(), reused_tiers=(), reused_tokens=(),  # type: ignore[arg-type]
                            more_keys=())  # type: ignore[arg-type]
 
-    @staticmethod
-    def _type(name: str) -> Any:
-        try:
-            from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-            return ComponentType[name]
-        except (ImportError, KeyError):
-            return None
+    def _group_named(self, name: str, default: int | None = None) -> int | None:
+        """The group of the component SGLang calls `name` (its ComponentType's name)."""
+        for group, ct in enumerate(self.component_types):
+            if getattr(ct, "name", str(ct)) == name:
+                return group
+        return default
 
     def _page_bytes(self) -> list[int]:
         """Bytes of one page of each group's state on device: the KV pool's for the group whose
@@ -197,39 +195,53 @@ class RadixCacheShim:
         shim = self
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            top = shim._depth == 0
-            if top:
-                shim._scope = _Scope()
-            shim._depth += 1
-            token = None
+            top, token = shim.begin_call(name, before, args, kwargs)
             try:
-                if before is not None:
-                    try:
-                        token = before(*args, **kwargs)
-                    except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
-                        shim._failed(name)
                 result = original(*args, **kwargs)
             except BaseException:
-                if top:  # the engine's call failed: what it half did is not reported, nothing lingers
-                    shim._scope = None
-                    shim._current_req = None
+                shim.abort_call(top)
                 raise
-            finally:
-                shim._depth -= 1
-            try:
-                if after is not None:
-                    after(result, token, *args, **kwargs)
-                if top:
-                    shim._flush()
-            except Exception:  # noqa: BLE001
-                shim._failed(name)
-            finally:
-                if top:
-                    shim._scope = None
+            shim.end_call(name, top, after, result, token, args, kwargs)
             return result
 
         self._saved.append((obj, name, original))
         setattr(obj, name, wrapper)
+
+    # A wrapped call in three steps, so that a call recorded elsewhere (see `capture`) replays
+    # through the same code as one wrapped here.
+    def begin_call(self, name: str, before: Callable[..., Any] | None, args: Any, kwargs: Any) -> tuple[bool, Any]:
+        top = self._depth == 0
+        if top:
+            self._scope = _Scope()
+        self._depth += 1
+        token = None
+        if before is not None:
+            try:
+                token = before(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                self._failed(name)
+        return top, token
+
+    def abort_call(self, top: bool) -> None:
+        """The engine's call failed: what it half did is not reported, nothing lingers."""
+        self._depth -= 1
+        if top:
+            self._scope = None
+            self._current_req = None
+
+    def end_call(self, name: str, top: bool, after: Callable[..., None] | None, result: Any, token: Any,
+                 args: Any, kwargs: Any) -> None:
+        self._depth -= 1
+        try:
+            if after is not None:
+                after(result, token, *args, **kwargs)
+            if top:
+                self._flush()
+        except Exception:  # noqa: BLE001
+            self._failed(name)
+        finally:
+            if top:
+                self._scope = None
 
     def _wrap_plain(self, obj: Any, name: str, after: Callable[..., None]) -> None:
         """Wrap a method whose result (and arguments) `after` reads; no scope of its own."""
@@ -244,27 +256,35 @@ class RadixCacheShim:
 
         def _apply_cache_action(action: Any) -> Any:
             name = type(action).__name__
-            try:
-                if name in ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot"):
-                    shim._on_device_free(name, action)
-                elif name == "FreeComponentHostSlot":
-                    group = shim.group_of.get(action.component_type)
-                    if group is not None:
-                        shim._free(group, Tier.HOST, shim._page_slots(group, action.host_indices))
-            except Exception:  # noqa: BLE001
-                shim._failed(name)
+            shim.before_action(name, action)
             result = original(action)
-            try:
-                if name == "SWARebuild":
-                    shim._on_swa_rebuild(action)
-                elif name in ("RecoverSWAWithLockedFull", "RecoverEvictedSWA"):
-                    shim._on_swa_recovered(action)
-            except Exception:  # noqa: BLE001
-                shim._failed(name)
+            shim.after_action(name, action)
             return result
 
         self._saved.append((cache, "_apply_cache_action", original))
         cache._apply_cache_action = _apply_cache_action
+
+    def before_action(self, name: str, action: Any) -> None:
+        """A cache action about to run (by its class name): frees name the pages they drop."""
+        try:
+            if name in ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot"):
+                self._on_device_free(name, action)
+            elif name == "FreeComponentHostSlot":
+                group = self.group_of.get(action.component_type)
+                if group is not None:
+                    self._free(group, Tier.HOST, self._page_slots(group, action.host_indices))
+        except Exception:  # noqa: BLE001
+            self._failed(name)
+
+    def after_action(self, name: str, action: Any) -> None:
+        """A cache action that ran: window state rebuilt or recovered."""
+        try:
+            if name == "SWARebuild":
+                self._on_swa_rebuild(action)
+            elif name in ("RecoverSWAWithLockedFull", "RecoverEvictedSWA"):
+                self._on_swa_recovered(action)
+        except Exception:  # noqa: BLE001
+            self._failed(name)
 
     def _wrap_node_removals(self, cache: Any) -> None:
         """The older trees free a node's slots in `evict` and tell their event recorder (called
@@ -611,16 +631,24 @@ class RadixCacheShim:
         if not force and now < self._usage_due_ns:
             return
         self._usage_due_ns = now + self.usage_interval_ns
-        c = self.cache
+        self.emit_usage(*usage_counters(self.cache))
+
+    def emit_usage(self, locked: int, evictable: int, free: int) -> None:
+        """One usage sample from SGLang's counters (tokens locked, evictable, free)."""
         per_token = self.page_bytes[self._full] // self.page if self.page_bytes else 0
-        unified = hasattr(c, "tree_components")  # the older trees count their one pool as a whole
-        locked = int((c.full_protected_size if unified else c.protected_size)())
-        evictable = int((c.full_evictable_size if unified else c.evictable_size)())
-        allocator = getattr(c, "token_to_kv_pool_allocator", None)
-        free = int(allocator.available_size()) if allocator is not None else 0
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
                                   component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def usage_counters(cache: Any) -> tuple[int, int, int]:
+    """SGLang's O(1) counters of its device KV pool, in tokens: (locked, evictable, free)."""
+    unified = hasattr(cache, "tree_components")  # the older trees count their one pool as a whole
+    locked = int((cache.full_protected_size if unified else cache.protected_size)())
+    evictable = int((cache.full_evictable_size if unified else cache.evictable_size)())
+    allocator = getattr(cache, "token_to_kv_pool_allocator", None)
+    free = int(allocator.available_size()) if allocator is not None else 0
+    return locked, evictable, free
 
 
 def _same_prefix(a: Any, b: Any, m: int) -> bool:
