@@ -16,6 +16,10 @@ from its hash ids) through `kvtrace.instrumentation.sglang.driver`, each on its 
                    drops (the export path is measured by bench_export.py)
   kvtrace-sampled  the shim with sample_rate=0.1 (lookups and adopts of 1 request in 10;
                    commits and evictions are always reported)
+  kvtrace-process  the out-of-process mode (`sglang/capture.py`): the scheduler thread copies what
+                   the shim reads into a shared-memory ring, and a resolver process runs the
+                   same shim there; a round ends when the resolver has handled and exported all
+                   of it. Full attention and Mamba mixes only (the mode does not cover SWA)
   kv-events        SGLang's own KV-event path instead: enable_kv_cache_events=True and the
                    queue drained after every request with take_events(), as the scheduler does
                    when a publisher exists
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import struct
@@ -70,6 +75,7 @@ from counting_sink import CountingSink  # beside this script
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
 from kvtrace.instrumentation.traces import read_trace
@@ -364,6 +370,12 @@ def main() -> None:
     for name, rate in SHIMMED.items():
         drivers[name], shims[name] = _shimmed(config, emitters[name], rate)
     drivers["kv-events"] = Driver(*build_cache(config, enable_kv_cache_events=True), config)
+    process = None
+    cache, allocator, req_pool = build_cache(config)
+    if unsupported(cache) is None:
+        process = ProcessShim(cache, Identity(instance="bench", model="m"), sink="counting_sink:CountingSink")
+        process.start().flush(120)  # the resolver is up and has imported what it needs
+        drivers["kvtrace-process"] = Driver(cache, allocator, req_pool, config, shim=process)
     names = list(drivers)
     seconds = dict.fromkeys(names, 0.0)
     per_round: dict[str, list[float]] = {k: [] for k in names}
@@ -383,6 +395,8 @@ def main() -> None:
                     kv_events += len(drain())
             if name in emitters:  # the exporter thread's share counts too
                 emitters[name].force_flush(timeout_millis=120_000)
+            elif name == "kvtrace-process" and not process.flush(120):  # and the resolver's
+                raise SystemExit("the resolver did not catch up within 120 s")
             elapsed = time.perf_counter() - started
             seconds[name] += elapsed
             per_round[name].append(elapsed)
@@ -409,7 +423,23 @@ def main() -> None:
         rate = st.emitted / seconds[name]
         print(f"{name}: {st.emitted:,} events emitted ({rate:,.0f} per second of replay), "
               f"{st.exported:,} exported, {st.dropped} dropped, shim errors {shims[name].errors}")
+    if process is not None:
+        st = process.stats()
+        cpu = _cpu_seconds(process.process.pid)
+        process.close()
+        print(f"kvtrace-process: {st.records:,} records, {st.dropped} dropped, {st.events:,} events emitted by the "
+              f"resolver, resolver errors {st.resolver_errors}; the resolver process used {cpu:.2f} s of CPU "
+              f"(on another core: the replay's time above includes only waiting for it at each round's end)")
     print(f"SGLang KV events drained: {kv_events:,}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a live process, from /proc (Linux); nan elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,18 @@ settings). It registers two hooks through SGLang's own hook registry:
   prefix by tier (`cached_tokens_device`, `_host`, `_storage`), the shim records the adopt.
 
 If SGLang lacks the registry or a target, it logs once and the engine runs untraced.
+
+`KVTRACE_SGLANG_MODE=process` moves the shim's work off the scheduler thread: the thread only
+copies what the shim reads into shared memory and a resolver process does the rest (see
+`capture`). A cache that mode does not cover (a sliding window, HiCache's tiers) is traced
+in-process, with a log line saying why.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("kvtrace.sglang")
@@ -82,9 +89,6 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
     from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 
     settings = settings or _settings or EmitterSettings.from_env()
-    emitter = get_emitter()
-    if type(emitter).__name__ == "NoopEmitter":
-        emitter = configure(settings, engine="sglang")
     args = getattr(ctx, "server_args", None)
     model = str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "") or "")
     identity = Identity(instance=engine_instance(settings), model=model,
@@ -96,6 +100,19 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
         version = str(getattr(sglang, "__version__", ""))
     except ImportError:
         version = ""
+    if os.environ.get("KVTRACE_SGLANG_MODE", "").strip().lower() == "process":
+        from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
+
+        why = unsupported(cache)
+        if why is None:
+            process = ProcessShim(cache, identity, sample_rate=settings.sample_rate, engine_version=version).start()
+            atexit.register(process.close)
+            cache._kvtrace_shim = process
+            return process
+        log.warning("kvtrace: out-of-process mode does not cover %s; tracing this cache in-process", why)
+    emitter = get_emitter()
+    if type(emitter).__name__ == "NoopEmitter":
+        emitter = configure(settings, engine="sglang")
     shim = RadixCacheShim(cache, emitter, identity, sample_rate=settings.sample_rate, engine_version=version).install()
     cache._kvtrace_shim = shim
     return shim

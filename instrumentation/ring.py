@@ -1,0 +1,175 @@
+"""A single-producer, single-consumer record ring in shared memory, for a hot path that must
+hand raw facts to another process without blocking and without paying for what that process
+does with them.
+
+The producer (an engine's scheduler thread) copies a record in and publishes its new write
+position; the consumer (kvtrace's own process) reads records and publishes its read position.
+Each side writes only its own position, so no lock is shared. A record that does not fit in the
+free space is dropped and counted: the producer never waits. Records never straddle the end of
+the buffer: when one would, the tail is marked as padding and the record starts at the front.
+
+Ordering: the data is written before the position that publishes it, and a position is read
+before the data it covers. x86 keeps stores in order; other CPUs need a barrier, and a lock's
+acquire and release are one (the same device vLLM's shared-memory broadcast uses), so each side
+takes a private lock around publishing and reading positions.
+
+Layout: a 256-byte header (write position at 0, read position at 64, the consumer's flush
+acknowledgement at 72 and its counters after that, each on the side that writes it), then the
+data. Positions count bytes since the start and only grow; the offset is position mod size.
+A record is a 16-byte head (u32 length with padding, u16 kind, u16 blob count, u64 value) then
+u32 blob lengths, then the blobs, each padded to 8 bytes; whole records are padded to 16, so
+the space left before the end always holds at least a padding head.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+HEADER_BYTES = 256
+_WRITE, _READ, _ACK = 0, 64, 72
+CONSUMER_COUNTERS = 96  # the consumer's own counters: 8 u64 from here
+_HEAD = struct.Struct("<IHHq")
+PAD = 0  # a record kind no caller uses: the rest of the buffer is padding
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class Ring:
+    """One side of a ring; `create` on the producer's side, `attach` on the consumer's."""
+
+    def __init__(self, memory: shared_memory.SharedMemory, owner: bool) -> None:
+        self.memory = memory
+        self.owner = owner
+        self.size = (memory.size - HEADER_BYTES) // 16 * 16
+        self.data = np.ndarray((self.size,), dtype=np.uint8, buffer=memory.buf, offset=HEADER_BYTES)
+        self.words = np.ndarray((HEADER_BYTES // 8,), dtype=np.uint64, buffer=memory.buf)
+        self._fence = threading.Lock()
+        self.dropped = 0
+        self.written = 0
+
+    @classmethod
+    def create(cls, size: int = 64 << 20) -> Ring:
+        """A new ring of `size` data bytes, every page touched now so no write faults later."""
+        if size < 4096:
+            raise ValueError(f"a ring needs at least 4096 bytes, not {size}")
+        memory = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + size)
+        ring = cls(memory, owner=True)
+        ring.words[:] = 0
+        ring.data[:] = 0
+        return ring
+
+    @classmethod
+    def attach(cls, name: str, own_tracker: bool = False) -> Ring:
+        """The consumer's side. Attaching registers the segment with this process's resource
+        tracker, which unlinks what it holds when the process ends; the creator owns the
+        segment, so a process with a tracker of its own (`own_tracker`: not a multiprocessing
+        child, which shares its parent's) takes the entry back."""
+        memory = shared_memory.SharedMemory(name=name)
+        if own_tracker:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
+        return cls(memory, owner=False)
+
+    @property
+    def name(self) -> str:
+        return self.memory.name
+
+    def _load(self, at: int) -> int:
+        with self._fence:
+            return int(self.words[at // 8])
+
+    def _store(self, at: int, value: int) -> None:
+        with self._fence:
+            self.words[at // 8] = value
+
+    # -- producer ----------------------------------------------------------------------------------
+    def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
+        """Append one record; False (and counted) when it does not fit. Blobs are bytes-like or
+        numpy arrays (copied as their raw bytes)."""
+        views = [b.view(np.uint8).reshape(-1) if isinstance(b, np.ndarray) else memoryview(b).cast("B")
+                 for b in blobs]
+        head = _HEAD.size + 4 * len(views)
+        length = (_align(head) + sum(_align(len(v)) for v in views) + 15) & ~15  # a tail left is >= one head
+        write = int(self.words[_WRITE // 8])  # only this side writes it
+        read = self._load(_READ)
+        at = write % self.size
+        pad = self.size - at if at + length > self.size else 0
+        if length + pad > self.size - (write - read):
+            self.dropped += 1
+            return False
+        if pad:
+            _HEAD.pack_into(self.memory.buf, HEADER_BYTES + at, pad, PAD, 0, 0)
+            write, at = write + pad, 0
+        base = HEADER_BYTES + at
+        _HEAD.pack_into(self.memory.buf, base, length, kind, len(views), value)
+        if views:
+            struct.pack_into(f"<{len(views)}I", self.memory.buf, base + _HEAD.size, *(len(v) for v in views))
+        pos = at + _align(head)
+        for v in views:
+            self.data[pos : pos + len(v)] = v
+            pos += _align(len(v))
+        self._store(_WRITE, write + length)
+        self.written += 1
+        return True
+
+    def acknowledged(self) -> int:
+        """The last flush number the consumer has acknowledged."""
+        return self._load(_ACK)
+
+    def consumer_counter(self, i: int) -> int:
+        return self._load(CONSUMER_COUNTERS + 8 * i)
+
+    def backlog(self) -> int:
+        """Bytes written and not yet read."""
+        return int(self.words[_WRITE // 8]) - self._load(_READ)
+
+    # -- consumer ----------------------------------------------------------------------------------
+    def poll(self) -> tuple[int, int, list[memoryview], int] | None:
+        """The next record (kind, value, blob views, its end position), or None when there is
+        none. The views are valid until `release(end)`."""
+        read = int(self.words[_READ // 8])  # only this side writes it
+        while True:
+            write = self._load(_WRITE)
+            if read == write:
+                return None
+            at = read % self.size
+            length, kind, count, value = _HEAD.unpack_from(self.memory.buf, HEADER_BYTES + at)
+            if kind != PAD:
+                break
+            read += length
+            self._store(_READ, read)
+        base = HEADER_BYTES + at
+        sizes = struct.unpack_from(f"<{count}I", self.memory.buf, base + _HEAD.size) if count else ()
+        pos = base + _align(_HEAD.size + 4 * count)
+        views = []
+        for n in sizes:
+            views.append(self.memory.buf[pos : pos + n])
+            pos += _align(n)
+        return kind, value, views, read + length
+
+    def release(self, end: int) -> None:
+        self._store(_READ, end)
+
+    def acknowledge(self, flush: int) -> None:
+        self._store(_ACK, flush)
+
+    def set_counter(self, i: int, value: int) -> None:
+        self._store(CONSUMER_COUNTERS + 8 * i, value)
+
+    def close(self) -> None:
+        del self.data, self.words
+        self.memory.close()
+        if self.owner:
+            try:
+                self.memory.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,384 @@
+"""The SGLang shim split in two: the engine thread records raw facts, another process names them.
+
+`RadixCacheShim` does all its work on SGLang's scheduler thread: it hashes every prompt into
+page keys, keeps the slot ledger and builds the events. On a cache-only replay that is ~0.45 ms
+a request, as much as the cache's own work. In this mode the scheduler thread only copies what
+the shim would read (a lookup's tokens and hit lengths, an insert's tokens and slots, the slots
+a free drops) into a shared-memory ring (`kvtrace.instrumentation.ring`). A resolver process
+(`resolver`) replays those facts through an unchanged `RadixCacheShim`, so both modes emit the
+same events, and its emitter sends them to the configured sink.
+
+The scheduler thread never waits: a full ring drops the record and counts it, and the
+resolver, told of the loss, starts its ledger afresh and reports the device tier invalidated
+(an honest "unknown" instead of evictions it can no longer name). Covered: full attention and
+Mamba components on the unified tree. A sliding window's slots are translated through a live
+allocator table, and HiCache's tiers through its controller: those stay in-process
+(`unsupported` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import subprocess
+import sys
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.ring import Ring
+from kvtrace.instrumentation.sglang.ledger import as_slots
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim, component_types, usage_counters
+
+log = logging.getLogger("kvtrace.sglang")
+
+
+class Rec(IntEnum):
+    """Record kinds on the ring."""
+
+    BEGIN = 1  # a wrapped call with nothing to read starts; value: its CALLS index
+    END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
+    ABORT = 3  # it raised
+    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens
+    INSERT = 5  # an insert starts (this opens the call): its key's tokens, slots, Mamba state
+    INSERTED = 6  # it returned; value: prefix_len
+    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id
+    ACTION = 8  # a cache action is about to free slots; value: ledger step
+    ADMIT = 9  # what an admitted request reused
+    USAGE = 10  # the device pool's counters
+    FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
+    STOP = 12
+    LOST = 13  # value: records dropped since the last one that got through
+
+
+CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset")
+FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
+_INTS = struct.Struct("<qqqq")
+_NO_TOKENS = b""
+
+
+def text(value: str | None) -> bytes:
+    """A string that may be None, as bytes (a leading 0 byte is None)."""
+    return b"\x00" if value is None else b"\x01" + str(value).encode("utf-8")
+
+
+def untext(raw: Any) -> str | None:
+    data = bytes(raw)
+    return None if data[:1] == b"\x00" else data[1:].decode("utf-8")
+
+
+def tokens_blob(tokens: Any) -> Any:
+    """Token ids as raw int64 bytes: SGLang's `array("q")` as it is, anything else converted."""
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        return tokens
+    if tokens is None or len(tokens) == 0:
+        return _NO_TOKENS
+    if hasattr(tokens, "cpu") and hasattr(tokens, "numpy"):
+        tokens = tokens.cpu().numpy()
+    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+def unsupported(cache: Any) -> str | None:
+    """Why this cache cannot be traced out of process, or None."""
+    names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
+    if "SWA" in names:
+        return "a sliding-window component (its slots are translated through the live allocator)"
+    if getattr(cache, "cache_controller", None) is not None:
+        return "HiCache's host and storage tiers (read through its controller)"
+    if getattr(cache, "_apply_cache_action", None) is None:
+        return f"{type(cache).__name__} (an older tree: frees are read from tree nodes)"
+    return None
+
+
+class ResolverSpec(msgspec.Struct, frozen=True):
+    """What the resolver process needs to rebuild the shim (no live SGLang object), passed to
+    it as JSON on its command line."""
+
+    ring: str
+    page_size: int
+    components: tuple[str, ...]
+    page_bytes: tuple[int, ...]
+    identity: Identity
+    sample_rate: float = 1.0
+    engine_version: str = ""
+    sink: str = ""  # "module:callable" making the sink; empty: the sink kvtrace's settings name
+    sys_path: tuple[str, ...] = ()  # where the sink's module is found, ahead of the defaults
+
+
+@dataclass(slots=True)
+class CaptureStats:
+    records: int = 0
+    dropped: int = 0  # records the full ring refused
+    errors: int = 0  # captures that failed (the cache call went on)
+    resolved: int = 0  # records the resolver has handled
+    events: int = 0  # events the resolver's emitter took
+    resolver_errors: int = 0
+    lost_resets: int = 0  # times the resolver started afresh after drops
+
+
+class CaptureShim:
+    """Wraps one cache's methods like `RadixCacheShim`, recording instead of resolving."""
+
+    def __init__(self, cache: Any, ring: Ring, usage_interval_s: float = 1.0) -> None:
+        self.cache, self.ring = cache, ring
+        self.page = int(cache.page_size)
+        names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
+        self.group_names = names
+        self._mamba = names.index("MAMBA") if "MAMBA" in names else None
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._lost = 0
+        self.errors = 0
+        self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.usage_interval_ns = int(usage_interval_s * 1e9)
+        self._usage_due_ns = 0
+
+    # -- the ring ----------------------------------------------------------------------------------
+    def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> None:
+        ring = self.ring
+        if self._lost:
+            if not ring.offer(Rec.LOST, self._lost):
+                self._lost += 1
+                return
+            self._lost = 0
+        if not ring.offer(kind, value, blobs):
+            self._lost += 1
+
+    def _failed(self, what: str) -> None:
+        self.errors += 1
+        self._lost += 1  # the resolver cannot trust a half-recorded call
+        if self.errors == 1:
+            log.exception("kvtrace: recording SGLang's %s failed; counting further failures silently", what)
+
+    def _step(self, group: int | None) -> int:
+        return 1 if (group == self._mamba or self.page == 1) else self.page
+
+    # -- install -----------------------------------------------------------------------------------
+    def install(self) -> CaptureShim:
+        c = self.cache
+        self._wrap(c, "match_prefix", None, self._lookup)
+        self._wrap(c, "checkpoint", self._checkpoint, None, optional=True)
+        self._wrap(c, "insert", self._insert, self._inserted)
+        for name in ("evict", "evict_for_alloc", "evict_host", "reset"):
+            self._wrap(c, name, None, None, optional=name != "evict" and name != "reset")
+        original = c._apply_cache_action
+        capture = self
+
+        def _apply_cache_action(action: Any) -> Any:
+            name = type(action).__name__
+            if name in FREES:
+                try:
+                    capture._action(name, action)
+                except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                    capture._failed(name)
+            return original(action)
+
+        self._saved.append((c, "_apply_cache_action", original))
+        c._apply_cache_action = _apply_cache_action
+        init = getattr(c, "init_hicache", None)
+        if init is not None:  # tiers added later are not covered: say so rather than miss them quietly
+
+            def init_hicache(*args: Any, **kwargs: Any) -> Any:
+                log.warning("kvtrace: HiCache's tiers were added to a cache traced out of process; "
+                            "their moves are not traced (use the in-process shim for HiCache)")
+                return init(*args, **kwargs)
+
+            self._saved.append((c, "init_hicache", init))
+            c.init_hicache = init_hicache
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name, original in reversed(self._saved):
+            setattr(obj, name, original)
+        self._saved.clear()
+
+    def _wrap(self, obj: Any, name: str, begin: Callable[..., None] | None, end: Callable[..., None] | None,
+              optional: bool = False) -> None:
+        original = getattr(obj, name, None)
+        if original is None:
+            if not optional:
+                log.warning("kvtrace: SGLang's %s has no %s; that hook is off", type(obj).__name__, name)
+            return
+        call = CALLS.index(name)
+        capture = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                if begin is None:
+                    capture._put(Rec.BEGIN, call)
+                else:  # its record opens the call
+                    begin(*args, **kwargs)
+            except Exception:  # noqa: BLE001
+                capture._failed(name)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                capture._put(Rec.ABORT, call)
+                raise
+            try:
+                if end is not None:
+                    end(result, *args, **kwargs)
+                else:
+                    capture._put(Rec.END, call)
+            except Exception:  # noqa: BLE001
+                capture._failed(name)
+                capture._put(Rec.END, call)
+            return result
+
+        self._saved.append((obj, name, original))
+        setattr(obj, name, wrapper)
+
+    # -- what each call records ------------------------------------------------------------------
+    def _lookup(self, result: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        req, key = getattr(params, "req", None), params.key
+        device, host = int(result.device_prefix_len), int(result.host_hit_length)
+        full = int(getattr(result, "full_kv_hit_length", 0) or 0)
+        rid = str(getattr(req, "rid", "")) if req is not None else ""
+        repeat = bool(rid) and self._asked.get(rid) == (device, host)
+        if rid and not repeat:
+            self._asked[rid] = (device, host)
+            self._asked.move_to_end(rid)
+            while len(self._asked) > 65536:
+                self._asked.popitem(last=False)
+        if repeat:  # the scheduler asks again each round: the resolver needs no tokens for that
+            ids, out = _NO_TOKENS, _NO_TOKENS
+        elif req is not None and getattr(req, "origin_input_ids", None) is not None:
+            ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
+        else:
+            ids, out = tokens_blob(key.token_ids), _NO_TOKENS
+        flags = (1 if req is not None else 0) | (2 if repeat else 0)
+        self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
+                                      text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
+        if self.usage_interval_ns:
+            now = time.monotonic_ns()
+            if now >= self._usage_due_ns:
+                self._usage_due_ns = now + self.usage_interval_ns
+                self._put(Rec.USAGE, 0, (_INTS.pack(*usage_counters(self.cache), 0),))
+
+    def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
+        self._put(Rec.CHECKPOINT, 0, (text(str(getattr(req, "rid", ""))),))
+
+    def _insert(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        key, value = params.key, params.value
+        if key is None or value is None:
+            self._put(Rec.INSERT, 0)
+            return
+        pages = len(key) // self.page
+        slots = as_slots(value[: pages * self.page], self._step(-1))
+        mamba = getattr(params, "mamba_value", None)
+        mamba_slots = as_slots(mamba, 1) if mamba is not None else None
+        flags = 1 | (2 if mamba_slots is not None else 0)
+        self._put(Rec.INSERT, flags, (_INTS.pack(len(key), 0, 0, 0), tokens_blob(key.token_ids), slots,
+                                      mamba_slots if mamba_slots is not None else _NO_TOKENS,
+                                      text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
+
+    def _inserted(self, result: Any, *args: Any, **kwargs: Any) -> None:
+        self._put(Rec.INSERTED, int(result.prefix_len), (_INTS.pack(int(bool(getattr(result, "mamba_exist", False))),
+                                                                    0, 0, 0),))
+
+    def _action(self, name: str, action: Any) -> None:
+        component = getattr(action, "component_type", None)
+        group = self.group_names.index(getattr(component, "name", str(component))) if component is not None else 0
+        step = self._step(group)
+        values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
+        self._put(Rec.ACTION, step, (text(name), text(self.group_names[group]), as_slots(values, step)))
+
+    def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
+                         tenant: str | None = None) -> None:
+        try:
+            self._put(Rec.ADMIT, 0, (_INTS.pack(int(prompt_tokens), int(device), int(host), int(storage)),
+                                     text(str(request_id)), text(tenant)))
+        except Exception:  # noqa: BLE001
+            self._failed("record_admission")
+
+
+class ProcessShim:
+    """The engine side of the out-of-process mode: the capture wrappers, the ring and the
+    resolver process. `flush` waits until the resolver's sink has everything recorded so far."""
+
+    def __init__(self, cache: Any, identity: Identity = Identity(), sample_rate: float = 1.0,
+                 sink: str = "", ring_bytes: int = 64 << 20, usage_interval_s: float = 1.0,
+                 engine_version: str = "") -> None:
+        why = unsupported(cache)
+        if why is not None:
+            raise ValueError(f"kvtrace's out-of-process SGLang mode does not cover {why}; use RadixCacheShim")
+        self.ring = Ring.create(ring_bytes)
+        self.capture = CaptureShim(cache, self.ring, usage_interval_s)
+        # The sizes are read here, from the live pools, with the shim's own rule.
+        page_bytes = RadixCacheShim(cache, _NullEmitter(), identity).page_bytes
+        self.spec = ResolverSpec(ring=self.ring.name, page_size=int(cache.page_size),
+                                 components=tuple(self.capture.group_names), page_bytes=tuple(page_bytes),
+                                 identity=identity, sample_rate=sample_rate, engine_version=engine_version,
+                                 sink=sink, sys_path=tuple(p for p in sys.path if p) if sink else ())
+        self._flushes = 0
+        self.process: Any = None
+
+    def start(self) -> ProcessShim:
+        """Start the resolver (a fresh interpreter: nothing of the engine's is imported there)
+        and wrap the cache."""
+        self.process = subprocess.Popen([sys.executable, "-m", "kvtrace.instrumentation.sglang.resolver",
+                                         msgspec.json.encode(self.spec).decode()])
+        self.capture.install()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def record_admission(self, *args: Any, **kwargs: Any) -> None:
+        self.capture.record_admission(*args, **kwargs)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait (off the hot path) until the resolver has handled and exported every record."""
+        self._flushes += 1
+        deadline = time.monotonic() + timeout_s
+        capture = self.capture
+        while capture._lost and not self.ring.offer(Rec.LOST, capture._lost):  # the loss first
+            if time.monotonic() > deadline or not self.alive():
+                return False
+            time.sleep(0.001)
+        capture._lost = 0
+        while not self.ring.offer(Rec.FLUSH, self._flushes):
+            if time.monotonic() > deadline or not self.alive():
+                return False
+            time.sleep(0.001)
+        while self.ring.acknowledged() < self._flushes:
+            if time.monotonic() > deadline or not self.alive():
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def stats(self) -> CaptureStats:
+        r = self.ring
+        return CaptureStats(records=r.written, dropped=r.dropped, errors=self.capture.errors,
+                            resolved=r.consumer_counter(0), events=r.consumer_counter(1),
+                            resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.capture.uninstall()
+        if self.process is not None:
+            deadline = time.monotonic() + timeout_s
+            while not self.ring.offer(Rec.STOP) and time.monotonic() < deadline and self.alive():
+                time.sleep(0.001)
+            try:
+                self.process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.ring.close()
+
+
+class _NullEmitter:
+    """For reading the pool sizes only: emits nothing."""
+
+    def emit(self, event: Any) -> None:
+        pass
+
+    def sampled(self, key: int, rate: float) -> bool:
+        return False

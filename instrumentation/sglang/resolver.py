@@ -1,0 +1,232 @@
+"""The resolver process of the out-of-process SGLang mode (see `capture`): it reads the ring and
+replays each recorded call through a `RadixCacheShim` of its own, through the same steps a
+wrapped call takes in-process (`begin_call`, `end_call`, `before_action`), so both modes emit
+the same events. The shim here sees stand-ins that carry just what it reads: a request's id and
+tokens, a key's tokens and namespace, slot indices, hit lengths.
+
+Slots travel as ledger indices (one per page); the stand-ins hand them back to the shim as the
+raw slot runs it expects, so its code needs no second path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from array import array
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvtrace.instrumentation.ring import Ring
+from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, untext
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.schema.kinds import Reason, Tier
+
+log = logging.getLogger("kvtrace.sglang")
+
+
+class _Key:
+    """A RadixKey stand-in: tokens, namespace and a length."""
+
+    __slots__ = ("token_ids", "extra_key", "cache_salt", "length")
+
+    def __init__(self, token_ids: array, extra_key: str | None, cache_salt: str | None, length: int) -> None:
+        self.token_ids, self.extra_key, self.cache_salt, self.length = token_ids, extra_key, cache_salt, length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _tokens(raw: Any) -> array:
+    out = array("q")
+    out.frombytes(raw)
+    return out
+
+
+def _runs(ledger: np.ndarray, step: int) -> np.ndarray:
+    """Raw slot indices whose ledger indices are `ledger`: each page's run of `step` slots."""
+    if step == 1:
+        return ledger
+    return (ledger[:, None] * step + np.arange(step, dtype=np.int64)).reshape(-1)
+
+
+class Replayer:
+    """Turns records back into the shim's calls."""
+
+    def __init__(self, spec: ResolverSpec, emitter: Any) -> None:
+        cache = SimpleNamespace(page_size=spec.page_size, tree_components=list(spec.components))
+        self.shim = RadixCacheShim(cache, emitter, spec.identity, sample_rate=spec.sample_rate, usage_interval_s=0,
+                                   engine_version=spec.engine_version)
+        self.shim.page_bytes = list(spec.page_bytes)
+        self.page = spec.page_size
+        self.frames: list[tuple[str, bool, Any, Any]] = []  # open calls: (name, top, token, args)
+        self.requests: OrderedDict[str, SimpleNamespace] = OrderedDict()  # request stand-ins by id
+        self.errors = 0
+        self.lost = 0
+        self.handled = 0
+
+    def _request(self, rid: str) -> SimpleNamespace:
+        req = self.requests.get(rid)
+        if req is None:
+            req = self.requests[rid] = SimpleNamespace(rid=rid, origin_input_ids=array("q"), output_ids=array("q"))
+            while len(self.requests) > 8192:
+                self.requests.popitem(last=False)
+        else:
+            self.requests.move_to_end(rid)
+        return req
+
+    def _open(self, call: str, before: Any = None, args: tuple[Any, ...] = ()) -> None:
+        top, token = self.shim.begin_call(call, before, args, {})
+        self.frames.append((call, top, token, args))
+
+    def _close(self, call: str, after: Any = None, result: Any = None, args: tuple[Any, ...] | None = None) -> None:
+        """End the innermost open call; `args`: what `after` reads, when the opening had none."""
+        if not self.frames or self.frames[-1][0] != call:
+            return  # its opening was lost with dropped records
+        _, top, token, opened = self.frames.pop()
+        self.shim.end_call(call, top, after, result, token, opened if args is None else args, {})
+
+    def handle(self, kind: int, value: int, blobs: list[memoryview]) -> None:
+        self.handled += 1
+        shim = self.shim
+        if kind == Rec.BEGIN:
+            self._open(CALLS[value])
+        elif kind == Rec.END:
+            self._close(CALLS[value], shim._after_reset if CALLS[value] == "reset" else
+                        shim._after_checkpoint if CALLS[value] == "checkpoint" else None)
+        elif kind == Rec.ABORT:
+            if self.frames and self.frames[-1][0] == CALLS[value]:
+                _, top, _, _ = self.frames.pop()
+                shim.abort_call(top)
+        elif kind == Rec.LOOKUP:
+            device, host, full, _ = _INTS.unpack(blobs[0])
+            rid, extra, salt = untext(blobs[3]), untext(blobs[4]), untext(blobs[5])
+            has_req, repeat = bool(value & 1), bool(value & 2)
+            req = None
+            if has_req:
+                req = self._request(rid or "")
+                if not repeat:
+                    req.origin_input_ids, req.output_ids = _tokens(blobs[1]), _tokens(blobs[2])
+                key = _Key(array("q"), extra, salt, 0)
+            else:
+                tokens = _tokens(blobs[1])
+                key = _Key(tokens, extra, salt, len(tokens))
+            result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
+            self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
+        elif kind == Rec.CHECKPOINT:
+            self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or ""),))
+        elif kind == Rec.INSERT:
+            if not value:
+                params = SimpleNamespace(key=None, value=None, mamba_value=None)
+            else:
+                (length, _, _, _) = _INTS.unpack(blobs[0])
+                key = _Key(_tokens(blobs[1]), untext(blobs[4]), untext(blobs[5]), length)
+                slots = _runs(np.frombuffer(blobs[2], dtype=np.int64), 1 if self.page == 1 else self.page)
+                mamba = np.frombuffer(blobs[3], dtype=np.int64).copy() if value & 2 else None
+                params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
+            self._open("insert", shim._before_insert, (params,))
+        elif kind == Rec.INSERTED:
+            (exist, _, _, _) = _INTS.unpack(blobs[0])
+            self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value, mamba_exist=bool(exist)))
+        elif kind == Rec.ACTION:
+            name, component = untext(blobs[0]) or "", untext(blobs[1])
+            slots = _runs(np.frombuffer(blobs[2], dtype=np.int64).copy(), value)
+            action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
+            shim.before_action(name, action)
+        elif kind == Rec.ADMIT:
+            prompt, device, host, storage = _INTS.unpack(blobs[0])
+            shim.record_admission(untext(blobs[1]) or "", prompt, device=device, host=host, storage=storage,
+                                  tenant=untext(blobs[2]))
+        elif kind == Rec.USAGE:
+            locked, evictable, free, _ = _INTS.unpack(blobs[0])
+            shim.emit_usage(locked, evictable, free)
+        elif kind == Rec.LOST:
+            self.start_afresh()
+
+    def start_afresh(self) -> None:
+        """Records were dropped: what the ledger says can no longer be trusted. The device
+        tier is reported invalidated (the analysis then counts nothing there as held) and the
+        ledger starts empty; commits fill it again."""
+        self.lost += 1
+        shim = self.shim
+        self.frames.clear()
+        shim._depth, shim._scope, shim._current_req = 0, None, None
+        tiers = {tier for (_, tier) in shim.ledger} or {Tier.DEVICE}
+        shim.ledger.clear()
+        for tier in sorted(tiers):
+            shim._emit_invalidate(tier, Reason.EXPLICIT)
+
+
+def _emitter(spec: ResolverSpec) -> Any:
+    """The sink the spec names ("module:callable"), batched like the in-process emitter; or,
+    with none named, the sink kvtrace's settings (environment) configure."""
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+
+    if spec.sink:
+        module, _, name = spec.sink.partition(":")
+        sink, batch = getattr(importlib.import_module(module), name)(), BatchConfig(max_queue_size=1 << 20)
+    else:  # the engine side decided tracing is on; here only the sink settings matter
+        from kvtrace.instrumentation.config import EmitterSettings, build_sink
+
+        settings = EmitterSettings.from_env()
+        sink, batch = build_sink(settings), settings.batch
+    return BatchEmitter(sink, batch, engine="sglang", instance=spec.identity.instance, register_atexit=False)
+
+
+def main(spec: ResolverSpec) -> None:
+    """The resolver process: read, replay, acknowledge flushes; exits on STOP or when the
+    engine process is gone (this process is then re-parented)."""
+    parent = os.getppid()
+    ring = Ring.attach(spec.ring, own_tracker=True)
+    emitter = _emitter(spec)
+    replayer = Replayer(spec, emitter)
+    idle = 0
+    try:
+        while True:
+            got = ring.poll()
+            if got is None:
+                idle += 1
+                if idle % 500 == 0 and os.getppid() != parent:
+                    break
+                time.sleep(0.0002 if idle < 50 else 0.002)
+                continue
+            idle = 0
+            kind, value, blobs, end = got
+            try:
+                replayer.handle(kind, value, blobs)
+            except Exception:  # noqa: BLE001 - one bad record must not end the resolver
+                replayer.errors += 1
+                if replayer.errors == 1:
+                    log.exception("kvtrace: the SGLang resolver could not replay a record")
+            finally:
+                for view in blobs:
+                    view.release()
+                ring.release(end)
+            if kind == Rec.FLUSH or kind == Rec.STOP:
+                emitter.force_flush(timeout_millis=60_000)
+                _publish(ring, replayer, emitter)
+                ring.acknowledge(value)
+                if kind == Rec.STOP:
+                    break
+    finally:
+        emitter.shutdown()
+        _publish(ring, replayer, emitter)
+        ring.close()
+
+
+def _publish(ring: Ring, replayer: Replayer, emitter: Any) -> None:
+    stats = emitter.stats()
+    for i, n in enumerate((replayer.handled, stats.emitted, replayer.errors + replayer.shim.errors, replayer.lost)):
+        ring.set_counter(i, n)
+
+
+if __name__ == "__main__":
+    _spec = msgspec.json.decode(sys.argv[1], type=ResolverSpec)
+    sys.path[:0] = [p for p in _spec.sys_path if p not in sys.path]
+    main(_spec)

@@ -1,0 +1,154 @@
+"""The out-of-process mode on SGLang's real cache: the scheduler thread records, a resolver
+process names. Its events must be the in-process shim's events, call for call, and the cache
+must never wait for it: not when its ring is full, not when it is stopped or gone.
+
+Both shims observe one cache (the in-process one installed first, the capture wrapping it), so
+they see the very same calls; SGLang's eviction order between two separate caches is not
+deterministic enough to compare two replays.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.instrumentation.sinks.memory import MemorySink
+from kvtrace.instrumentation.traces import read_trace
+from kvtrace.schema import EventKind
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import Reason, Tier
+from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
+
+TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
+IDENTITY = Identity(instance="sglang-0", model="tiny")
+
+
+def prompts(n: int, cut: int = 3000) -> list[tuple[str, list[int]]]:
+    return [(r.request_id, tokens_of(r)[:cut]) for r in read_trace(str(TRACE), limit=n)]
+
+
+def spooled(directory: Path) -> list[Event]:
+    out = []
+    for path in sorted(directory.glob(f"*{SPOOL_SUFFIX}")):
+        with path.open("rb") as f:
+            for payload in read_spool(f, path.name).payloads:
+                out.extend(msgspec.msgpack.decode(raw, type=Event) for raw in decode_batch(payload).events)
+    return out
+
+
+def comparable(e: Event) -> bytes:
+    """An event as it travels, without what differs by emitter (id, sequence, time)."""
+    e = msgspec.msgpack.decode(msgspec.msgpack.encode(e), type=Event)
+    return msgspec.msgpack.encode(msgspec.structs.replace(e, ts_ns=0, source_id=0, seq=0))
+
+
+@pytest.fixture
+def spool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The resolver configures its sink from kvtrace's settings, as in an engine: a spool here."""
+    monkeypatch.setenv("KVTRACE_SINK", "spool")
+    monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(tmp_path))
+    monkeypatch.setenv("KVTRACE_SCHEDULE_DELAY_MILLIS", "50")
+    return tmp_path
+
+
+class Both:
+    """Tells both shims what each request reused, as the scheduler's hook would."""
+
+    def __init__(self, *shims: object) -> None:
+        self.shims = shims
+
+    def record_admission(self, *args: object, **kwargs: object) -> None:
+        for shim in self.shims:
+            shim.record_admission(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mix", [Mix.FULL, Mix.MAMBA])
+def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, spool: Path) -> None:
+    config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
+    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
+    try:
+        driver = Driver(cache, allocator, pool, config, Both(inline, process))
+        for rid, tokens in prompts(60):
+            driver.serve(rid, tokens)
+        assert process.flush(60)
+        stats = process.stats()
+    finally:
+        process.close()
+    assert emitter.shutdown() and inline.errors == 0
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0
+    assert stats.resolved == stats.records
+    theirs = spooled(spool)
+    kinds = {e.kind for e in theirs}
+    assert {EventKind.LOOKUP, EventKind.COMMIT, EventKind.EVICT, EventKind.ADOPT} <= kinds  # evictions happened
+    assert [comparable(e) for e in theirs] == [comparable(e) for e in sink.events]
+
+
+def test_a_stopped_resolver_never_stalls_the_cache_and_the_loss_is_reported(spool: Path) -> None:
+    config = DriverConfig(kv_tokens=1 << 15)
+    reference = Driver(*build_cache(config), config)
+    cache, allocator, pool = build_cache(config)
+    process = ProcessShim(cache, IDENTITY, ring_bytes=1 << 16, usage_interval_s=0).start()
+    try:
+        assert process.flush(60)  # up and reading
+        os.kill(process.process.pid, signal.SIGSTOP)
+        driver = Driver(cache, allocator, pool, config, process)
+        started = time.monotonic()
+        for rid, tokens in prompts(40):
+            assert driver.serve(rid, tokens) == reference.serve(rid, tokens)  # the cache is unaffected
+        assert time.monotonic() - started < 60
+        assert process.stats().dropped > 0  # the ring filled and refused, counted
+        os.kill(process.process.pid, signal.SIGCONT)
+        assert process.flush(60)  # the backlog read, and the loss told (it goes ahead of the flush)
+        for rid, tokens in prompts(45)[40:]:
+            driver.serve(rid, tokens)
+        assert process.flush(60)
+        stats = process.stats()
+    finally:
+        process.close()
+    assert stats.lost_resets >= 1 and stats.resolver_errors == 0
+    events = spooled(spool)
+    resets = [e for e in events if e.kind is EventKind.INVALIDATE]
+    assert resets and all(e.tier is Tier.DEVICE and e.reason is Reason.EXPLICIT and e.block_key == 0 for e in resets)
+    # What got through after the loss is still named and committed.
+    assert any(e.kind is EventKind.COMMIT for e in events[events.index(resets[-1]):])
+
+
+def test_a_dead_resolver_costs_the_cache_nothing(spool: Path) -> None:
+    config = DriverConfig(kv_tokens=1 << 15)
+    cache, allocator, pool = build_cache(config)
+    process = ProcessShim(cache, IDENTITY, ring_bytes=1 << 16, usage_interval_s=0).start()
+    try:
+        process.process.kill()
+        process.process.wait(10)
+        driver = Driver(cache, allocator, pool, config, process)
+        for rid, tokens in prompts(20):
+            driver.serve(rid, tokens)
+        started = time.monotonic()
+        assert not process.flush(30)  # says so at once instead of waiting out the timeout
+        assert time.monotonic() - started < 5
+        assert process.stats().dropped > 0 and process.capture.errors == 0
+    finally:
+        process.close()
+
+
+def test_caches_it_does_not_cover_are_refused_by_name() -> None:
+    cache, _, _ = build_cache(DriverConfig(mix=Mix.SWA, kv_tokens=1 << 15))
+    assert "sliding-window" in (unsupported(cache) or "")
+    with pytest.raises(ValueError, match="sliding-window"):
+        ProcessShim(cache, IDENTITY)
