@@ -42,6 +42,15 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
+def _bytes_of(blob: Any) -> Any:
+    """A blob as a flat byte view (no copy), for a slice assignment into the ring."""
+    if isinstance(blob, bytes):
+        return blob
+    if isinstance(blob, np.ndarray) and not blob.flags.c_contiguous:
+        blob = np.ascontiguousarray(blob)
+    return memoryview(blob).cast("B")
+
+
 class Ring:
     """One side of a ring; `create` on the producer's side, `attach` on the consumer's."""
 
@@ -95,8 +104,7 @@ class Ring:
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
         """Append one record; False (and counted) when it does not fit. Blobs are bytes-like or
         numpy arrays (copied as their raw bytes)."""
-        views = [b.view(np.uint8).reshape(-1) if isinstance(b, np.ndarray) else memoryview(b).cast("B")
-                 for b in blobs]
+        views = [_bytes_of(b) for b in blobs]
         head = _HEAD.size + 4 * len(views)
         length = (_align(head) + sum(_align(len(v)) for v in views) + 15) & ~15  # a tail left is >= one head
         write = int(self.words[_WRITE // 8])  # only this side writes it
@@ -113,10 +121,12 @@ class Ring:
         _HEAD.pack_into(self.memory.buf, base, length, kind, len(views), value)
         if views:
             struct.pack_into(f"<{len(views)}I", self.memory.buf, base + _HEAD.size, *(len(v) for v in views))
-        pos = at + _align(head)
+        pos = base + _align(head)
+        buf = self.memory.buf
         for v in views:
-            self.data[pos : pos + len(v)] = v
-            pos += _align(len(v))
+            n = len(v)
+            buf[pos : pos + n] = v
+            pos += _align(n)
         self._store(_WRITE, write + length)
         self.written += 1
         return True

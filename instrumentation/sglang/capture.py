@@ -47,7 +47,8 @@ class Rec(IntEnum):
     BEGIN = 1  # a wrapped call with nothing to read starts; value: its CALLS index
     END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
     ABORT = 3  # it raised
-    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens
+    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens (value: flags;
+    # 4: nothing was recorded inside the call, so its opening never was either)
     INSERT = 5  # an insert starts (this opens the call): its key's tokens, slots, Mamba state
     INSERTED = 6  # it returned; value: prefix_len
     CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id
@@ -135,6 +136,8 @@ class CaptureShim:
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
         self._saved: list[tuple[Any, str, Any]] = []
         self._lost = 0
+        self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
+        self._unopened = 0
         self.errors = 0
         self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.usage_interval_ns = int(usage_interval_s * 1e9)
@@ -143,6 +146,8 @@ class CaptureShim:
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> None:
         ring = self.ring
+        if self._unopened:
+            self._open_calls()
         if self._lost:
             if not ring.offer(Rec.LOST, self._lost):
                 self._lost += 1
@@ -150,6 +155,16 @@ class CaptureShim:
             self._lost = 0
         if not ring.offer(kind, value, blobs):
             self._lost += 1
+
+    def _open_calls(self) -> None:
+        """Record the opening of every call in progress not recorded yet. A call is recorded
+        only once something inside it is: a lookup that frees nothing, or an `evict` that finds
+        nothing to evict, costs one record or none."""
+        self._unopened = 0
+        for frame in self._calls:
+            if not frame[1]:
+                frame[1] = True
+                self._put(Rec.BEGIN, frame[0])
 
     def _failed(self, what: str) -> None:
         self.errors += 1
@@ -210,33 +225,49 @@ class CaptureShim:
         capture = self
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            frame = [call, False]  # (call, its opening recorded)
             try:
-                if begin is None:
-                    capture._put(Rec.BEGIN, call)
-                else:  # its record opens the call
+                if begin is None:  # opened on the ring only if something inside is recorded
+                    capture._calls.append(frame)
+                    capture._unopened += 1
+                else:  # its own record opens it
                     begin(*args, **kwargs)
+                    frame[1] = True
+                    capture._calls.append(frame)
             except Exception:  # noqa: BLE001
                 capture._failed(name)
             try:
                 result = original(*args, **kwargs)
             except BaseException:
-                capture._put(Rec.ABORT, call)
+                capture._close(frame, Rec.ABORT)
                 raise
             try:
+                capture._close(frame, None)
                 if end is not None:
-                    end(result, *args, **kwargs)
-                else:
+                    end(result, frame[1], *args, **kwargs)
+                elif frame[1]:
                     capture._put(Rec.END, call)
             except Exception:  # noqa: BLE001
                 capture._failed(name)
-                capture._put(Rec.END, call)
             return result
 
         self._saved.append((obj, name, original))
         setattr(obj, name, wrapper)
 
+    def _close(self, frame: list[Any], record: Rec | None) -> None:
+        """Take a call off the stack (written `record`, ABORT, if it was opened on the ring)."""
+        calls = self._calls
+        if calls and calls[-1] is frame:
+            calls.pop()
+        elif frame in calls:  # never expected: a call left without its wrapper returning
+            del calls[calls.index(frame):]
+        if not frame[1]:
+            self._unopened = sum(1 for f in calls if not f[1])
+        if record is not None and frame[1]:
+            self._put(record, frame[0])
+
     # -- what each call records ------------------------------------------------------------------
-    def _lookup(self, result: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+    def _lookup(self, result: Any, opened: bool, params: Any, *args: Any, **kwargs: Any) -> None:
         req, key = getattr(params, "req", None), params.key
         device, host = int(result.device_prefix_len), int(result.host_hit_length)
         full = int(getattr(result, "full_kv_hit_length", 0) or 0)
@@ -253,7 +284,7 @@ class CaptureShim:
             ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
         else:
             ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-        flags = (1 if req is not None else 0) | (2 if repeat else 0)
+        flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4)
         self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
                                       text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
         if self.usage_interval_ns:
@@ -279,7 +310,7 @@ class CaptureShim:
                                       mamba_slots if mamba_slots is not None else _NO_TOKENS,
                                       text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
 
-    def _inserted(self, result: Any, *args: Any, **kwargs: Any) -> None:
+    def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
         self._put(Rec.INSERTED, int(result.prefix_len), (_INTS.pack(int(bool(getattr(result, "mamba_exist", False))),
                                                                     0, 0, 0),))
 

@@ -118,6 +118,8 @@ class Replayer:
                 tokens = _tokens(blobs[1])
                 key = _Key(tokens, extra, salt, len(tokens))
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
+            if value & 4:  # nothing happened inside it: its opening was not recorded
+                self._open("match_prefix")
             self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
         elif kind == Rec.CHECKPOINT:
             self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or ""),))
