@@ -349,6 +349,7 @@ class ProcessShim:
                                  identity=identity, sample_rate=sample_rate, engine_version=engine_version,
                                  sink=sink, sys_path=tuple(p for p in sys.path if p) if sink else ())
         self._flushes = 0
+        self._closed = False
         self.process: Any = None
 
     def start(self) -> ProcessShim:
@@ -392,6 +393,11 @@ class ProcessShim:
                             resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3))
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Unwrap the cache, let the resolver finish what is on the ring, and free the ring.
+        Safe to call again (the plugin also registers it to run at exit)."""
+        if self._closed:
+            return
+        self._closed = True
         self.capture.uninstall()
         if self.process is not None:
             deadline = time.monotonic() + timeout_s

@@ -83,3 +83,55 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
     assert a.engine == "sglang" and a.model == "tiny-llama" and a.request_id == "q1"
     assert list(zip(a.reused_tiers, a.reused_tokens)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]
     assert a.recomputed_tokens == 12
+
+
+def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """`KVTRACE_SGLANG_MODE=process`: the plugin starts a resolver for a cache the mode covers
+    (admissions reach the sink from there) and keeps the in-process shim, saying why, for one
+    it does not (a sliding window)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvtrace.instrumentation.sglang.capture import ProcessShim
+    from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+    from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
+    import msgspec
+    from kvtrace.schema.events import Event
+
+    for name, value in {"KVTRACE_SGLANG_MODE": "process", "KVTRACE_SINK": "spool", "KVTRACE_SPOOL_DIR": str(tmp_path),
+                        "KVTRACE_ENABLED": "1"}.items():
+        monkeypatch.setenv(name, value)
+    args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny")
+    cache, _, _ = build_cache(DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=1024))
+    process = plugin.attach(cache, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
+    try:
+        assert isinstance(process, ProcessShim) and cache._kvtrace_shim is process
+        req = Req(rid="q1", origin_input_text="", origin_input_ids=array("q", range(40)),
+                  sampling_params=SamplingParams(max_new_tokens=1))
+        req.cached_tokens_device, req.cached_tokens_host, req.cached_tokens_storage = 16, 0, 0
+        plugin.after_prepare_for_extend(None, SimpleNamespace(tree_cache=cache, reqs=[req]))
+        assert process.flush(60)
+    finally:
+        process.close()
+    events = []
+    for path in tmp_path.glob(f"*{SPOOL_SUFFIX}"):
+        with path.open("rb") as f:
+            for payload in read_spool(f, path.name).payloads:
+                events += [msgspec.msgpack.decode(raw, type=Event) for raw in decode_batch(payload).events]
+    (adopt,) = [e for e in events if e.kind is EventKind.ADOPT]
+    assert adopt.request_id == "q1" and adopt.model == "tiny-llama" and adopt.recomputed_tokens == 24
+
+    swa, _, _ = build_cache(DriverConfig(mix=Mix.SWA, page_size=4, kv_tokens=1024))
+    with caplog.at_level("WARNING", logger="kvtrace.sglang"):
+        shim = plugin.attach(swa, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
+    try:
+        assert isinstance(shim, RadixCacheShim)
+        assert "sliding-window" in caplog.text
+    finally:
+        shim.uninstall()
+        from kvtrace.instrumentation.api import get_emitter
+
+        get_emitter().shutdown()
+        set_emitter(None)
