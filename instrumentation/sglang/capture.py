@@ -302,7 +302,7 @@ class CaptureShim:
             self._put(Rec.INSERT, 0)
             return
         pages = len(key) // self.page
-        slots = as_slots(value[: pages * self.page], self._step(-1))
+        slots = as_slots(value, self._step(-1))[:pages]  # page starts, without a torch slice first
         mamba = getattr(params, "mamba_value", None)
         mamba_slots = as_slots(mamba, 1) if mamba is not None else None
         flags = 1 | (2 if mamba_slots is not None else 0)

@@ -103,7 +103,8 @@ def test_a_stopped_resolver_never_stalls_the_cache_and_the_loss_is_reported(spoo
     config = DriverConfig(kv_tokens=1 << 15)
     reference = Driver(*build_cache(config), config)
     cache, allocator, pool = build_cache(config)
-    process = ProcessShim(cache, IDENTITY, ring_bytes=1 << 16, usage_interval_s=0).start()
+    # 128 KiB: room for one request's records (~51 KB here) and the padding a wrap can waste
+    process = ProcessShim(cache, IDENTITY, ring_bytes=1 << 17, usage_interval_s=0).start()
     try:
         assert process.flush(60)  # up and reading
         os.kill(process.process.pid, signal.SIGSTOP)
@@ -115,7 +116,7 @@ def test_a_stopped_resolver_never_stalls_the_cache_and_the_loss_is_reported(spoo
         assert process.stats().dropped > 0  # the ring filled and refused, counted
         os.kill(process.process.pid, signal.SIGCONT)
         assert process.flush(60)  # the backlog read, and the loss told (it goes ahead of the flush)
-        for rid, tokens in prompts(45)[40:]:  # one at a time: this small ring holds about one request
+        for rid, tokens in prompts(45)[40:]:  # one at a time: this small ring holds one request
             driver.serve(rid, tokens)
             assert process.flush(60)
         stats = process.stats()
