@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from functools import lru_cache
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 from typing import Any
@@ -35,6 +36,12 @@ HEADER_BYTES = 256
 _WRITE, _READ, _ACK = 0, 64, 72
 CONSUMER_COUNTERS = 96  # the consumer's own counters: 8 u64 from here
 _HEAD = struct.Struct("<IHHq")
+_U64 = struct.Struct("<Q")
+
+
+@lru_cache(maxsize=64)
+def _lengths(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}I")
 PAD = 0  # a record kind no caller uses: the rest of the buffer is padding
 
 
@@ -63,6 +70,8 @@ class Ring:
         self._fence = threading.Lock()
         self.dropped = 0
         self.written = 0
+        self._write = int(self.words[_WRITE // 8])  # the producer's own position
+        self._read_seen = int(self.words[_READ // 8])
 
     @classmethod
     def create(cls, size: int = 64 << 20) -> Ring:
@@ -103,31 +112,36 @@ class Ring:
     # -- producer ----------------------------------------------------------------------------------
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
         """Append one record; False (and counted) when it does not fit. Blobs are bytes-like or
-        numpy arrays (copied as their raw bytes)."""
-        views = [_bytes_of(b) for b in blobs]
-        head = _HEAD.size + 4 * len(views)
-        length = (_align(head) + sum(_align(len(v)) for v in views) + 15) & ~15  # a tail left is >= one head
-        write = int(self.words[_WRITE // 8])  # only this side writes it
-        read = self._load(_READ)
-        at = write % self.size
-        pad = self.size - at if at + length > self.size else 0
-        if length + pad > self.size - (write - read):
-            self.dropped += 1
-            return False
+        numpy arrays (copied as their raw bytes). The producer keeps its own write position
+        and the last read position it saw, and reads the consumer's only when space runs short."""
+        views = [b if type(b) is bytes else _bytes_of(b) for b in blobs]
+        sizes = [len(v) for v in views]
+        count = len(views)
+        head = (_HEAD.size + 4 * count + 7) & ~7
+        length = (head + sum((n + 7) & ~7 for n in sizes) + 15) & ~15  # a tail left is >= one head
+        size, write = self.size, self._write
+        at = write % size
+        pad = size - at if at + length > size else 0
+        if length + pad > size - (write - self._read_seen):
+            self._read_seen = self._load(_READ)
+            if length + pad > size - (write - self._read_seen):
+                self.dropped += 1
+                return False
+        buf = self.memory.buf
         if pad:
-            _HEAD.pack_into(self.memory.buf, HEADER_BYTES + at, pad, PAD, 0, 0)
+            _HEAD.pack_into(buf, HEADER_BYTES + at, pad, PAD, 0, 0)
             write, at = write + pad, 0
         base = HEADER_BYTES + at
-        _HEAD.pack_into(self.memory.buf, base, length, kind, len(views), value)
-        if views:
-            struct.pack_into(f"<{len(views)}I", self.memory.buf, base + _HEAD.size, *(len(v) for v in views))
-        pos = base + _align(head)
-        buf = self.memory.buf
-        for v in views:
-            n = len(v)
+        _HEAD.pack_into(buf, base, length, kind, count, value)
+        if count:
+            _lengths(count).pack_into(buf, base + _HEAD.size, *sizes)
+        pos = base + head
+        for v, n in zip(views, sizes):
             buf[pos : pos + n] = v
-            pos += _align(n)
-        self._store(_WRITE, write + length)
+            pos += (n + 7) & ~7
+        self._write = write + length
+        with self._fence:  # the data before the position that publishes it
+            _U64.pack_into(buf, _WRITE, self._write)
         self.written += 1
         return True
 
@@ -140,7 +154,7 @@ class Ring:
 
     def backlog(self) -> int:
         """Bytes written and not yet read."""
-        return int(self.words[_WRITE // 8]) - self._load(_READ)
+        return self._write - self._load(_READ)
 
     # -- consumer ----------------------------------------------------------------------------------
     def poll(self) -> tuple[int, int, list[memoryview], int] | None:
