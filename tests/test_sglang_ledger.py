@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,3 +56,17 @@ def test_slots_of_a_single_segment_list_and_pads() -> None:
     assert as_slots([seg, torch.arange(96, 112)], 16).tolist() == [2, 3, 6]
     assert as_slots(torch.tensor([-1, 5, 7], dtype=torch.int32), 1).tolist() == [5, 7]
     assert as_slots(None, 16).tolist() == []
+
+
+def test_ledger_slots_stand_in_for_the_tensor_they_were_read_from() -> None:
+    import torch
+
+    from kvtrace.instrumentation.sglang.ledger import LedgerSlots
+
+    raw = torch.arange(64, 64 + 16 * 5, dtype=torch.int64)  # five pages of 16 slots
+    read = LedgerSlots(as_slots(raw, 16), 16)
+    assert len(read) == len(raw)
+    for cut in (slice(None), slice(0, 48), slice(16, 80), slice(0, 40)):
+        assert as_slots(read[cut], 16).tolist() == as_slots(raw[cut], 16).tolist()
+    with pytest.raises(ValueError, match="page of 1"):
+        as_slots(read, 1)

@@ -18,12 +18,36 @@ EMPTY = np.zeros(0, dtype=np.uint64)
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
+class LedgerSlots:
+    """Slots already in ledger units (one per page of `step` slots), standing in for the slot
+    tensor they were read from: how recorded calls hand slots back to the shim (see
+    `capture`) without expanding them to every token's slot. Slicing is in the tensor's units."""
+
+    __slots__ = ("slots", "step")
+
+    def __init__(self, slots: np.ndarray, step: int) -> None:
+        self.slots, self.step = slots, step
+
+    def __len__(self) -> int:
+        return len(self.slots) * self.step
+
+    def __getitem__(self, index: slice) -> LedgerSlots:
+        start, stop, stride = index.indices(len(self))
+        if stride != 1:
+            raise IndexError("ledger slots slice with a step of 1 only")
+        return LedgerSlots(self.slots[start // self.step : -(-stop // self.step)], self.step)
+
+
 def as_slots(values: Any, step: int) -> np.ndarray:
     """Ledger indices of the slot indices SGLang passes (a tensor, a list of tensors, ints):
     one per page for token pools (`step` = page size; slots of a page are contiguous and its
     first is page-aligned), each index for state pools (`step` = 1)."""
     if values is None:
         return NO_SLOTS
+    if type(values) is LedgerSlots:
+        if values.step != step:
+            raise ValueError(f"ledger slots of {values.step} slots a page read with a page of {step}")
+        return values.slots
     if isinstance(values, (list, tuple)):
         if len(values) == 1:
             return as_slots(values[0], step)

@@ -4,8 +4,8 @@ wrapped call takes in-process (`begin_call`, `end_call`, `before_action`), so bo
 the same events. The shim here sees stand-ins that carry just what it reads: a request's id and
 tokens, a key's tokens and namespace, slot indices, hit lengths.
 
-Slots travel as ledger indices (one per page); the stand-ins hand them back to the shim as the
-raw slot runs it expects, so its code needs no second path.
+Slots travel as ledger indices (one per page) and reach the shim as `LedgerSlots`, which its
+slot reading takes as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, untext
+from kvtrace.instrumentation.sglang.ledger import LedgerSlots
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
 
@@ -49,11 +50,6 @@ def _tokens(raw: Any) -> array:
     return out
 
 
-def _runs(ledger: np.ndarray, step: int) -> np.ndarray:
-    """Raw slot indices whose ledger indices are `ledger`: each page's run of `step` slots."""
-    if step == 1:
-        return ledger
-    return (ledger[:, None] * step + np.arange(step, dtype=np.int64)).reshape(-1)
 
 
 class Replayer:
@@ -129,7 +125,7 @@ class Replayer:
             else:
                 (length, _, _, _) = _INTS.unpack(blobs[0])
                 key = _Key(_tokens(blobs[1]), untext(blobs[4]), untext(blobs[5]), length)
-                slots = _runs(np.frombuffer(blobs[2], dtype=np.int64), 1 if self.page == 1 else self.page)
+                slots = LedgerSlots(np.frombuffer(blobs[2], dtype=np.int64).copy(), 1 if self.page == 1 else self.page)
                 mamba = np.frombuffer(blobs[3], dtype=np.int64).copy() if value & 2 else None
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
             self._open("insert", shim._before_insert, (params,))
@@ -138,7 +134,7 @@ class Replayer:
             self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value, mamba_exist=bool(exist)))
         elif kind == Rec.ACTION:
             name, component = untext(blobs[0]) or "", untext(blobs[1])
-            slots = _runs(np.frombuffer(blobs[2], dtype=np.int64).copy(), value)
+            slots = LedgerSlots(np.frombuffer(blobs[2], dtype=np.int64).copy(), value)
             action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
             shim.before_action(name, action)
         elif kind == Rec.ADMIT:
