@@ -42,11 +42,11 @@ profiler slows Python calls more than C ones; these timers do not, and they show
 costs with the caches as SGLang's own work leaves them (two to four times its cost in a
 tight loop).
 
-`--capture-floor` measures a design that is not built: what the request path would pay if it
-only copied what the shim reads (the request's tokens, the slots of each insert and free) into a
-prefaulted shared-memory ring and left keys, ledger and events to another process. It wraps the
-same cache methods as the shim, writes and overwrites the ring (nothing reads it), and reports
-that variant against `off` with the same rotation as the main table.
+`--capture-floor` measures the least the out-of-process mode (`kvtrace-process`) could cost the
+request path: only the copies of what the shim reads (the request's tokens, the slots of each
+insert and free) into a prefaulted shared-memory ring, without the mode's records, bookkeeping
+or resolver. It wraps the same cache methods, writes and overwrites the ring (nothing reads it),
+and reports that against `off` with the same alternation of order as the main table.
 
 `--profile` instead replays the requests once through a shim-equipped cache under cProfile and
 lists the functions in kvtrace's own code (the SGLang shim, its key chains, the emitter, the
