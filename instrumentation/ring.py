@@ -1,11 +1,12 @@
-"""A single-producer, single-consumer record ring in shared memory, for a hot path that must
+"""A record ring in shared memory with one consuming process, for a hot path that must
 hand raw facts to another process without blocking and without paying for what that process
 does with them.
 
 The producer (an engine's scheduler thread) copies a record in and publishes its new write
 position; the consumer (kvtrace's own process) reads records and publishes its read position.
-Each side writes only its own position, so no lock is shared. A record that does not fit in the
-free space is dropped and counted: the producer never waits. Records never straddle the end of
+Each side writes only its own position, so no lock is shared between the processes (threads of
+the producing process take turns through a lock of their own). A record that does not fit in
+the free space is dropped and counted: the producer never waits for the consumer. Records never straddle the end of
 the buffer: when one would, the tail is marked as padding and the record starts at the front.
 
 Ordering: the data is written before the position that publishes it, and a position is read
@@ -68,6 +69,7 @@ class Ring:
         self.data = np.ndarray((self.size,), dtype=np.uint8, buffer=memory.buf, offset=HEADER_BYTES)
         self.words = np.ndarray((HEADER_BYTES // 8,), dtype=np.uint64, buffer=memory.buf)
         self._fence = threading.Lock()
+        self._producer = threading.Lock()
         self.dropped = 0
         self.written = 0
         self._write = int(self.words[_WRITE // 8])  # the producer's own position
@@ -113,7 +115,12 @@ class Ring:
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
         """Append one record; False (and counted) when it does not fit. Blobs are bytes-like or
         numpy arrays (copied as their raw bytes). The producer keeps its own write position
-        and the last read position it saw, and reads the consumer's only when space runs short."""
+        and the last read position it saw, and reads the consumer's only when space runs short.
+        Producers in several threads take turns (an uncontended lock: ~0.1 us)."""
+        with self._producer:
+            return self._offer(kind, value, blobs)
+
+    def _offer(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
         views = [b if type(b) is bytes else _bytes_of(b) for b in blobs]
         sizes = [len(v) for v in views]
         count = len(views)

@@ -103,3 +103,26 @@ def test_another_process_reads_what_this_one_wrote() -> None:
         if child.is_alive():
             child.kill()
         ring.close()
+
+
+def test_threads_of_the_producing_process_take_turns() -> None:
+    import threading
+
+    ring = Ring.create(1 << 20)
+    try:
+        def produce(tag: int) -> None:
+            for i in range(2000):
+                assert ring.offer(tag, i, [np.full(i % 17, tag, dtype=np.int64)])
+
+        threads = [threading.Thread(target=produce, args=(tag,)) for tag in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen: dict[int, list[int]] = {1: [], 2: [], 3: []}
+        for kind, value, (raw,) in _drain(ring):
+            assert np.frombuffer(raw, dtype=np.int64).tolist() == [kind] * (value % 17)  # no torn record
+            seen[kind].append(value)
+        assert all(values == list(range(2000)) for values in seen.values())
+    finally:
+        ring.close()
