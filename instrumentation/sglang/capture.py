@@ -324,6 +324,7 @@ class CaptureShim:
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:
         try:
+            self._asked.pop(str(request_id), None)  # as the shim forgets it: its next lookup is reported
             self._put(Rec.ADMIT, 0, (_INTS.pack(int(prompt_tokens), int(device), int(host), int(storage)),
                                      text(str(request_id)), text(tenant)))
         except Exception:  # noqa: BLE001

@@ -153,3 +153,36 @@ def test_caches_it_does_not_cover_are_refused_by_name() -> None:
     assert "sliding-window" in (unsupported(cache) or "")
     with pytest.raises(ValueError, match="sliding-window"):
         ProcessShim(cache, IDENTITY)
+
+
+def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_tokens(spool: Path) -> None:
+    """A request's repeated asks carry no tokens; once it is admitted, its next ask (a retracted
+    request, grown by its output) must carry them again, or the resolver would name old pages."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15))
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
+    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
+    both = Both(inline, process)
+    first = array("q", range(10_000, 10_320))
+    try:
+        for tokens in (first, first, first + array("q", range(50_000, 50_064))):
+            req = Req(rid="again", origin_input_text="", origin_input_ids=tokens,
+                      sampling_params=SamplingParams(max_new_tokens=1))
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))  # asked, a miss each time
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))  # asked again: a repeat
+            both.record_admission("again", len(tokens), device=0)
+        assert process.flush(60)
+    finally:
+        process.close()
+    assert emitter.shutdown()
+    lookups = [e.prompt_tokens for e in sink.events if e.kind is EventKind.LOOKUP]
+    assert lookups == [320, 320, 384]  # once per admission, the last with its new tokens
+    assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
