@@ -48,10 +48,11 @@ class Rec(IntEnum):
     END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
     ABORT = 3  # it raised
     LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens (value: flags;
-    # 4: nothing was recorded inside the call, so its opening never was either)
+    # 1: a request, 2: a repeated ask (no tokens), 4: nothing was recorded inside the call, so
+    # its opening never was either, 8: a new request object under a known id)
     INSERT = 5  # an insert starts (this opens the call): its key's tokens, slots, Mamba state
     INSERTED = 6  # it returned; value: prefix_len
-    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id
+    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id; value 8: a new object
     ACTION = 8  # a cache action is about to free slots; value: ledger step
     ADMIT = 9  # what an admitted request reused
     USAGE = 10  # the device pool's counters
@@ -139,7 +140,8 @@ class CaptureShim:
         self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
         self._unopened = 0
         self.errors = 0
-        self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> hits last sent
+        self._objects: OrderedDict[str, int] = OrderedDict()  # rid -> id() of its request object
         self.usage_interval_ns = int(usage_interval_s * 1e9)
         self._usage_due_ns = 0
 
@@ -284,7 +286,8 @@ class CaptureShim:
             ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
         else:
             ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-        flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4)
+        flags = ((1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4)
+                 | (8 if req is not None and self._new_object(rid, req) else 0))
         self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
                                       text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
         if self.usage_interval_ns:
@@ -294,7 +297,20 @@ class CaptureShim:
                 self._put(Rec.USAGE, 0, (_INTS.pack(*usage_counters(self.cache), 0),))
 
     def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
-        self._put(Rec.CHECKPOINT, 0, (text(str(getattr(req, "rid", ""))),))
+        rid = str(getattr(req, "rid", ""))
+        self._put(Rec.CHECKPOINT, 8 if self._new_object(rid, req) else 0, (text(rid),))
+
+    def _new_object(self, rid: str, req: Any) -> bool:
+        """Whether `req` is another object than the last one seen under its id: the shim keys
+        a request's page chain on the object, so the resolver must start a new stand-in."""
+        known = self._objects.get(rid)
+        if known == id(req):
+            return False
+        self._objects[rid] = id(req)
+        self._objects.move_to_end(rid)
+        while len(self._objects) > 8192:
+            self._objects.popitem(last=False)
+        return known is not None
 
     def _insert(self, params: Any, *args: Any, **kwargs: Any) -> None:
         key, value = params.key, params.value

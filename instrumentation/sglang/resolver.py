@@ -67,8 +67,10 @@ class Replayer:
         self.lost = 0
         self.handled = 0
 
-    def _request(self, rid: str) -> SimpleNamespace:
-        req = self.requests.get(rid)
+    def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
+        """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,
+        which in-process starts a new page chain)."""
+        req = None if fresh else self.requests.get(rid)
         if req is None:
             req = self.requests[rid] = SimpleNamespace(rid=rid, origin_input_ids=array("q"), output_ids=array("q"))
             while len(self.requests) > 8192:
@@ -106,7 +108,7 @@ class Replayer:
             has_req, repeat = bool(value & 1), bool(value & 2)
             req = None
             if has_req:
-                req = self._request(rid or "")
+                req = self._request(rid or "", fresh=bool(value & 8))
                 if not repeat:
                     req.origin_input_ids, req.output_ids = _tokens(blobs[1]), _tokens(blobs[2])
                 key = _Key(array("q"), extra, salt, 0)
@@ -118,7 +120,7 @@ class Replayer:
                 self._open("match_prefix")
             self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
         elif kind == Rec.CHECKPOINT:
-            self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or ""),))
+            self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or "", bool(value & 8)),))
         elif kind == Rec.INSERT:
             if not value:
                 params = SimpleNamespace(key=None, value=None, mamba_value=None)

@@ -157,7 +157,8 @@ def test_caches_it_does_not_cover_are_refused_by_name() -> None:
 
 def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_tokens(spool: Path) -> None:
     """A request's repeated asks carry no tokens; once it is admitted, its next ask (a retracted
-    request, grown by its output) must carry them again, or the resolver would name old pages."""
+    request, grown by its output) must carry them again, or the resolver would name old pages.
+    A new request object under a used id starts a new page chain in both modes."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import Req
@@ -173,7 +174,8 @@ def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_toke
     both = Both(inline, process)
     first = array("q", range(10_000, 10_320))
     try:
-        for tokens in (first, first, first + array("q", range(50_000, 50_064))):
+        other = array("q", range(70_000, 70_352))  # the same id, other content: a new page chain
+        for tokens in (first, first, first + array("q", range(50_000, 50_064)), other):
             req = Req(rid="again", origin_input_text="", origin_input_ids=tokens,
                       sampling_params=SamplingParams(max_new_tokens=1))
             cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))  # asked, a miss each time
@@ -184,5 +186,5 @@ def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_toke
         process.close()
     assert emitter.shutdown()
     lookups = [e.prompt_tokens for e in sink.events if e.kind is EventKind.LOOKUP]
-    assert lookups == [320, 320, 384]  # once per admission, the last with its new tokens
+    assert lookups == [320, 320, 384, 352]  # once per admission, each with its request's tokens
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
