@@ -10,9 +10,14 @@ the free space is dropped and counted: the producer never waits for the consumer
 the buffer: when one would, the tail is marked as padding and the record starts at the front.
 
 Ordering: the data is written before the position that publishes it, and a position is read
-before the data it covers. x86 keeps stores in order; other CPUs need a barrier, and a lock's
-acquire and release are one (the same device vLLM's shared-memory broadcast uses), so each side
-takes a private lock around publishing and reading positions.
+before the data it covers. x86 keeps stores (and loads) in order. Other CPUs need a barrier,
+which CPython does not expose; each side acquires and releases a private lock between the data
+and the position (as vLLM's shared-memory broadcast does), which glibc implements with
+barriers, but that is not a guarantee the language makes.
+
+Losses: a ring made with a `loss_kind` writes a record of that kind (its value: how many
+records were dropped) ahead of the first record that fits after a drop, so the consumer knows
+exactly where its picture has a hole.
 
 Layout: a 256-byte header (write position at 0, read position at 64, the consumer's flush
 acknowledgement at 72 and its counters after that, each on the side that writes it), then the
@@ -24,6 +29,7 @@ the space left before the end always holds at least a padding head.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from functools import lru_cache
@@ -62,9 +68,12 @@ def _bytes_of(blob: Any) -> Any:
 class Ring:
     """One side of a ring; `create` on the producer's side, `attach` on the consumer's."""
 
-    def __init__(self, memory: shared_memory.SharedMemory, owner: bool) -> None:
+    def __init__(self, memory: shared_memory.SharedMemory, owner: bool, loss_kind: int = 0) -> None:
         self.memory = memory
         self.owner = owner
+        self.loss_kind = loss_kind
+        self.closed = False
+        self._unreported = 0  # records dropped since the last loss record
         self.size = (memory.size - HEADER_BYTES) // 16 * 16
         self.data = np.ndarray((self.size,), dtype=np.uint8, buffer=memory.buf, offset=HEADER_BYTES)
         self.words = np.ndarray((HEADER_BYTES // 8,), dtype=np.uint64, buffer=memory.buf)
@@ -76,12 +85,23 @@ class Ring:
         self._read_seen = int(self.words[_READ // 8])
 
     @classmethod
-    def create(cls, size: int = 64 << 20) -> Ring:
-        """A new ring of `size` data bytes, every page touched now so no write faults later."""
+    def create(cls, size: int = 64 << 20, loss_kind: int = 0) -> Ring:
+        """A new ring of `size` data bytes, its memory reserved and touched now, so no write
+        later faults (a shared-memory file system without room fails here, with an OSError,
+        rather than killing the process with SIGBUS on a later write)."""
         if size < 4096:
             raise ValueError(f"a ring needs at least 4096 bytes, not {size}")
         memory = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + size)
-        ring = cls(memory, owner=True)
+        try:
+            os.posix_fallocate(memory._fd, 0, memory.size)  # type: ignore[attr-defined]
+        except OSError as exc:
+            memory.close()
+            memory.unlink()
+            raise OSError(exc.errno, f"no room in shared memory for a {memory.size:,}-byte ring "
+                                     f"({exc.strerror}); give the container more /dev/shm or a smaller ring") from None
+        except AttributeError:  # no posix_fallocate (not Linux): the touch below reserves it
+            pass
+        ring = cls(memory, owner=True, loss_kind=loss_kind)
         ring.words[:] = 0
         ring.data[:] = 0
         return ring
@@ -104,12 +124,15 @@ class Ring:
         return self.memory.name
 
     def _load(self, at: int) -> int:
-        with self._fence:
-            return int(self.words[at // 8])
+        value = int(self.words[at // 8])
+        with self._fence:  # what the position covers is read after it
+            pass
+        return value
 
     def _store(self, at: int, value: int) -> None:
-        with self._fence:
-            self.words[at // 8] = value
+        with self._fence:  # what the position covers is written before it
+            pass
+        self.words[at // 8] = value
 
     # -- producer ----------------------------------------------------------------------------------
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
@@ -118,10 +141,33 @@ class Ring:
         and the last read position it saw, and reads the consumer's only when space runs short.
         Producers in several threads take turns (an uncontended lock: ~0.1 us)."""
         with self._producer:
-            return self._offer(kind, value, blobs)
+            if self.closed:
+                return False
+            if self._unreported and self.loss_kind:
+                if not self._offer(self.loss_kind, self._unreported, ()):
+                    self._unreported += 1
+                    return False
+                self._unreported = 0
+            if self._offer(kind, value, blobs):
+                return True
+            self._unreported += 1
+            return False
+
+    def note_loss(self) -> None:
+        """Count a record the producer could not make: reported like a dropped one."""
+        with self._producer:
+            self._unreported += 1
 
     def _offer(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
         views = [b if type(b) is bytes else _bytes_of(b) for b in blobs]
+        try:
+            return self._write_record(kind, value, views)
+        finally:  # a view left exported would stop the engine from growing its token array
+            for v in views:
+                if type(v) is memoryview:
+                    v.release()
+
+    def _write_record(self, kind: int, value: int, views: list[Any]) -> bool:
         sizes = [len(v) for v in views]
         count = len(views)
         head = (_HEAD.size + 4 * count + 7) & ~7
@@ -148,7 +194,8 @@ class Ring:
             pos += (n + 7) & ~7
         self._write = write + length
         with self._fence:  # the data before the position that publishes it
-            _U64.pack_into(buf, _WRITE, self._write)
+            pass
+        _U64.pack_into(buf, _WRITE, self._write)
         self.written += 1
         return True
 
@@ -197,6 +244,12 @@ class Ring:
         self._store(CONSUMER_COUNTERS + 8 * i, value)
 
     def close(self) -> None:
+        """Release the mapping (and, on the creating side, the segment). A producer thread
+        still offering sees a closed ring and drops."""
+        with self._producer:
+            if self.closed:
+                return
+            self.closed = True
         del self.data, self.words
         self.memory.close()
         if self.owner:

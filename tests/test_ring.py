@@ -3,8 +3,6 @@ processes; a full ring drops and counts instead of waiting."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 
@@ -65,30 +63,37 @@ def test_a_full_ring_drops_and_counts_without_waiting() -> None:
         ring.close()
 
 
-def _consume(name: str, count: int, out: mp.Queue) -> None:
-    ring = Ring.attach(name)
-    total, seen = 0, 0
-    while seen < count:
-        got = ring.poll()
-        if got is None:
-            continue
-        kind, value, views, end = got
-        total += value + int(np.frombuffer(views[0], dtype=np.int64).sum())
-        for v in views:
-            v.release()
-        ring.release(end)
-        seen += 1
-    ring.acknowledge(count)
-    ring.close()
-    out.put(total)
+CONSUMER = """
+import sys
+import numpy as np
+from kvtrace.instrumentation.ring import Ring
+ring = Ring.attach(sys.argv[1], own_tracker=True)
+total, seen, count = 0, 0, int(sys.argv[2])
+while seen < count:
+    got = ring.poll()
+    if got is None:
+        continue
+    kind, value, views, end = got
+    total += value + int(np.frombuffer(views[0], dtype=np.int64).sum())
+    for v in views:
+        v.release()
+    ring.release(end)
+    seen += 1
+ring.acknowledge(count)
+ring.close()
+print(total)
+"""
 
 
 def test_another_process_reads_what_this_one_wrote() -> None:
+    """As the resolver does: a fresh interpreter attaches by name and reads while this one
+    writes, through many wraps of a small ring."""
+    import subprocess
+    import sys
+
     ring = Ring.create(1 << 16)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(ring.name, 2000, out))
-    child.start()
+    child = subprocess.Popen([sys.executable, "-c", CONSUMER, ring.name, "2000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     try:
         want, sent = 0, 0
         while sent < 2000:
@@ -96,11 +101,14 @@ def test_another_process_reads_what_this_one_wrote() -> None:
             if ring.offer(1, sent, [block]):
                 want += sent + int(block.sum())
                 sent += 1
-        assert out.get(timeout=60) == want
-        child.join(timeout=30)
+            elif child.poll() is not None:
+                break
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert int(out) == want
         assert ring.acknowledged() == 2000
     finally:
-        if child.is_alive():
+        if child.poll() is None:
             child.kill()
         ring.close()
 

@@ -19,6 +19,7 @@ allocator table, and HiCache's tiers through its controller: those stay in-proce
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import subprocess
 import sys
@@ -47,15 +48,15 @@ class Rec(IntEnum):
     BEGIN = 1  # a wrapped call with nothing to read starts; value: its CALLS index
     END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
     ABORT = 3  # it raised
-    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens (value: flags;
+    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens, the pool's
+    # counters (for usage samples) (value: flags;
     # 1: a request, 2: a repeated ask (no tokens), 4: nothing was recorded inside the call, so
-    # its opening never was either, 8: a new request object under a known id)
+    # its opening never was either, 8: a request object not seen before)
     INSERT = 5  # an insert starts (this opens the call): its key's tokens, slots, Mamba state
     INSERTED = 6  # it returned; value: prefix_len
-    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id; value 8: a new object
+    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id; value 8 as LOOKUP's
     ACTION = 8  # a cache action is about to free slots; value: ledger step
     ADMIT = 9  # what an admitted request reused
-    USAGE = 10  # the device pool's counters
     FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
     STOP = 12
     LOST = 13  # value: records dropped since the last one that got through
@@ -88,6 +89,17 @@ def tokens_blob(tokens: Any) -> Any:
     return np.asarray(tokens, dtype=np.int64).reshape(-1)
 
 
+def _mark(req: Any) -> None:
+    """Mark a request object as seen. The in-process shim keeps a request's page chain on the
+    object, so a new object under a known id starts a new chain; the resolver mirrors that when
+    told (flag 8). An object that takes no attribute gets a new chain at every call in-process,
+    and is reported as new every time here."""
+    try:
+        req._kvtrace_seen = True
+    except AttributeError:
+        pass
+
+
 def unsupported(cache: Any) -> str | None:
     """Why this cache cannot be traced out of process, or None."""
     names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
@@ -111,6 +123,8 @@ class ResolverSpec(msgspec.Struct, frozen=True):
     identity: Identity
     sample_rate: float = 1.0
     engine_version: str = ""
+    usage_interval_s: float = 1.0
+    engine_pid: int = 0  # the resolver exits once this process is gone
     sink: str = ""  # "module:callable" making the sink; empty: the sink kvtrace's settings name
     sys_path: tuple[str, ...] = ()  # where the sink's module is found, ahead of the defaults
 
@@ -129,34 +143,30 @@ class CaptureStats:
 class CaptureShim:
     """Wraps one cache's methods like `RadixCacheShim`, recording instead of resolving."""
 
-    def __init__(self, cache: Any, ring: Ring, usage_interval_s: float = 1.0) -> None:
+    def __init__(self, cache: Any, ring: Ring) -> None:
         self.cache, self.ring = cache, ring
         self.page = int(cache.page_size)
         names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
         self._saved: list[tuple[Any, str, Any]] = []
-        self._lost = 0
         self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
         self._unopened = 0
         self.errors = 0
         self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> hits last sent
-        self._objects: OrderedDict[str, int] = OrderedDict()  # rid -> id() of its request object
-        self.usage_interval_ns = int(usage_interval_s * 1e9)
-        self._usage_due_ns = 0
+        self.alive: Callable[[], bool] | None = None  # whether the resolver still runs
+        self._check_due_ns = 0
 
     # -- the ring ----------------------------------------------------------------------------------
-    def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> None:
-        ring = self.ring
+    def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
+        """Write one record (the ring reports earlier drops ahead of it). After a drop the
+        resolver starts afresh, so every request's next ask carries its tokens again."""
         if self._unopened:
             self._open_calls()
-        if self._lost:
-            if not ring.offer(Rec.LOST, self._lost):
-                self._lost += 1
-                return
-            self._lost = 0
-        if not ring.offer(kind, value, blobs):
-            self._lost += 1
+        if self.ring.offer(kind, value, blobs):
+            return True
+        self._asked.clear()
+        return False
 
     def _open_calls(self) -> None:
         """Record the opening of every call in progress not recorded yet. A call is recorded
@@ -170,7 +180,8 @@ class CaptureShim:
 
     def _failed(self, what: str) -> None:
         self.errors += 1
-        self._lost += 1  # the resolver cannot trust a half-recorded call
+        self.ring.note_loss()  # the resolver cannot trust a half-recorded call
+        self._asked.clear()
         if self.errors == 1:
             log.exception("kvtrace: recording SGLang's %s failed; counting further failures silently", what)
 
@@ -183,8 +194,10 @@ class CaptureShim:
         self._wrap(c, "match_prefix", None, self._lookup)
         self._wrap(c, "checkpoint", self._checkpoint, None, optional=True)
         self._wrap(c, "insert", self._insert, self._inserted)
-        for name in ("evict", "evict_for_alloc", "evict_host", "reset"):
-            self._wrap(c, name, None, None, optional=name != "evict" and name != "reset")
+        for name in ("evict", "evict_for_alloc", "evict_host"):
+            self._wrap(c, name, None, None, optional=name != "evict")
+        # A reset frees nothing through actions, yet the resolver must see it: opened at once.
+        self._wrap(c, "reset", lambda *a, **k: self._put(Rec.BEGIN, CALLS.index("reset")), None)
         original = c._apply_cache_action
         capture = self
 
@@ -241,7 +254,10 @@ class CaptureShim:
             try:
                 result = original(*args, **kwargs)
             except BaseException:
-                capture._close(frame, Rec.ABORT)
+                try:
+                    capture._close(frame, Rec.ABORT)
+                except Exception:  # noqa: BLE001 - the engine's own exception goes on, untouched
+                    capture._failed(name)
                 raise
             try:
                 capture._close(frame, None)
@@ -261,8 +277,10 @@ class CaptureShim:
         calls = self._calls
         if calls and calls[-1] is frame:
             calls.pop()
-        elif frame in calls:  # never expected: a call left without its wrapper returning
-            del calls[calls.index(frame):]
+        else:  # never expected: a call left without its wrapper returning
+            at = next((i for i, f in enumerate(calls) if f is frame), None)
+            if at is not None:
+                del calls[at:]
         if not frame[1]:
             self._unopened = sum(1 for f in calls if not f[1])
         if record is not None and frame[1]:
@@ -275,42 +293,47 @@ class CaptureShim:
         full = int(getattr(result, "full_kv_hit_length", 0) or 0)
         rid = str(getattr(req, "rid", "")) if req is not None else ""
         repeat = bool(rid) and self._asked.get(rid) == (device, host)
-        if rid and not repeat:
-            self._asked[rid] = (device, host)
-            self._asked.move_to_end(rid)
-            while len(self._asked) > 65536:
-                self._asked.popitem(last=False)
         if repeat:  # the scheduler asks again each round: the resolver needs no tokens for that
-            ids, out = _NO_TOKENS, _NO_TOKENS
-        elif req is not None and getattr(req, "origin_input_ids", None) is not None:
-            ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
+            ids, out, counters = _NO_TOKENS, _NO_TOKENS, _NO_TOKENS
         else:
-            ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-        flags = ((1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4)
-                 | (8 if req is not None and self._new_object(rid, req) else 0))
-        self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
-                                      text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
-        if self.usage_interval_ns:
-            now = time.monotonic_ns()
-            if now >= self._usage_due_ns:
-                self._usage_due_ns = now + self.usage_interval_ns
-                self._put(Rec.USAGE, 0, (_INTS.pack(*usage_counters(self.cache), 0),))
+            if req is not None and getattr(req, "origin_input_ids", None) is not None:
+                ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
+            else:
+                ids, out = tokens_blob(key.token_ids), _NO_TOKENS
+            # The pool's counters as the lookup left them: the resolver's shim samples usage
+            # where and when the in-process one would.
+            counters = _INTS.pack(*usage_counters(self.cache), 0)
+        fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
+        flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
+        if self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
+                                         text(getattr(key, "extra_key", None)),
+                                         text(getattr(key, "cache_salt", None)), counters)):
+            if rid and not repeat:
+                self._asked[rid] = (device, host)
+                self._asked.move_to_end(rid)
+                while len(self._asked) > 65536:
+                    self._asked.popitem(last=False)
+            if fresh:
+                _mark(req)
+        self._check_resolver()
 
     def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
-        rid = str(getattr(req, "rid", ""))
-        self._put(Rec.CHECKPOINT, 8 if self._new_object(rid, req) else 0, (text(rid),))
+        fresh = not getattr(req, "_kvtrace_seen", False)
+        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(str(getattr(req, "rid", ""))),)) and fresh:
+            _mark(req)
 
-    def _new_object(self, rid: str, req: Any) -> bool:
-        """Whether `req` is another object than the last one seen under its id: the shim keys
-        a request's page chain on the object, so the resolver must start a new stand-in."""
-        known = self._objects.get(rid)
-        if known == id(req):
-            return False
-        self._objects[rid] = id(req)
-        self._objects.move_to_end(rid)
-        while len(self._objects) > 8192:
-            self._objects.popitem(last=False)
-        return known is not None
+    def _check_resolver(self) -> None:
+        """At most once a second: if the resolver has exited, say so once and stop recording
+        (the cache is unwrapped; nothing more is copied for nobody)."""
+        if self.alive is None:
+            return
+        now = time.monotonic_ns()
+        if now < self._check_due_ns:
+            return
+        self._check_due_ns = now + 1_000_000_000
+        if not self.alive():
+            log.error("kvtrace: the SGLang resolver process has exited; tracing of this cache stops")
+            self.uninstall()
 
     def _insert(self, params: Any, *args: Any, **kwargs: Any) -> None:
         key, value = params.key, params.value
@@ -357,13 +380,15 @@ class ProcessShim:
         why = unsupported(cache)
         if why is not None:
             raise ValueError(f"kvtrace's out-of-process SGLang mode does not cover {why}; use RadixCacheShim")
-        self.ring = Ring.create(ring_bytes)
-        self.capture = CaptureShim(cache, self.ring, usage_interval_s)
         # The sizes are read here, from the live pools, with the shim's own rule.
         page_bytes = RadixCacheShim(cache, _NullEmitter(), identity).page_bytes
+        self.ring = Ring.create(ring_bytes, loss_kind=Rec.LOST)
+        self.capture = CaptureShim(cache, self.ring)
+        self.capture.alive = self.alive
         self.spec = ResolverSpec(ring=self.ring.name, page_size=int(cache.page_size),
                                  components=tuple(self.capture.group_names), page_bytes=tuple(page_bytes),
                                  identity=identity, sample_rate=sample_rate, engine_version=engine_version,
+                                 usage_interval_s=usage_interval_s, engine_pid=os.getpid(),
                                  sink=sink, sys_path=tuple(p for p in sys.path if p) if sink else ())
         self._flushes = 0
         self._closed = False
@@ -372,9 +397,13 @@ class ProcessShim:
     def start(self) -> ProcessShim:
         """Start the resolver (a fresh interpreter: nothing of the engine's is imported there)
         and wrap the cache."""
-        self.process = subprocess.Popen([sys.executable, "-m", "kvtrace.instrumentation.sglang.resolver",
-                                         msgspec.json.encode(self.spec).decode()])
-        self.capture.install()
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "kvtrace.instrumentation.sglang.resolver",
+                                             msgspec.json.encode(self.spec).decode()])
+            self.capture.install()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def alive(self) -> bool:
@@ -387,13 +416,7 @@ class ProcessShim:
         """Wait (off the hot path) until the resolver has handled and exported every record."""
         self._flushes += 1
         deadline = time.monotonic() + timeout_s
-        capture = self.capture
-        while capture._lost and not self.ring.offer(Rec.LOST, capture._lost):  # the loss first
-            if time.monotonic() > deadline or not self.alive():
-                return False
-            time.sleep(0.001)
-        capture._lost = 0
-        while not self.ring.offer(Rec.FLUSH, self._flushes):
+        while not self.ring.offer(Rec.FLUSH, self._flushes):  # a loss not reported yet goes first
             if time.monotonic() > deadline or not self.alive():
                 return False
             time.sleep(0.001)

@@ -33,8 +33,8 @@ class LedgerSlots:
 
     def __getitem__(self, index: slice) -> LedgerSlots:
         start, stop, stride = index.indices(len(self))
-        if stride != 1:
-            raise IndexError("ledger slots slice with a step of 1 only")
+        if stride != 1 or start % self.step:
+            raise IndexError("ledger slots slice from a page boundary, with a step of 1 only")
         return LedgerSlots(self.slots[start // self.step : -(-stop // self.step)], self.step)
 
 

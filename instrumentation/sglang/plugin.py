@@ -105,10 +105,15 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
 
         why = unsupported(cache)
         if why is None:
-            process = ProcessShim(cache, identity, sample_rate=settings.sample_rate, engine_version=version).start()
-            atexit.register(process.close)
-            cache._kvtrace_shim = process
-            return process
+            try:
+                process = ProcessShim(cache, identity, sample_rate=settings.sample_rate,
+                                      engine_version=version).start()
+            except Exception as exc:  # noqa: BLE001 - no room for the ring, no interpreter to start
+                why = f"this host ({exc})"
+            else:
+                atexit.register(process.close)
+                cache._kvtrace_shim = process
+                return process
         log.warning("kvtrace: out-of-process mode does not cover %s; tracing this cache in-process", why)
     emitter = get_emitter()
     if type(emitter).__name__ == "NoopEmitter":

@@ -52,13 +52,29 @@ def _tokens(raw: Any) -> array:
 
 
 
+class _Cache:
+    """The cache as the shim sees it here: its page size and components, and the device pool's
+    counters as the last lookup recorded them (for the shim's usage samples)."""
+
+    def __init__(self, page_size: int, components: list[str]) -> None:
+        self.page_size, self.tree_components = page_size, components
+        self.counters: tuple[int, int, int] = (0, 0, 0)  # tokens locked, evictable, free
+        self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: self.counters[2])
+
+    def full_protected_size(self) -> int:
+        return self.counters[0]
+
+    def full_evictable_size(self) -> int:
+        return self.counters[1]
+
+
 class Replayer:
     """Turns records back into the shim's calls."""
 
     def __init__(self, spec: ResolverSpec, emitter: Any) -> None:
-        cache = SimpleNamespace(page_size=spec.page_size, tree_components=list(spec.components))
-        self.shim = RadixCacheShim(cache, emitter, spec.identity, sample_rate=spec.sample_rate, usage_interval_s=0,
-                                   engine_version=spec.engine_version)
+        self.cache = _Cache(spec.page_size, list(spec.components))
+        self.shim = RadixCacheShim(self.cache, emitter, spec.identity, sample_rate=spec.sample_rate,
+                                   usage_interval_s=spec.usage_interval_s, engine_version=spec.engine_version)
         self.shim.page_bytes = list(spec.page_bytes)
         self.page = spec.page_size
         self.frames: list[tuple[str, bool, Any, Any]] = []  # open calls: (name, top, token, args)
@@ -66,6 +82,7 @@ class Replayer:
         self.errors = 0
         self.lost = 0
         self.handled = 0
+        self.skipped = 0  # repeated asks of a request this side no longer knows
 
     def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
         """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,
@@ -111,10 +128,20 @@ class Replayer:
                 req = self._request(rid or "", fresh=bool(value & 8))
                 if not repeat:
                     req.origin_input_ids, req.output_ids = _tokens(blobs[1]), _tokens(blobs[2])
+                elif shim._looked_up.get(rid or "") != (device, host):
+                    # A repeat the shim would report (it forgot the request), without tokens to
+                    # report it with: ended without a lookup, and counted.
+                    self.skipped += 1
+                    if value & 4:
+                        self._open("match_prefix")
+                    self._close("match_prefix")
+                    return
                 key = _Key(array("q"), extra, salt, 0)
             else:
                 tokens = _tokens(blobs[1])
                 key = _Key(tokens, extra, salt, len(tokens))
+            if len(blobs[6]):
+                self.cache.counters = _INTS.unpack(blobs[6])[:3]
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
             if value & 4:  # nothing happened inside it: its opening was not recorded
                 self._open("match_prefix")
@@ -143,9 +170,6 @@ class Replayer:
             prompt, device, host, storage = _INTS.unpack(blobs[0])
             shim.record_admission(untext(blobs[1]) or "", prompt, device=device, host=host, storage=storage,
                                   tenant=untext(blobs[2]))
-        elif kind == Rec.USAGE:
-            locked, evictable, free, _ = _INTS.unpack(blobs[0])
-            shim.emit_usage(locked, evictable, free)
         elif kind == Rec.LOST:
             self.start_afresh()
 
@@ -156,6 +180,8 @@ class Replayer:
         self.lost += 1
         shim = self.shim
         self.frames.clear()
+        self.requests.clear()  # chains are rebuilt from the tokens the next asks carry
+        shim._looked_up.clear()
         shim._depth, shim._scope, shim._current_req = 0, None, None
         tiers = {tier for (_, tier) in shim.ledger} or {Tier.DEVICE}
         shim.ledger.clear()
@@ -182,7 +208,7 @@ def _emitter(spec: ResolverSpec) -> Any:
 def main(spec: ResolverSpec) -> None:
     """The resolver process: read, replay, acknowledge flushes; exits on STOP or when the
     engine process is gone (this process is then re-parented)."""
-    parent = os.getppid()
+    parent = spec.engine_pid or os.getppid()
     ring = Ring.attach(spec.ring, own_tracker=True)
     emitter = _emitter(spec)
     replayer = Replayer(spec, emitter)
@@ -192,7 +218,7 @@ def main(spec: ResolverSpec) -> None:
             got = ring.poll()
             if got is None:
                 idle += 1
-                if idle % 500 == 0 and os.getppid() != parent:
+                if idle % 500 == 0 and not _running(parent):
                     break
                 time.sleep(0.0002 if idle < 50 else 0.002)
                 continue
@@ -208,16 +234,29 @@ def main(spec: ResolverSpec) -> None:
                 for view in blobs:
                     view.release()
                 ring.release(end)
-            if kind == Rec.FLUSH or kind == Rec.STOP:
+            if kind == Rec.FLUSH:
                 emitter.force_flush(timeout_millis=60_000)
                 _publish(ring, replayer, emitter)
                 ring.acknowledge(value)
-                if kind == Rec.STOP:
-                    break
+            elif kind == Rec.STOP:
+                break
     finally:
         emitter.shutdown()
         _publish(ring, replayer, emitter)
         ring.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether the engine process still runs (this process is re-parented when it dies)."""
+    if os.getppid() != pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _publish(ring: Ring, replayer: Replayer, emitter: Any) -> None:
