@@ -6,6 +6,7 @@ process without kvtrace configured pays one attribute read per hook and builds n
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Protocol
 
@@ -47,6 +48,14 @@ class NoopEmitter:
 
     def shutdown(self) -> bool:
         return True
+
+
+def request_key(request_id: object) -> int:
+    """A request id as the 64-bit key `Emitter.sampled` takes: the same in every process and
+    on every host (Python's `hash` of a string is salted per process), so the prefill and the
+    decode instance of one request, or an engine and its out-of-process resolver, sample it
+    alike."""
+    return int.from_bytes(hashlib.blake2b(str(request_id).encode("utf-8"), digest_size=8).digest(), "little")
 
 
 _NOOP = NoopEmitter()

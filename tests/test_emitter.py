@@ -869,3 +869,19 @@ def test_sink_protocol_is_runtime_checkable() -> None:
 
     assert isinstance(MemorySink(), Sink)
     assert OK.status is ExportStatus.SUCCESS and OK.rejected == 0
+
+
+def test_request_keys_are_the_same_in_every_process() -> None:
+    """Sampling by request must pick the same requests in the prefill and the decode process
+    (and in an engine and its resolver): Python's string hash is salted per process."""
+    import subprocess
+    import sys
+
+    from kvtrace.instrumentation.api import request_key
+
+    ids = ["req-1", "chatcmpl-42", "7f3e"]
+    other = subprocess.run([sys.executable, "-c", "import sys; from kvtrace.instrumentation.api import request_key; "
+                            "print(*(request_key(r) for r in sys.argv[1:]))", *ids],
+                           capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "12345"})
+    assert [int(x) for x in other.stdout.split()] == [request_key(r) for r in ids]
+    assert len({request_key(f"r{i}") for i in range(1000)}) == 1000

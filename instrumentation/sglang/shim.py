@@ -40,7 +40,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
@@ -508,7 +508,7 @@ class RadixCacheShim:
 
     # -- lookups and adopts ------------------------------------------------------------------------
     def _sampled(self, rid: str) -> bool:
-        return self.sample_rate >= 1.0 or self.emitter.sampled(hash(rid) & 0xFFFFFFFFFFFFFFFF, self.sample_rate)
+        return self.sample_rate >= 1.0 or self.emitter.sampled(request_key(rid), self.sample_rate)
 
     def _request_tokens(self, key: Any, req: Any) -> Any:
         """The request's tokens so far (prompt, then output), which its chain covers."""

@@ -39,7 +39,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.vllm.weights import adapter_label
@@ -211,7 +211,7 @@ class CacheManagerShim:
         # A canary's re-runs are always traced: their verdicts are what the canary's probes judge.
         rid = request.request_id
         return (self.sample_rate >= 1.0 or str(rid).startswith(PROBE_PREFIX)
-                or self.emitter.sampled(hash(rid) & 0xFFFFFFFFFFFFFFFF, self.sample_rate))
+                or self.emitter.sampled(request_key(rid), self.sample_rate))
 
     def _failed(self, hook: str) -> None:
         self.errors += 1
