@@ -138,6 +138,7 @@ class CaptureStats:
     events: int = 0  # events the resolver's emitter took
     resolver_errors: int = 0
     lost_resets: int = 0  # times the resolver started afresh after drops
+    skipped: int = 0  # repeated asks of a request the resolver no longer knew: no lookup for them
 
 
 class CaptureShim:
@@ -430,7 +431,8 @@ class ProcessShim:
         r = self.ring
         return CaptureStats(records=r.written, dropped=r.dropped, errors=self.capture.errors,
                             resolved=r.consumer_counter(0), events=r.consumer_counter(1),
-                            resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3))
+                            resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3),
+                            skipped=r.consumer_counter(4))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Unwrap the cache, let the resolver finish what is on the ring, and free the ring.

@@ -120,6 +120,8 @@ class Replayer:
                 _, top, _, _ = self.frames.pop()
                 shim.abort_call(top)
         elif kind == Rec.LOOKUP:
+            if value & 4:  # nothing happened inside the call: its opening was not recorded
+                self._open("match_prefix")
             device, host, full, _ = _INTS.unpack(blobs[0])
             rid, extra, salt = untext(blobs[3]), untext(blobs[4]), untext(blobs[5])
             has_req, repeat = bool(value & 1), bool(value & 2)
@@ -132,8 +134,6 @@ class Replayer:
                     # A repeat the shim would report (it forgot the request), without tokens to
                     # report it with: ended without a lookup, and counted.
                     self.skipped += 1
-                    if value & 4:
-                        self._open("match_prefix")
                     self._close("match_prefix")
                     return
                 key = _Key(array("q"), extra, salt, 0)
@@ -143,8 +143,6 @@ class Replayer:
             if len(blobs[6]):
                 self.cache.counters = _INTS.unpack(blobs[6])[:3]
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
-            if value & 4:  # nothing happened inside it: its opening was not recorded
-                self._open("match_prefix")
             self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
         elif kind == Rec.CHECKPOINT:
             self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or "", bool(value & 8)),))
@@ -261,7 +259,8 @@ def _running(pid: int) -> bool:
 
 def _publish(ring: Ring, replayer: Replayer, emitter: Any) -> None:
     stats = emitter.stats()
-    for i, n in enumerate((replayer.handled, stats.emitted, replayer.errors + replayer.shim.errors, replayer.lost)):
+    for i, n in enumerate((replayer.handled, stats.emitted, replayer.errors + replayer.shim.errors, replayer.lost,
+                           replayer.skipped)):
         ring.set_counter(i, n)
 
 

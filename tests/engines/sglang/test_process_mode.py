@@ -97,7 +97,7 @@ def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, spool: Path)
     finally:
         process.close()
     assert emitter.shutdown() and inline.errors == 0
-    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.skipped == 0
     assert stats.resolved == stats.records
     theirs = spooled(spool)
     kinds = {e.kind for e in theirs}
