@@ -132,7 +132,7 @@ class Ring:
     def _store(self, at: int, value: int) -> None:
         with self._fence:  # what the position covers is written before it
             pass
-        self.words[at // 8] = value
+        _U64.pack_into(self.memory.buf, at, value)
 
     # -- producer ----------------------------------------------------------------------------------
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
@@ -193,9 +193,7 @@ class Ring:
             buf[pos : pos + n] = v
             pos += (n + 7) & ~7
         self._write = write + length
-        with self._fence:  # the data before the position that publishes it
-            pass
-        _U64.pack_into(buf, _WRITE, self._write)
+        self._store(_WRITE, self._write)
         self.written += 1
         return True
 

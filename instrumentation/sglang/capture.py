@@ -36,8 +36,8 @@ import numpy as np
 
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.ledger import as_slots
-from kvtrace.instrumentation.sglang.shim import RadixCacheShim, component_types, usage_counters
+from kvtrace.instrumentation.sglang.ledger import as_slots, slot_step
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim, component_name, component_types, usage_counters
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -102,7 +102,7 @@ def _mark(req: Any) -> None:
 
 def unsupported(cache: Any) -> str | None:
     """Why this cache cannot be traced out of process, or None."""
-    names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
+    names = [component_name(ct) for ct in component_types(cache)]
     if "SWA" in names:
         return "a sliding-window component (its slots are translated through the live allocator)"
     if getattr(cache, "cache_controller", None) is not None:
@@ -147,7 +147,7 @@ class CaptureShim:
     def __init__(self, cache: Any, ring: Ring) -> None:
         self.cache, self.ring = cache, ring
         self.page = int(cache.page_size)
-        names = [getattr(ct, "name", str(ct)) for ct in component_types(cache)]
+        names = [component_name(ct) for ct in component_types(cache)]
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
         self._saved: list[tuple[Any, str, Any]] = []
@@ -187,7 +187,7 @@ class CaptureShim:
             log.exception("kvtrace: recording SGLang's %s failed; counting further failures silently", what)
 
     def _step(self, group: int | None) -> int:
-        return 1 if (group == self._mamba or self.page == 1) else self.page
+        return slot_step(self.page, group == self._mamba)  # the shim's rule (`_page_slots`)
 
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CaptureShim:
@@ -356,7 +356,7 @@ class CaptureShim:
 
     def _action(self, name: str, action: Any) -> None:
         component = getattr(action, "component_type", None)
-        group = self.group_names.index(getattr(component, "name", str(component))) if component is not None else 0
+        group = self.group_names.index(component_name(component)) if component is not None else 0
         step = self._step(group)
         values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
         self._put(Rec.ACTION, step, (text(name), text(self.group_names[group]), as_slots(values, step)))

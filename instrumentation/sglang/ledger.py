@@ -74,6 +74,12 @@ def as_slots(values: Any, step: int) -> np.ndarray:
     return out >> shift if step == 1 << shift else out // step
 
 
+def slot_step(page_size: int, per_slot_state: bool) -> int:
+    """Slots per ledger entry: a page's worth for token pools, one for state pools (Mamba's,
+    one state per slot) and for pools of one-token pages."""
+    return 1 if per_slot_state or page_size == 1 else page_size
+
+
 def unique(keys: np.ndarray) -> np.ndarray:
     """Keys without repeats, in first-seen order. Repeats are rare (a page held in two slots),
     so one plain sort checks for them and the order-keeping pass runs only when there are."""

@@ -44,7 +44,7 @@ from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
-from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, unique
+from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, slot_step, unique
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -55,8 +55,13 @@ COMPONENT_OF = {"FULL": ComponentKind.FULL_ATTENTION, "SWA": ComponentKind.SLIDI
 """SGLang's component types (by name) as kvtrace components."""
 
 
+def component_name(component_type: Any) -> str:
+    """SGLang's name of a component type (FULL, SWA, MAMBA); a name given as text is itself."""
+    return getattr(component_type, "name", str(component_type))
+
+
 def component_of(component_type: Any) -> ComponentKind:
-    return COMPONENT_OF.get(getattr(component_type, "name", str(component_type)), ComponentKind.OTHER)
+    return COMPONENT_OF.get(component_name(component_type), ComponentKind.OTHER)
 
 
 def component_types(cache: Any) -> list[Any]:
@@ -128,7 +133,7 @@ class RadixCacheShim:
     def _group_named(self, name: str, default: int | None = None) -> int | None:
         """The group of the component SGLang calls `name` (its ComponentType's name)."""
         for group, ct in enumerate(self.component_types):
-            if getattr(ct, "name", str(ct)) == name:
+            if component_name(ct) == name:
                 return group
         return default
 
@@ -319,7 +324,7 @@ class RadixCacheShim:
     # -- ledger ------------------------------------------------------------------------------------
     def _page_slots(self, group: int, values: Any) -> np.ndarray:
         """Ledger slots of slot indices SGLang hands over (see `ledger.as_slots`)."""
-        return as_slots(values, 1 if (group == self._mamba or self.page == 1) else self.page)
+        return as_slots(values, slot_step(self.page, group == self._mamba))
 
     def _free(self, group: int, tier: Tier, slots: np.ndarray) -> None:
         book = self.ledger.get((group, tier))
