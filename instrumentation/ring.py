@@ -10,10 +10,10 @@ the free space is dropped and counted: the producer never waits for the consumer
 the buffer: when one would, the tail is marked as padding and the record starts at the front.
 
 Ordering: the data is written before the position that publishes it, and a position is read
-before the data it covers. x86 keeps stores (and loads) in order. Other CPUs need a barrier,
-which CPython does not expose; each side acquires and releases a private lock between the data
-and the position (as vLLM's shared-memory broadcast does), which glibc implements with
-barriers, but that is not a guarantee the language makes.
+before the data it covers. x86 keeps stores (and loads) in order, so there nothing more is done.
+Other CPUs need a barrier, which CPython does not expose; there each side acquires and releases
+a private lock between the data and the position (as vLLM's shared-memory broadcast does),
+which glibc implements with barriers, but that is not a guarantee the language makes.
 
 Losses: a ring made with a `loss_kind` writes a record of that kind (its value: how many
 records were dropped) ahead of the first record that fits after a drop, so the consumer knows
@@ -30,9 +30,9 @@ the space left before the end always holds at least a padding head.
 from __future__ import annotations
 
 import os
+import platform
 import struct
 import threading
-from functools import lru_cache
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 from typing import Any
@@ -43,12 +43,13 @@ HEADER_BYTES = 256
 _WRITE, _READ, _ACK = 0, 64, 72
 CONSUMER_COUNTERS = 96  # the consumer's own counters: 8 u64 from here
 _HEAD = struct.Struct("<IHHq")
+# x86 (total store order) keeps the data's stores ahead of the position's, and loads in order.
+_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _U64 = struct.Struct("<Q")
+_I64 = np.dtype(np.int64)
 
 
-@lru_cache(maxsize=64)
-def _lengths(count: int) -> struct.Struct:
-    return struct.Struct(f"<{count}I")
+_LENGTHS = [struct.Struct(f"<{count}I") for count in range(256)]  # a record's blob lengths, by count
 PAD = 0  # a record kind no caller uses: the rest of the buffer is padding
 
 
@@ -57,10 +58,11 @@ def _align(n: int) -> int:
 
 
 def _bytes_of(blob: Any) -> Any:
-    """A blob as a flat byte view (no copy), for a slice assignment into the ring."""
-    if isinstance(blob, bytes):
+    """A blob as bytes or a flat byte view, for a slice assignment into the ring: a strided
+    numpy array (page starts read out of a slot tensor) is gathered first."""
+    if type(blob) is bytes:
         return blob
-    if isinstance(blob, np.ndarray) and not blob.flags.c_contiguous:
+    if type(blob) is np.ndarray and not blob.flags.c_contiguous:
         blob = np.ascontiguousarray(blob)
     return memoryview(blob).cast("B")
 
@@ -77,6 +79,8 @@ class Ring:
         self.size = (memory.size - HEADER_BYTES) // 16 * 16
         self.data = np.ndarray((self.size,), dtype=np.uint8, buffer=memory.buf, offset=HEADER_BYTES)
         self.words = np.ndarray((HEADER_BYTES // 8,), dtype=np.uint64, buffer=memory.buf)
+        self.i64 = np.ndarray((memory.size // 8,), dtype=np.int64, buffer=memory.buf)  # for int64 blobs
+        self.buf = memory.buf
         self._fence = threading.Lock()
         self._producer = threading.Lock()
         self.dropped = 0
@@ -125,30 +129,33 @@ class Ring:
 
     def _load(self, at: int) -> int:
         value = int(self.words[at // 8])
-        with self._fence:  # what the position covers is read after it
-            pass
+        if not _ORDERED:
+            with self._fence:  # what the position covers is read after it
+                pass
         return value
 
     def _store(self, at: int, value: int) -> None:
-        with self._fence:  # what the position covers is written before it
-            pass
-        _U64.pack_into(self.memory.buf, at, value)
+        if not _ORDERED:
+            with self._fence:  # what the position covers is written before it
+                pass
+        _U64.pack_into(self.buf, at, value)
 
     # -- producer ----------------------------------------------------------------------------------
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
         """Append one record; False (and counted) when it does not fit. Blobs are bytes-like or
-        numpy arrays (copied as their raw bytes). The producer keeps its own write position
-        and the last read position it saw, and reads the consumer's only when space runs short.
-        Producers in several threads take turns (an uncontended lock: ~0.1 us)."""
+        numpy arrays (copied as their raw bytes; an int64 array may be strided, and is gathered
+        straight into the ring). The producer keeps its own write position and the last read
+        position it saw, and reads the consumer's only when space runs short. Producers in
+        several threads take turns (an uncontended lock: ~0.1 us)."""
         with self._producer:
             if self.closed:
                 return False
             if self._unreported and self.loss_kind:
-                if not self._offer(self.loss_kind, self._unreported, ()):
+                if not self._append(self.loss_kind, self._unreported, ()):
                     self._unreported += 1
                     return False
                 self._unreported = 0
-            if self._offer(kind, value, blobs):
+            if self._append(kind, value, blobs):
                 return True
             self._unreported += 1
             return False
@@ -158,20 +165,27 @@ class Ring:
         with self._producer:
             self._unreported += 1
 
-    def _offer(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
-        views = [b if type(b) is bytes else _bytes_of(b) for b in blobs]
-        try:
-            return self._write_record(kind, value, views)
-        finally:  # a view left exported would stop the engine from growing its token array
-            for v in views:
-                if type(v) is memoryview:
-                    v.release()
+    def _append(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
+        if blobs:
+            if len(blobs) >= len(_LENGTHS):
+                raise ValueError(f"a ring record holds at most {len(_LENGTHS) - 1} blobs, not {len(blobs)}")
+            views = [b if type(b) is bytes or (type(b) is np.ndarray and b.dtype == _I64) else _bytes_of(b)
+                     for b in blobs]
+            try:
+                return self._place(kind, value, views, [v.nbytes if type(v) is np.ndarray else len(v) for v in views])
+            finally:  # a view left exported would stop the engine from growing its token array
+                for v in views:
+                    if type(v) is memoryview:
+                        v.release()
+        return self._place(kind, value, (), ())
 
-    def _write_record(self, kind: int, value: int, views: list[Any]) -> bool:
-        sizes = [len(v) for v in views]
+    def _place(self, kind: int, value: int, views: Sequence[Any], sizes: Sequence[int]) -> bool:
         count = len(views)
         head = (_HEAD.size + 4 * count + 7) & ~7
-        length = (head + sum((n + 7) & ~7 for n in sizes) + 15) & ~15  # a tail left is >= one head
+        length = head + 15
+        for n in sizes:
+            length += (n + 7) & ~7
+        length &= ~15  # a tail left is >= one head
         size, write = self.size, self._write
         at = write % size
         pad = size - at if at + length > size else 0
@@ -180,18 +194,21 @@ class Ring:
             if length + pad > size - (write - self._read_seen):
                 self.dropped += 1
                 return False
-        buf = self.memory.buf
+        buf = self.buf
         if pad:
             _HEAD.pack_into(buf, HEADER_BYTES + at, pad, PAD, 0, 0)
             write, at = write + pad, 0
         base = HEADER_BYTES + at
         _HEAD.pack_into(buf, base, length, kind, count, value)
         if count:
-            _lengths(count).pack_into(buf, base + _HEAD.size, *sizes)
-        pos = base + head
-        for v, n in zip(views, sizes):
-            buf[pos : pos + n] = v
-            pos += (n + 7) & ~7
+            _LENGTHS[count].pack_into(buf, base + _HEAD.size, *sizes)
+            pos = base + head
+            for v, n in zip(views, sizes):
+                if type(v) is np.ndarray:  # int64, maybe strided: gathered in place
+                    self.i64[pos >> 3 : (pos >> 3) + len(v)] = v
+                else:
+                    buf[pos : pos + n] = v
+                pos += (n + 7) & ~7
         self._write = write + length
         self._store(_WRITE, self._write)
         self.written += 1
@@ -248,7 +265,7 @@ class Ring:
             if self.closed:
                 return
             self.closed = True
-        del self.data, self.words
+        del self.data, self.words, self.i64, self.buf
         self.memory.close()
         if self.owner:
             try:

@@ -49,6 +49,24 @@ def test_numpy_blobs_are_their_bytes() -> None:
         ring.close()
 
 
+def test_strided_int64_blobs_are_gathered_and_other_arrays_copied_as_bytes() -> None:
+    """Page starts travel as a strided view of a slot array (every page's first slot)."""
+    ring = Ring.create(4096)
+    try:
+        slots = np.arange(160, dtype=np.int64) + 1000
+        small = np.arange(6, dtype=np.int32)[::2]  # not int64, not contiguous: copied as its bytes
+        assert ring.offer(3, 7, [slots[::16], slots[5:9], small])
+        ((kind, value, (pages, run, ints)),) = _drain(ring)
+        assert (kind, value) == (3, 7)
+        assert np.frombuffer(pages, dtype=np.int64).tolist() == list(range(1000, 1160, 16))
+        assert np.frombuffer(run, dtype=np.int64).tolist() == [1005, 1006, 1007, 1008]
+        assert np.frombuffer(ints, dtype=np.int32).tolist() == [0, 2, 4]
+        with pytest.raises(ValueError, match="at most 255 blobs"):
+            ring.offer(1, 0, [b"x"] * 300)
+    finally:
+        ring.close()
+
+
 def test_a_full_ring_drops_and_counts_without_waiting() -> None:
     ring = Ring.create(4096)
     try:
