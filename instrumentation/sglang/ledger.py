@@ -42,16 +42,23 @@ def as_slots(values: Any, step: int) -> np.ndarray:
     """Ledger indices of the slot indices SGLang passes (a tensor, a list of tensors, ints):
     one per page for token pools (`step` = page size; slots of a page are contiguous and its
     first is page-aligned), each index for state pools (`step` = 1)."""
-    if values is None:
-        return NO_SLOTS
     if type(values) is LedgerSlots:
         if values.step != step:
             raise ValueError(f"ledger slots of {values.step} slots a page read with a page of {step}")
         return values.slots
+    return ledger_of_starts(page_starts(values, step), step)
+
+
+def page_starts(values: Any, step: int) -> np.ndarray:
+    """The first slot of every page (every slot for `step` 1) as int64, as SGLang holds them:
+    for a 1-D CPU tensor a strided view of its memory, nothing computed. The out-of-process
+    capture copies these as they are and leaves `ledger_of_starts` to the resolver."""
+    if values is None:
+        return NO_SLOTS
     if isinstance(values, (list, tuple)):
         if len(values) == 1:
-            return as_slots(values[0], step)
-        parts = [as_slots(v, step) for v in values]
+            return page_starts(values[0], step)
+        parts = [page_starts(v, step) for v in values]
         return np.concatenate(parts) if parts else NO_SLOTS
     torch = sys.modules.get("torch")  # SGLang has imported it whenever it hands a tensor over
     if torch is not None and isinstance(values, torch.Tensor):
@@ -61,17 +68,20 @@ def as_slots(values: Any, step: int) -> np.ndarray:
         else:  # on a device: slice there, copy only the page starts
             flat = values.reshape(-1)
             out = (flat[::step] if step > 1 else flat).cpu().numpy()
-        if out.dtype != np.int64:
-            out = out.astype(np.int64)
     else:
-        out = np.asarray(values, dtype=np.int64).reshape(-1)
+        out = np.asarray(values).reshape(-1)
         out = out[::step] if step > 1 else out
-    if len(out) and out.min() < 0:
-        out = out[out >= 0]  # -1 pads and sentinels name no slot
+    return out if out.dtype == np.int64 else out.astype(np.int64)
+
+
+def ledger_of_starts(starts: np.ndarray, step: int) -> np.ndarray:
+    """Ledger indices of page starts: -1 pads and sentinels dropped, divided by the step."""
+    if len(starts) and starts.min() < 0:
+        starts = starts[starts >= 0]  # -1 pads and sentinels name no slot
     if step == 1:
-        return out
+        return starts
     shift = step.bit_length() - 1
-    return out >> shift if step == 1 << shift else out // step
+    return starts >> shift if step == 1 << shift else starts // step
 
 
 def slot_step(page_size: int, per_slot_state: bool) -> int:
