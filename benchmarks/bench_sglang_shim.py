@@ -76,7 +76,7 @@ from counting_sink import CountingSink  # beside this script
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
 from kvtrace.instrumentation.traces import read_trace
 
@@ -159,7 +159,7 @@ def profile(prompts: list[tuple[str, list[int]]], config: DriverConfig, top: int
             if f[0] == "~" and caller in ours:
                 own[caller] += ctt
     cost = entered + sum(table[f][2] for f in ours - inner)
-    print(f"profile: {len(prompts)} requests, mix {config.mix.value}, core {config.tree_core}, "
+    print(f"profile: {len(prompts)} requests, mix {config.mix.value}, {config.route} route, core {config.tree_core}, "
           f"page {config.page_size}; "
           f"{wall:.2f} s under the profiler, {emitter.stats().emitted:,} events, shim errors {shim.errors}")
     print(f"kvtrace (shim hooks with everything they call, the emitter, the wrappers' own time): "
@@ -236,7 +236,8 @@ def breakdown(prompts: list[tuple[str, list[int]]], config: DriverConfig) -> Non
     on_s = time.perf_counter() - started
     emitter.shutdown()
     n = len(prompts)
-    print(f"breakdown: {n} requests, mix {config.mix.value}, core {config.tree_core}, page {config.page_size}: "
+    print(f"breakdown: {n} requests, mix {config.mix.value}, {config.route} route, core {config.tree_core}, "
+          f"page {config.page_size}: "
           f"off {off_s / n * 1e6:.0f} us a request, with the shim {on_s / n * 1e6:.0f} "
           f"(+{(on_s - off_s) / n * 1e6:.0f}; the timers add ~1 us a call)")
     print(f"{'us/request':>10}  hook (top level)")
@@ -321,7 +322,7 @@ def capture_floor(prompts: list[tuple[str, list[int]]], config: DriverConfig, ro
             seconds[name] += time.perf_counter() - started
     ring.close()
     n = len(prompts)
-    print(f"capture floor: {n} requests, mix {config.mix.value}, {rounds} rounds: off {seconds['off'] / n * 1e6:.0f} us "
+    print(f"capture floor: {n} requests, mix {config.mix.value}, {config.route} route, {rounds} rounds: off {seconds['off'] / n * 1e6:.0f} us "
           f"a request, copying to a ring {seconds['capture'] / n * 1e6:.0f} us = "
           f"{seconds['capture'] / seconds['off']:.3f}x off")
 
@@ -333,6 +334,10 @@ def main() -> None:
     ap.add_argument("--mix", choices=[x.value for x in Mix], default=Mix.FULL.value)
     ap.add_argument("--core", choices=["rust", "python"], default="rust")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--route", choices=[x.value for x in Route], default=Route.SCHEDULER.value,
+                    help="how requests reach the cache (see the driver): through the scheduler's own "
+                         "request-level steps (full attention only; other mixes fall back to the cache "
+                         "route), or straight into the cache's methods")
     ap.add_argument("--kv-tokens", type=int, default=1 << 17)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--profile", action="store_true", help="profile the kvtrace variant instead of timing")
@@ -350,7 +355,8 @@ def main() -> None:
 
     mix = Mix(args.mix)
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else args.page_size  # SGLang's Mamba mixes need page 1
-    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.kv_tokens, tree_core=args.core)
+    route = Route(args.route) if mix is Mix.FULL else Route.CACHE
+    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.kv_tokens, tree_core=args.core, route=route)
     trace = list(read_trace(args.trace, limit=args.requests))
     prompts = [(r.request_id, tokens_of(r)) for r in trace]
     _warm(prompts, config, args.warmup)
@@ -415,7 +421,7 @@ def main() -> None:
     if len(set(hits.values())) != 1:
         raise SystemExit(f"the variants disagree on hits: {hits}")
 
-    print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {args.core} core, page {page}, "
+    print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {route} route, {args.core} core, page {page}, "
           f"{args.kv_tokens:,} KV slots, {args.rounds} rounds; "
           f"SGLang reused {hits['off']:,} tokens in every variant")
     print(f"{'variant':<16} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")

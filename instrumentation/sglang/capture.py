@@ -36,7 +36,7 @@ import numpy as np
 
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.ledger import as_slots, slot_step
+from kvtrace.instrumentation.sglang.ledger import page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim, component_name, component_types, usage_counters
 
 log = logging.getLogger("kvtrace.sglang")
@@ -49,10 +49,12 @@ class Rec(IntEnum):
     END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
     ABORT = 3  # it raised
     LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens, the pool's
-    # counters (for usage samples) (value: flags;
+    # counters when a usage sample is due (value: flags;
     # 1: a request, 2: a repeated ask (no tokens), 4: nothing was recorded inside the call, so
     # its opening never was either, 8: a request object not seen before)
-    INSERT = 5  # an insert starts (this opens the call): its key's tokens, slots, Mamba state
+    INSERT = 5  # an insert starts (this opens the call): its key's tokens (flag 4: inside a
+    # checkpoint, the first of them are the request's as its last lookup sent them, and only
+    # the rest are carried), slots, Mamba state
     INSERTED = 6  # it returned; value: prefix_len
     CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id; value 8 as LOOKUP's
     ACTION = 8  # a cache action is about to free slots; value: ledger step
@@ -66,6 +68,11 @@ CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "ev
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
 _INTS = struct.Struct("<qqqq")
 _NO_TOKENS = b""
+REQUESTS_NAMED = 4096  # requests whose sent tokens a checkpoint's insert may name (the resolver keeps more)
+
+
+def _words(blob: Any) -> np.ndarray:
+    return blob if type(blob) is np.ndarray else np.frombuffer(blob, dtype=np.int64)
 
 
 def text(value: str | None) -> bytes:
@@ -144,7 +151,7 @@ class CaptureStats:
 class CaptureShim:
     """Wraps one cache's methods like `RadixCacheShim`, recording instead of resolving."""
 
-    def __init__(self, cache: Any, ring: Ring) -> None:
+    def __init__(self, cache: Any, ring: Ring, usage_interval_s: float = 1.0) -> None:
         self.cache, self.ring = cache, ring
         self.page = int(cache.page_size)
         names = [component_name(ct) for ct in component_types(cache)]
@@ -155,19 +162,35 @@ class CaptureShim:
         self._unopened = 0
         self.errors = 0
         self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> hits last sent
+        # rid -> how many tokens (prompt, then output) its last lookup carried, for the insert
+        # inside its checkpoint (SGLang inserts the request's own tokens there)
+        self._sent: OrderedDict[str, int] = OrderedDict()
+        self._checkpointing: tuple[str, int] = ("", 0)  # the request of the checkpoint under way
+        self._checkpoint_call = CALLS.index("checkpoint")
         self.alive: Callable[[], bool] | None = None  # whether the resolver still runs
         self._check_due_ns = 0
+        self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
+        self._usage_due_ns = 0
+        self._frees: dict[tuple[str, Any], tuple[int, bytes, bytes]] = {}  # (action, component) -> step, texts
 
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
-        """Write one record (the ring reports earlier drops ahead of it). After a drop the
+        """Write one record at once, while what it copies is still in the CPU's caches (a
+        slot tensor gathered at the end of the call that handed it over costs several times
+        more than at its start). The ring reports earlier drops ahead of it. After a drop the
         resolver starts afresh, so every request's next ask carries its tokens again."""
         if self._unopened:
             self._open_calls()
         if self.ring.offer(kind, value, blobs):
             return True
-        self._asked.clear()
+        self._forget()
         return False
+
+    def _forget(self) -> None:
+        """After a loss the resolver starts afresh: nothing sent before it is named again."""
+        self._asked.clear()
+        self._sent.clear()
+        self._checkpointing = ("", 0)
 
     def _open_calls(self) -> None:
         """Record the opening of every call in progress not recorded yet. A call is recorded
@@ -182,7 +205,7 @@ class CaptureShim:
     def _failed(self, what: str) -> None:
         self.errors += 1
         self.ring.note_loss()  # the resolver cannot trust a half-recorded call
-        self._asked.clear()
+        self._forget()
         if self.errors == 1:
             log.exception("kvtrace: recording SGLang's %s failed; counting further failures silently", what)
 
@@ -301,14 +324,17 @@ class CaptureShim:
                 ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
             else:
                 ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-            # The pool's counters as the lookup left them: the resolver's shim samples usage
-            # where and when the in-process one would.
-            counters = _INTS.pack(*usage_counters(self.cache), 0)
+            counters = self._usage_due()
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
         flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
         if self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
                                          text(getattr(key, "extra_key", None)),
                                          text(getattr(key, "cache_salt", None)), counters)):
+            if rid and not repeat and req is not None:
+                self._sent[rid] = len(ids) + len(out)  # tokens (an empty blob is b"")
+                self._sent.move_to_end(rid)
+                while len(self._sent) > REQUESTS_NAMED:
+                    self._sent.popitem(last=False)
             if rid and not repeat:
                 self._asked[rid] = (device, host)
                 self._asked.move_to_end(rid)
@@ -318,9 +344,23 @@ class CaptureShim:
                 _mark(req)
         self._check_resolver()
 
+    def _usage_due(self) -> bytes:
+        """The pool's counters as this lookup left them, once an interval has passed since the
+        last ones sent: the resolver's shim samples usage at that lookup (or at the next one it
+        reports), which is where the in-process shim's clock would have it sample."""
+        if not self._usage_ns:
+            return _NO_TOKENS
+        now = time.monotonic_ns()
+        if now < self._usage_due_ns:
+            return _NO_TOKENS
+        self._usage_due_ns = now + self._usage_ns
+        return _INTS.pack(*usage_counters(self.cache), 0)
+
     def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
         fresh = not getattr(req, "_kvtrace_seen", False)
-        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(str(getattr(req, "rid", ""))),)) and fresh:
+        rid = str(getattr(req, "rid", ""))
+        self._checkpointing = (rid, 0 if fresh else self._sent.get(rid, 0))
+        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)) and fresh:
             _mark(req)
 
     def _check_resolver(self) -> None:
@@ -342,24 +382,38 @@ class CaptureShim:
             self._put(Rec.INSERT, 0)
             return
         pages = len(key) // self.page
-        slots = as_slots(value, self._step(-1))[:pages]  # page starts, without a torch slice first
+        # The first slot of every page as SGLang holds it (the resolver turns them into ledger
+        # indices): a strided view of the tensor, copied once, into the ring.
+        slots = page_starts(value, self._step(-1))[:pages]
         mamba = getattr(params, "mamba_value", None)
-        mamba_slots = as_slots(mamba, 1) if mamba is not None else None
-        flags = 1 | (2 if mamba_slots is not None else 0)
-        self._put(Rec.INSERT, flags, (_INTS.pack(len(key), 0, 0, 0), tokens_blob(key.token_ids), slots,
+        mamba_slots = page_starts(mamba, 1) if mamba is not None else None
+        tokens = tokens_blob(key.token_ids)
+        known = 0
+        if self._calls and self._calls[-1][0] == self._checkpoint_call:
+            # SGLang's checkpoint inserts the request's own tokens (its prompt, then output), which
+            # its lookup sent: only what came after them travels. The in-process shim trusts the
+            # same thing (it names these pages with the request's own chain).
+            known = min(len(tokens), self._checkpointing[1])
+            if known:
+                tokens = _words(tokens)[known:]
+        flags = 1 | (2 if mamba_slots is not None else 0) | (4 if known else 0)
+        self._put(Rec.INSERT, flags, (_INTS.pack(len(key), known, 0, 0), tokens, slots,
                                       mamba_slots if mamba_slots is not None else _NO_TOKENS,
                                       text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
 
     def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
-        self._put(Rec.INSERTED, int(result.prefix_len), (_INTS.pack(int(bool(getattr(result, "mamba_exist", False))),
-                                                                    0, 0, 0),))
+        self._put(Rec.INSERTED, int(result.prefix_len),
+                    (_INTS.pack(int(bool(getattr(result, "mamba_exist", False))), 0, 0, 0),))
 
     def _action(self, name: str, action: Any) -> None:
         component = getattr(action, "component_type", None)
-        group = self.group_names.index(component_name(component)) if component is not None else 0
-        step = self._step(group)
+        known = self._frees.get((name, component))
+        if known is None:
+            group = self.group_names.index(component_name(component)) if component is not None else 0
+            known = self._frees[(name, component)] = (self._step(group), text(name), text(self.group_names[group]))
+        step, name_text, group_text = known
         values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
-        self._put(Rec.ACTION, step, (text(name), text(self.group_names[group]), as_slots(values, step)))
+        self._put(Rec.ACTION, step, (name_text, group_text, page_starts(values, step)))
 
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:
@@ -384,7 +438,7 @@ class ProcessShim:
         # The sizes are read here, from the live pools, with the shim's own rule.
         page_bytes = RadixCacheShim(cache, _NullEmitter(), identity).page_bytes
         self.ring = Ring.create(ring_bytes, loss_kind=Rec.LOST)
-        self.capture = CaptureShim(cache, self.ring)
+        self.capture = CaptureShim(cache, self.ring, usage_interval_s)
         self.capture.alive = self.alive
         self.spec = ResolverSpec(ring=self.ring.name, page_size=int(cache.page_size),
                                  components=tuple(self.capture.group_names), page_bytes=tuple(page_bytes),

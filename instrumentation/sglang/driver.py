@@ -3,10 +3,20 @@
 This is how a trace is replayed through the real SGLang cache logic (page hashing, the radix
 tree on either core, per-component matching and reconciliation, LRU eviction, sliding-window
 tombstones, Mamba checkpoints and copy-on-write, HiCache's host tier) in seconds, on CPU pools,
-without weights or a forward pass. One request at a time:
-`match_prefix` (the prompt less its last token, as the scheduler asks) -> lock the match ->
-make room (`evict`) -> allocate KV slots for the rest of the prompt -> `insert` the prompt's
-pages -> unlock, and the engine's own split of what it reused (`record_admission`).
+without weights or a forward pass. One request at a time, on one of two paths:
+
+- `Route.CACHE` calls the cache's own methods: `match_prefix` (the prompt less its last
+  token, as the scheduler asks) -> lock the match -> make room (`evict`) -> allocate KV slots
+  for the rest of the prompt -> `insert` the prompt's pages -> unlock. It covers every tree,
+  every component mix and HiCache.
+- `Route.SCHEDULER` goes through the request-level steps SGLang's scheduler itself runs (full
+  attention on the unified tree): `Req.init_next_round_input` matches the request, the tree
+  locks its prefix, the request gets a request-pool row with its KV slots written in, and
+  `release_kv_cache` checkpoints it into the tree (`checkpoint` -> `insert` of the request's
+  own tokens), frees the row and unlocks. This is the path an engine's requests take, with
+  SGLang's own bookkeeping around each cache call.
+
+Either way the engine's own split of what a request reused is then reported (`record_admission`).
 
 The pools come from SGLang's test kit (`sglang.test.kits.unified_radix_cache`), which builds
 the real allocator, KV pool and request pool for a component mix on a device.
@@ -29,7 +39,8 @@ os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 import sglang.test.kits.unified_radix_cache.fixtures as kit  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
     InitLoadBackParams,
@@ -42,6 +53,13 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
 kit.get_device = lambda *args, **kwargs: "cpu"  # the kit asks for an accelerator; the pools run on CPU
+
+
+class Route(StrEnum):
+    """How a request reaches the cache (see the module docstring)."""
+
+    CACHE = "cache"
+    SCHEDULER = "scheduler"
 
 
 class Mix(StrEnum):
@@ -66,10 +84,11 @@ class DriverConfig:
     mix: Mix = Mix.FULL
     page_size: int = 16
     window: int = 64  # sliding window, tokens
-    kv_tokens: int = 1 << 17  # device KV slots
+    kv_tokens: int = 1 << 17  # device KV slots (and, on the scheduler route, the longest request)
     mamba_states: int = 64  # Mamba state slots
     tree_core: str = "rust"  # SGLang's default; "python" is its reference core
     tree: str = "unified"  # or SGLang's older single-component trees: "radix", "pure_swa"
+    route: Route = Route.CACHE
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +110,9 @@ def build_cache(config: DriverConfig, enable_kv_cache_events: bool = False) -> t
                       sliding_window_size=config.window if has_swa else None, kv_size=config.kv_tokens,
                       num_layers=4, full_attention_layer_ids=(3,), head_num=1, head_dim=8,
                       mamba_cache_size=config.mamba_states, max_num_reqs=config.mamba_states + 8,
-                      max_context_len=64, mamba_intermediate_size=32, mamba_num_heads=1, mamba_head_dim=8,
+                      # the scheduler route writes each request's slots into a request-pool row
+                      max_context_len=config.kv_tokens if config.route is Route.SCHEDULER else 64,
+                      mamba_intermediate_size=32, mamba_num_heads=1, mamba_head_dim=8,
                       mamba_state_size=8)
     cache, allocator, req_pool = kit.build_fixture(cfg, enable_kv_cache_events=enable_kv_cache_events,
                                                    tree_core_backend="python")
@@ -131,6 +152,9 @@ class Driver:
         comps = COMPONENTS[config.mix]
         self.has_swa = ComponentType.SWA in comps
         self.has_mamba = ComponentType.MAMBA in comps
+        if config.route is Route.SCHEDULER and (config.mix is not Mix.FULL or not hasattr(cache, "checkpoint")):
+            raise ValueError(f"the scheduler route drives full attention on the unified tree, not mix "
+                             f"{config.mix} on {type(cache).__name__}; use Route.CACHE")
 
     def _req(self, request_id: str, tokens: array) -> Req:
         req = Req(rid=request_id, origin_input_text="", origin_input_ids=tokens,
@@ -179,6 +203,8 @@ class Driver:
 
     def serve(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> Served:
         """One request; `cache_salt` is its namespace (SGLang's per-request salt)."""
+        if self.config.route is Route.SCHEDULER and getattr(self.cache, "cache_controller", None) is None:
+            return self._serve_scheduled(request_id, tokens, cache_salt)
         cache, page = self.cache, self.page
         prompt = array("q", tokens)
         req = self._req(request_id, prompt)
@@ -226,6 +252,31 @@ class Driver:
         if self.shim is not None:
             self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
+
+
+    def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None) -> Served:
+        """One request through the scheduler's own request-level steps (full attention)."""
+        cache = self.cache
+        prompt = array("q", tokens)
+        req = Req(rid=request_id, origin_input_text="", origin_input_ids=prompt, cache_salt=cache_salt,
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        req.init_next_round_input(cache)  # match_kv_cache: the match, adopted as the request's prefix
+        device, full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
+        req.lock = cache.lock(req.last_node)
+        prefix = cache.path_device_indices(req.last_node)[:device] if device else None
+        fresh = self._alloc(len(prompt) - device)
+        row = torch.cat([prefix, fresh]) if prefix is not None else fresh
+        self.req_pool.alloc([req])
+        self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(prompt)
+        req.kv.cache_protected_len = device
+        req.finished_reason = FINISH_LENGTH(length=0)  # prefill only: the one output token is not kept
+        release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock
+        if len(row) > len(prompt):  # the partial page's padding, never part of the row's KV
+            self.allocator.free(row[len(prompt):])
+        if self.shim is not None:
+            self.shim.record_admission(request_id, len(prompt), device=device, host=0, tenant=cache_salt)
+        return Served(request_id, len(prompt), device, 0, full, 0, device)
 
 
 def enable_hicache(cache: Any, storage_dir: str | None = None, write_policy: str = "write_through",

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, untext
-from kvtrace.instrumentation.sglang.ledger import LedgerSlots
+from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
 
@@ -42,6 +42,14 @@ class _Key:
 
     def __len__(self) -> int:
         return self.length
+
+
+_NEVER = 1 << 62  # a usage-sample due time that never comes
+
+
+def _slots(raw: Any, step: int) -> LedgerSlots:
+    """Recorded page starts (as SGLang held them) as the ledger slots the shim reads."""
+    return LedgerSlots(ledger_of_starts(np.frombuffer(raw, dtype=np.int64).copy(), step), step)
 
 
 def _tokens(raw: Any) -> array:
@@ -76,6 +84,7 @@ class Replayer:
         self.shim = RadixCacheShim(self.cache, emitter, spec.identity, sample_rate=spec.sample_rate,
                                    usage_interval_s=spec.usage_interval_s, engine_version=spec.engine_version)
         self.shim.page_bytes = list(spec.page_bytes)
+        self.shim._usage_due_ns = _NEVER  # usage is sampled when the capture's clock says so
         self.page = spec.page_size
         self.frames: list[tuple[str, bool, Any, Any]] = []  # open calls: (name, top, token, args)
         self.requests: OrderedDict[str, SimpleNamespace] = OrderedDict()  # request stand-ins by id
@@ -140,20 +149,31 @@ class Replayer:
             else:
                 tokens = _tokens(blobs[1])
                 key = _Key(tokens, extra, salt, len(tokens))
-            if len(blobs[6]):
+            if len(blobs[6]):  # the capture's clock says a usage sample is due: at this lookup
                 self.cache.counters = _INTS.unpack(blobs[6])[:3]
+                shim._usage_due_ns = 0
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
             self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
+            if shim._usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
+                shim._usage_due_ns = _NEVER
         elif kind == Rec.CHECKPOINT:
             self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or "", bool(value & 8)),))
         elif kind == Rec.INSERT:
             if not value:
                 params = SimpleNamespace(key=None, value=None, mamba_value=None)
             else:
-                (length, _, _, _) = _INTS.unpack(blobs[0])
-                key = _Key(_tokens(blobs[1]), untext(blobs[4]), untext(blobs[5]), length)
-                slots = LedgerSlots(np.frombuffer(blobs[2], dtype=np.int64).copy(), 1 if self.page == 1 else self.page)
-                mamba = np.frombuffer(blobs[3], dtype=np.int64).copy() if value & 2 else None
+                (length, known, _, _) = _INTS.unpack(blobs[0])
+                tokens = _tokens(blobs[1])
+                if value & 4:  # they begin with the checkpointed request's tokens, as last sent
+                    try:
+                        tokens = self._request_tokens(known) + tokens
+                    except LookupError:
+                        log.warning("kvtrace: the SGLang resolver lost track of a request; starting afresh")
+                        self.start_afresh()
+                        return
+                key = _Key(tokens, untext(blobs[4]), untext(blobs[5]), length)
+                slots = _slots(blobs[2], 1 if self.page == 1 else self.page)
+                mamba = _slots(blobs[3], 1) if value & 2 else None
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
             self._open("insert", shim._before_insert, (params,))
         elif kind == Rec.INSERTED:
@@ -161,7 +181,7 @@ class Replayer:
             self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value, mamba_exist=bool(exist)))
         elif kind == Rec.ACTION:
             name, component = untext(blobs[0]) or "", untext(blobs[1])
-            slots = LedgerSlots(np.frombuffer(blobs[2], dtype=np.int64).copy(), value)
+            slots = _slots(blobs[2], value)
             action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
             shim.before_action(name, action)
         elif kind == Rec.ADMIT:
@@ -170,6 +190,17 @@ class Replayer:
                                   tenant=untext(blobs[2]))
         elif kind == Rec.LOST:
             self.start_afresh()
+
+    def _request_tokens(self, count: int) -> array:
+        """The first `count` tokens of the request whose checkpoint is open, as its last lookup
+        sent them. The capture names no more requests than this side keeps; a stand-in without
+        them (never expected) means this side's picture is wrong, so it starts afresh."""
+        req = self.frames[-1][3][0] if self.frames and self.frames[-1][0] == "checkpoint" else None
+        ids, out = (req.origin_input_ids, req.output_ids) if req is not None else (array("q"), array("q"))
+        if len(ids) + len(out) < count:
+            raise LookupError(f"an insert names {count} tokens of a request this side holds "
+                              f"{len(ids) + len(out)} of")
+        return ids[:count] if count <= len(ids) else ids + out[: count - len(ids)]
 
     def start_afresh(self) -> None:
         """Records were dropped: what the ledger says can no longer be trusted. The device

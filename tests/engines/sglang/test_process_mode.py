@@ -22,7 +22,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
@@ -74,9 +74,12 @@ class Both:
             shim.record_admission(*args, **kwargs)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("mix", [Mix.FULL, Mix.MAMBA])
-def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, spool: Path) -> None:
-    config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15)
+@pytest.mark.parametrize(("mix", "route"), [(Mix.FULL, Route.CACHE), (Mix.MAMBA, Route.CACHE),
+                                           (Mix.FULL, Route.SCHEDULER)])
+def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route, spool: Path) -> None:
+    """Call for call. On the scheduler route the prompt's insert happens inside the request's
+    checkpoint and names the tokens its lookup sent instead of carrying them again."""
+    config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15, route=route)
     cache, allocator, pool = build_cache(config)
     sink = MemorySink()
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
