@@ -13,7 +13,7 @@ from importlib import resources
 
 import pytest
 
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
@@ -84,6 +84,32 @@ def test_reconstruction_matches_sglang_hits_request_by_request(mix: Mix, core: s
     assert sum(s.reused for s in served) > 0
     evicted = {e.component for e in events if e.kind is EventKind.EVICT}
     assert ComponentKind.FULL_ATTENTION in evicted  # the trace outgrows the pool
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_scheduler_route_serves_and_reports_as_the_cache_route_does(core: str) -> None:
+    """Through SGLang's own request-level steps (match_kv_cache, lock, a request-pool row,
+    release_kv_cache with its checkpoint) the cache ends where the direct calls leave it, and
+    the shim, which names a checkpoint's pages by its request, reports the same events."""
+    direct = _config(Mix.FULL, core)
+    scheduled = DriverConfig(tree_core=core, page_size=16, kv_tokens=direct.kv_tokens, route=Route.SCHEDULER)
+    cache_a, served_a, events_a, _ = replay(direct, 80)
+    cache_b, served_b, events_b, _ = replay(scheduled, 80)
+    assert served_a == served_b and sum(s.reused for s in served_b) > 0
+    assert cache_a.token_to_kv_pool_allocator.available_size() == cache_b.token_to_kv_pool_allocator.available_size()
+
+    def fields(events: list) -> list:
+        return [(e.kind, e.request_id, e.block_key, e.more_keys, e.group_hit_tokens, e.reason, e.tier,
+                 e.prompt_tokens, e.reused_tokens) for e in events if e.kind is not EventKind.USAGE]
+
+    assert fields(events_a) == fields(events_b)
+    assert {EventKind.LOOKUP, EventKind.COMMIT, EventKind.EVICT, EventKind.ADOPT} <= {e.kind for e in events_b}
+
+
+def test_the_scheduler_route_refuses_what_it_does_not_drive() -> None:
+    config = DriverConfig(mix=Mix.SWA, route=Route.SCHEDULER, kv_tokens=1 << 15)
+    with pytest.raises(ValueError, match="scheduler route drives full attention"):
+        Driver(*build_cache(config), config)
 
 
 @pytest.mark.parametrize("tree", ["radix", "pure_swa"])
