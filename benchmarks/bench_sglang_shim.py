@@ -3,12 +3,15 @@
 Runs in the SGLang venv (`bash scripts/engine-venv.sh sglang` builds it):
 
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py [--requests 1000] [--rounds 4] \
-        [--mix full] [--core rust] [--kv-tokens 131072]
+        [--mix full] [--route scheduler|cache] [--core rust] [--kv-tokens 131072]
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py --profile [--requests 500]
 
-Four variants replay the same requests of the Mooncake conversation trace (tokens synthesized
+Five variants replay the same requests of the Mooncake conversation trace (tokens synthesized
 from its hash ids) through `kvtrace.instrumentation.sglang.driver`, each on its own
-`UnifiedRadixCache` (own pools, own tree):
+`UnifiedRadixCache` (own pools, own tree). By default (`--route scheduler`, full attention) each
+request takes the steps SGLang's scheduler runs for it (match through the request, lock, a
+request-pool row, `release_kv_cache` with its checkpoint); `--route cache` calls the cache's
+methods directly, as the other mixes always do:
 
   off              SGLang's cache alone (its KV events off)
   kvtrace          the same with RadixCacheShim installed (and told each admission, as the
@@ -44,8 +47,8 @@ tight loop).
 
 `--capture-floor` measures the least the out-of-process mode (`kvtrace-process`) could cost the
 request path: only the copies of what the shim reads (the request's tokens, the slots of each
-insert and free) into a prefaulted shared-memory ring, without the mode's records, bookkeeping
-or resolver. It wraps the same cache methods, writes and overwrites the ring (nothing reads it),
+insert and free, and an insert's tokens where it names no request, as on the cache route) into
+a prefaulted shared-memory ring, without the mode's records, bookkeeping or resolver. It wraps the same cache methods, writes and overwrites the ring (nothing reads it),
 and reports that against `off` with the same alternation of order as the main table.
 
 `--profile` instead replays the requests once through a shim-equipped cache under cProfile and
@@ -282,7 +285,8 @@ def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
     """Wrap the methods the shim wraps; copy what it would read and nothing more."""
     from kvtrace.instrumentation.sglang.ledger import as_slots
 
-    match, insert, action = cache.match_prefix, cache.insert, cache._apply_cache_action
+    match, insert, action, checkpoint = cache.match_prefix, cache.insert, cache._apply_cache_action, cache.checkpoint
+    inside = [False]  # in a request's checkpoint: its insert's tokens are the request's, sent at its lookup
 
     def match_prefix(params: Any) -> Any:
         result = match(params)
@@ -290,9 +294,17 @@ def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
         ring.put(1, int(result.device_prefix_len), np.frombuffer(tokens, dtype=np.int64))
         return result
 
+    def checkpoint_(*args: Any, **kwargs: Any) -> Any:
+        inside[0] = True
+        try:
+            return checkpoint(*args, **kwargs)
+        finally:
+            inside[0] = False
+
     def insert_(params: Any) -> Any:
         result = insert(params)
-        ring.put(2, 0, np.frombuffer(params.key.token_ids, dtype=np.int64))  # no request named here
+        if not inside[0]:  # an insert that names no request carries its tokens
+            ring.put(2, 0, np.frombuffer(params.key.token_ids, dtype=np.int64))
         ring.put(3, int(result.prefix_len), as_slots(params.value, page))
         return result
 
@@ -303,6 +315,7 @@ def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
         return action(cache_action)
 
     cache.match_prefix, cache.insert, cache._apply_cache_action = match_prefix, insert_, apply
+    cache.checkpoint = checkpoint_
 
 
 def capture_floor(prompts: list[tuple[str, list[int]]], config: DriverConfig, rounds: int) -> None:

@@ -1,0 +1,64 @@
+"""The out-of-process SGLang mode's resolver, fed records by hand: a checkpoint's insert names
+its pages with the tokens its request's lookup sent, and an insert that names tokens the
+resolver no longer holds makes it start afresh (reported), never name pages wrongly. The mode
+end to end, against the in-process shim on SGLang's real cache, is in tests/engines/sglang."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.page_keys import page_keys
+from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, text
+from kvtrace.instrumentation.sglang.resolver import Replayer
+from kvtrace.instrumentation.sinks.memory import MemorySink
+from kvtrace.schema import EventKind
+from kvtrace.schema.kinds import Reason, Tier
+
+PAGE = 16
+NONE = text(None)
+
+
+def _replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    spec = ResolverSpec(ring="unused", page_size=PAGE, components=("FULL",), page_bytes=(1,),
+                        identity=Identity(instance="r"), usage_interval_s=0)
+    return Replayer(spec, emitter), emitter, sink
+
+
+def _lookup(rid: str, tokens: np.ndarray) -> tuple[int, int, list]:
+    flags = 1 | 4 | 8  # a request, nothing recorded inside the call, an object not seen before
+    return Rec.LOOKUP, flags, [_INTS.pack(0, 0, 0, 0), tokens.tobytes(), b"", text(rid), NONE, NONE, b""]
+
+
+def _checkpointed_insert(rid: str, known: int, slots: np.ndarray) -> list[tuple[int, int, list]]:
+    return [(Rec.CHECKPOINT, 0, [text(rid)]),
+            (Rec.INSERT, 1 | 4, [_INTS.pack(known, known, 0, 0), b"", slots.tobytes(), b"", NONE, NONE]),
+            (Rec.INSERTED, 0, [_INTS.pack(0, 0, 0, 0)]),
+            (Rec.END, CALLS.index("checkpoint"), [])]
+
+
+def test_a_checkpoints_insert_is_named_by_its_requests_tokens() -> None:
+    replayer, emitter, sink = _replayer()
+    tokens = np.arange(5000, 5000 + 4 * PAGE, dtype=np.int64)
+    slots = np.arange(4, dtype=np.int64) * PAGE + 64  # page starts, as SGLang holds them
+    for kind, value, blobs in [_lookup("a", tokens), *_checkpointed_insert("a", len(tokens), slots)]:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown()
+    commits = [e for e in sink.events if e.kind is EventKind.COMMIT]
+    assert len(commits) == 1 and replayer.lost == 0
+    assert [commits[0].block_key, *commits[0].more_keys] == page_keys(tokens, PAGE).tolist()
+
+
+def test_an_insert_naming_tokens_it_no_longer_holds_starts_afresh() -> None:
+    replayer, emitter, sink = _replayer()
+    slots = np.arange(4, dtype=np.int64) * PAGE
+    for kind, value, blobs in _checkpointed_insert("never-looked-up", 4 * PAGE, slots):
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown()
+    assert replayer.lost == 1
+    assert not [e for e in sink.events if e.kind is EventKind.COMMIT]
+    (reset,) = [e for e in sink.events if e.kind is EventKind.INVALIDATE]
+    assert reset.tier is Tier.DEVICE and reset.reason is Reason.EXPLICIT
