@@ -3,8 +3,9 @@
 `RadixCacheShim` does all its work on SGLang's scheduler thread: it hashes every prompt into
 page keys, keeps the slot ledger and builds the events. On a cache-only replay that is ~0.45 ms
 a request, as much as the cache's own work. In this mode the scheduler thread only copies what
-the shim would read (a lookup's tokens and hit lengths, an insert's tokens and slots, the slots
-a free drops) into a shared-memory ring (`kvtrace.instrumentation.ring`). A resolver process
+the shim would read (a lookup's tokens and hit lengths, an insert's slots, the slots a free
+drops, and an insert's tokens unless it is inside a request's checkpoint, whose tokens that
+request's lookup sent) into a shared-memory ring (`kvtrace.instrumentation.ring`). A resolver process
 (`resolver`) replays those facts through an unchanged `RadixCacheShim`, so both modes emit the
 same events, and its emitter sends them to the configured sink.
 

@@ -4,8 +4,9 @@ wrapped call takes in-process (`begin_call`, `end_call`, `before_action`), so bo
 the same events. The shim here sees stand-ins that carry just what it reads: a request's id and
 tokens, a key's tokens and namespace, slot indices, hit lengths.
 
-Slots travel as ledger indices (one per page) and reach the shim as `LedgerSlots`, which its
-slot reading takes as they are.
+Slots travel as SGLang held them, the first slot of each page (one per slot for state pools);
+this side turns them into ledger indices (`ledger_of_starts`) and hands them to the shim as
+`LedgerSlots`, which its slot reading takes as they are.
 """
 
 from __future__ import annotations
