@@ -10,7 +10,8 @@ without weights or a forward pass. One request at a time, on one of two paths:
   for the rest of the prompt -> `insert` the prompt's pages -> unlock. It covers every tree,
   every component mix and HiCache.
 - `Route.SCHEDULER` goes through the request-level steps SGLang's scheduler itself runs (full
-  attention on the unified tree): `Req.init_next_round_input` matches the request, the tree
+  attention on the unified tree; with HiCache's tiers on, whose load-back it does not drive,
+  requests take the cache route): `Req.init_next_round_input` matches the request, the tree
   locks its prefix, the request gets a request-pool row with its KV slots written in, and
   `release_kv_cache` checkpoints it into the tree (`checkpoint` -> `insert` of the request's
   own tokens), frees the row and unlocks. This is the path an engine's requests take, with
