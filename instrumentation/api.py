@@ -50,6 +50,12 @@ class NoopEmitter:
         return True
 
 
+def key_sampled(key: int, rate: float) -> bool:
+    """Whether per-key sampling at `rate` keeps `key`: a pure function of both, so every process
+    that asks about one request gets the same answer."""
+    return rate >= 1.0 or (key * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF) / 2**64 < rate
+
+
 def request_key(request_id: object) -> int:
     """A request id as the 64-bit key `Emitter.sampled` takes: the same in every process and
     on every host (Python's `hash` of a string is salted per process), so the prefill and the

@@ -21,6 +21,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+from kvtrace.instrumentation.api import key_sampled
 from kvtrace.instrumentation.sinks.base import ExportResult, ExportStatus, Sink
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats
@@ -168,9 +169,7 @@ class BatchEmitter:
         Sampling whole requests keeps each sampled request's picture complete; sampling single
         events would make every reconstruction wrong.
         """
-        if rate >= 1.0:
-            return True
-        if (key * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF) / 2**64 < rate:
+        if key_sampled(key, rate):
             return True
         with self._lock:
             self._dropped_sampled_out += 1

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.ledger import page_starts, slot_step
@@ -69,7 +70,7 @@ CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "ev
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
 _INTS = struct.Struct("<qqqq")
 _NO_TOKENS = b""
-REQUESTS_NAMED = 4096  # requests whose sent tokens a checkpoint's insert may name (the resolver keeps more)
+REQUESTS_KEPT = 8192  # request stand-ins the resolver keeps (the capture mirrors which, and their tokens)
 
 
 def _words(blob: Any) -> np.ndarray:
@@ -152,7 +153,7 @@ class CaptureStats:
 class CaptureShim:
     """Wraps one cache's methods like `RadixCacheShim`, recording instead of resolving."""
 
-    def __init__(self, cache: Any, ring: Ring, usage_interval_s: float = 1.0) -> None:
+    def __init__(self, cache: Any, ring: Ring, usage_interval_s: float = 1.0, sample_rate: float = 1.0) -> None:
         self.cache, self.ring = cache, ring
         self.page = int(cache.page_size)
         names = [component_name(ct) for ct in component_types(cache)]
@@ -163,9 +164,11 @@ class CaptureShim:
         self._unopened = 0
         self.errors = 0
         self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> hits last sent
-        # rid -> how many tokens (prompt, then output) its last lookup carried, for the insert
-        # inside its checkpoint (SGLang inserts the request's own tokens there)
+        # The resolver's request stand-ins, mirrored: rid -> how many tokens (prompt, then output)
+        # its stand-in holds, updated at the same records in the same order, with the same bound
+        # (`stand_in`). The insert inside a request's checkpoint names that many of its tokens.
         self._sent: OrderedDict[str, int] = OrderedDict()
+        self.sample_rate = sample_rate
         self._checkpointing: tuple[str, int] = ("", 0)  # the request of the checkpoint under way
         self._checkpoint_call = CALLS.index("checkpoint")
         self.alive: Callable[[], bool] | None = None  # whether the resolver still runs
@@ -325,17 +328,19 @@ class CaptureShim:
                 ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
             else:
                 ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-            counters = self._usage_due()
+            # Usage is sampled after a lookup the shim reports: not a repeat, and a sampled request
+            # (a lookup without a request is named differently in each process: sampled here).
+            counters = self._usage_due() if not rid or key_sampled(request_key(rid), self.sample_rate) else b""
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
         flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
-        if self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
-                                         text(getattr(key, "extra_key", None)),
-                                         text(getattr(key, "cache_salt", None)), counters)):
-            if rid and not repeat and req is not None:
-                self._sent[rid] = len(ids) + len(out)  # tokens (an empty blob is b"")
-                self._sent.move_to_end(rid)
-                while len(self._sent) > REQUESTS_NAMED:
-                    self._sent.popitem(last=False)
+        if not self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
+                                             text(getattr(key, "extra_key", None)),
+                                             text(getattr(key, "cache_salt", None)), counters)):
+            if counters:
+                self._usage_due_ns = 0  # the sample did not get through: the next lookup takes it
+        else:
+            if req is not None:
+                self._stand_in(rid, fresh, None if repeat else len(ids) + len(out))  # an empty blob is b""
             if rid and not repeat:
                 self._asked[rid] = (device, host)
                 self._asked.move_to_end(rid)
@@ -357,12 +362,30 @@ class CaptureShim:
         self._usage_due_ns = now + self._usage_ns
         return _INTS.pack(*usage_counters(self.cache), 0)
 
+    def _stand_in(self, rid: str, fresh: bool, tokens: int | None) -> None:
+        """Mirror the resolver's `_request` for a record it will read: a new (empty) stand-in for
+        a new request object or an id it does not hold, else the held one made most recent;
+        `tokens`: how many the record carried for it."""
+        sent = self._sent
+        if fresh or rid not in sent:
+            sent.pop(rid, None)
+            sent[rid] = 0
+            while len(sent) > REQUESTS_KEPT:
+                sent.popitem(last=False)
+        else:
+            sent.move_to_end(rid)
+        if tokens is not None:
+            sent[rid] = tokens
+
     def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
         fresh = not getattr(req, "_kvtrace_seen", False)
         rid = str(getattr(req, "rid", ""))
-        self._checkpointing = (rid, 0 if fresh else self._sent.get(rid, 0))
-        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)) and fresh:
-            _mark(req)
+        self._checkpointing = (rid, 0)
+        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)):
+            self._stand_in(rid, fresh, None)
+            self._checkpointing = (rid, self._sent[rid])  # what the resolver's stand-in holds
+            if fresh:
+                _mark(req)
 
     def _check_resolver(self) -> None:
         """At most once a second: if the resolver has exited, say so once and stop recording
@@ -439,7 +462,7 @@ class ProcessShim:
         # The sizes are read here, from the live pools, with the shim's own rule.
         page_bytes = RadixCacheShim(cache, _NullEmitter(), identity).page_bytes
         self.ring = Ring.create(ring_bytes, loss_kind=Rec.LOST)
-        self.capture = CaptureShim(cache, self.ring, usage_interval_s)
+        self.capture = CaptureShim(cache, self.ring, usage_interval_s, sample_rate)
         self.capture.alive = self.alive
         self.spec = ResolverSpec(ring=self.ring.name, page_size=int(cache.page_size),
                                  components=tuple(self.capture.group_names), page_bytes=tuple(page_bytes),

@@ -264,16 +264,25 @@ class Driver:
         req.init_next_round_input(cache)  # match_kv_cache: the match, adopted as the request's prefix
         device, full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
         req.lock = cache.lock(req.last_node)
-        prefix = cache.path_device_indices(req.last_node)[:device] if device else None
-        fresh = self._alloc(len(prompt) - device)
-        row = torch.cat([prefix, fresh]) if prefix is not None else fresh
-        self.req_pool.alloc([req])
-        self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
+        fresh = None
+        try:
+            prefix = cache.path_device_indices(req.last_node)[:device] if device else None
+            fresh = self._alloc(len(prompt) - device)
+            row = torch.cat([prefix, fresh]) if prefix is not None else fresh
+            self.req_pool.alloc([req])
+            self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
+        except BaseException:  # the replay stops; the cache is left as it was
+            if fresh is not None:
+                self.allocator.free(fresh)
+            cache.unlock(req.lock)
+            raise
         req.kv.kv_committed_len = req.kv.kv_allocated_len = len(prompt)
         req.kv.cache_protected_len = device
         req.finished_reason = FINISH_LENGTH(length=0)  # prefill only: the one output token is not kept
         release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock
-        if len(row) > len(prompt):  # the partial page's padding, never part of the row's KV
+        if len(row) > len(prompt):
+            # `_alloc` took whole pages; the row's KV ends at the prompt. The test kit's allocator
+            # frees slot by slot, so the padding past it is still ours to give back.
             self.allocator.free(row[len(prompt):])
         if self.shim is not None:
             self.shim.record_admission(request_id, len(prompt), device=device, host=0, tenant=cache_salt)

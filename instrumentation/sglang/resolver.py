@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, untext
+from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, REQUESTS_KEPT, Rec, ResolverSpec, untext
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
@@ -98,9 +98,10 @@ class Replayer:
         """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,
         which in-process starts a new page chain)."""
         req = None if fresh else self.requests.get(rid)
-        if req is None:
+        if req is None:  # the capture mirrors this (`CaptureShim._stand_in`): keep the two alike
+            self.requests.pop(rid, None)
             req = self.requests[rid] = SimpleNamespace(rid=rid, origin_input_ids=array("q"), output_ids=array("q"))
-            while len(self.requests) > 8192:
+            while len(self.requests) > REQUESTS_KEPT:
                 self.requests.popitem(last=False)
         else:
             self.requests.move_to_end(rid)
@@ -168,9 +169,11 @@ class Replayer:
                 if value & 4:  # they begin with the checkpointed request's tokens, as last sent
                     try:
                         tokens = self._request_tokens(known) + tokens
-                    except LookupError:
-                        log.warning("kvtrace: the SGLang resolver lost track of a request; starting afresh")
-                        self.start_afresh()
+                    except LookupError:  # never expected: the capture mirrors the stand-ins
+                        self.errors += 1
+                        log.warning("kvtrace: the SGLang resolver cannot name an insert's pages; "
+                                    "reporting the device tier invalidated")
+                        self._drop_ledger()
                         return
                 key = _Key(tokens, untext(blobs[4]), untext(blobs[5]), length)
                 slots = _slots(blobs[2], 1 if self.page == 1 else self.page)
@@ -213,6 +216,12 @@ class Replayer:
         self.requests.clear()  # chains are rebuilt from the tokens the next asks carry
         shim._looked_up.clear()
         shim._depth, shim._scope, shim._current_req = 0, None, None
+        self._drop_ledger()
+
+    def _drop_ledger(self) -> None:
+        """Report every tier the ledger holds invalidated and empty it: what it says can no
+        longer be trusted (commits are missing), so the analysis counts nothing there as held."""
+        shim = self.shim
         tiers = {tier for (_, tier) in shim.ledger} or {Tier.DEVICE}
         shim.ledger.clear()
         for tier in sorted(tiers):

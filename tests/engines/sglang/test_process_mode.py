@@ -74,18 +74,19 @@ class Both:
             shim.record_admission(*args, **kwargs)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("mix", "route"), [(Mix.FULL, Route.CACHE), (Mix.MAMBA, Route.CACHE),
-                                           (Mix.FULL, Route.SCHEDULER)])
-def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route, spool: Path) -> None:
+@pytest.mark.parametrize(("mix", "route", "rate"), [(Mix.FULL, Route.CACHE, 1.0), (Mix.MAMBA, Route.CACHE, 1.0),
+                                                   (Mix.FULL, Route.SCHEDULER, 1.0), (Mix.FULL, Route.SCHEDULER, 0.5)])
+def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route, rate: float, spool: Path) -> None:
     """Call for call. On the scheduler route the prompt's insert happens inside the request's
-    checkpoint and names the tokens its lookup sent instead of carrying them again."""
+    checkpoint and names the tokens its lookup sent instead of carrying them again. Sampled,
+    usage is taken after the first lookup either mode reports."""
     config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15, route=route)
     cache, allocator, pool = build_cache(config)
     sink = MemorySink()
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
     # Usage sampled once (the first lookup), so both modes sample at the same call.
-    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=3600).install()
-    process = ProcessShim(cache, IDENTITY, usage_interval_s=3600).start()
+    inline = RadixCacheShim(cache, emitter, IDENTITY, sample_rate=rate, usage_interval_s=3600).install()
+    process = ProcessShim(cache, IDENTITY, sample_rate=rate, usage_interval_s=3600).start()
     try:
         driver = Driver(cache, allocator, pool, config, Both(inline, process))
         for rid, tokens in prompts(60):
@@ -159,6 +160,31 @@ def test_a_dead_resolver_costs_the_cache_nothing(spool: Path, caplog: pytest.Log
         assert not process.capture._saved  # it noticed and stopped recording: the cache is unwrapped
     finally:
         process.close()
+
+
+def test_a_new_request_object_under_a_known_id_is_named_by_its_own_tokens(spool: Path) -> None:
+    """No admission between two requests under one id: the second one's ask is a repeat (no
+    tokens travel) but comes from a new object, and its checkpoint must carry its own tokens,
+    not name the first one's."""
+    config = DriverConfig(kv_tokens=1 << 15, route=Route.SCHEDULER)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
+    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
+    try:
+        driver = Driver(cache, allocator, pool, config)  # tells neither shim of admissions
+        first, second = list(range(10_000, 13_000)), list(range(50_000, 53_000))  # both miss: a repeat
+        for tokens in (first, second):
+            assert driver.serve("same-id", tokens).reused == 0
+        assert process.flush(60)
+        stats = process.stats()
+    finally:
+        process.close()
+    assert emitter.shutdown() and inline.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    commits = [e for e in sink.events if e.kind is EventKind.COMMIT]
+    assert len(commits) == 2 and commits[0].block_key != commits[1].block_key
+    assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
 def test_caches_it_does_not_cover_are_refused_by_name() -> None:
