@@ -328,9 +328,7 @@ class CaptureShim:
                 ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
             else:
                 ids, out = tokens_blob(key.token_ids), _NO_TOKENS
-            # Usage is sampled after a lookup the shim reports: not a repeat, and a sampled request
-            # (a lookup without a request is named differently in each process: sampled here).
-            counters = self._usage_due() if not rid or key_sampled(request_key(rid), self.sample_rate) else b""
+            counters = self._usage_due(rid)
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
         flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
         if not self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
@@ -350,14 +348,16 @@ class CaptureShim:
                 _mark(req)
         self._check_resolver()
 
-    def _usage_due(self) -> bytes:
+    def _usage_due(self, rid: str) -> bytes:
         """The pool's counters as this lookup left them, once an interval has passed since the
-        last ones sent: the resolver's shim samples usage at that lookup (or at the next one it
-        reports), which is where the in-process shim's clock would have it sample."""
+        last ones sent and if the shim reports this request's lookup (it samples usage after a
+        lookup it reports; a lookup without a request is named differently in each process, so
+        it counts as reported): the resolver's shim samples usage at that lookup, where the
+        in-process shim's clock would have it sample."""
         if not self._usage_ns:
             return _NO_TOKENS
         now = time.monotonic_ns()
-        if now < self._usage_due_ns:
+        if now < self._usage_due_ns or (rid and not key_sampled(request_key(rid), self.sample_rate)):
             return _NO_TOKENS
         self._usage_due_ns = now + self._usage_ns
         return _INTS.pack(*usage_counters(self.cache), 0)
