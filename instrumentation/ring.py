@@ -169,8 +169,8 @@ class Ring:
         if blobs:
             if len(blobs) >= len(_LENGTHS):
                 raise ValueError(f"a ring record holds at most {len(_LENGTHS) - 1} blobs, not {len(blobs)}")
-            views = [b if type(b) is bytes or (type(b) is np.ndarray and b.dtype == _I64) else _bytes_of(b)
-                     for b in blobs]
+            views = [b if type(b) is bytes or (type(b) is np.ndarray and b.dtype == _I64 and b.ndim == 1)
+                     else _bytes_of(b) for b in blobs]
             try:
                 return self._place(kind, value, views, [v.nbytes if type(v) is np.ndarray else len(v) for v in views])
             finally:  # a view left exported would stop the engine from growing its token array

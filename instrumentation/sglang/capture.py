@@ -166,7 +166,7 @@ class CaptureShim:
         self._asked: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> hits last sent
         # The resolver's request stand-ins, mirrored: rid -> how many tokens (prompt, then output)
         # its stand-in holds, updated at the same records in the same order, with the same bound
-        # (`stand_in`). The insert inside a request's checkpoint names that many of its tokens.
+        # (`_stand_in`). The insert inside a request's checkpoint names that many of its tokens.
         self._sent: OrderedDict[str, int] = OrderedDict()
         self.sample_rate = sample_rate
         self._checkpointing: tuple[str, int] = ("", 0)  # the request of the checkpoint under way
@@ -426,8 +426,8 @@ class CaptureShim:
                                       text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
 
     def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
-        self._put(Rec.INSERTED, int(result.prefix_len),
-                    (_INTS.pack(int(bool(getattr(result, "mamba_exist", False))), 0, 0, 0),))
+        exist = int(bool(getattr(result, "mamba_exist", False)))
+        self._put(Rec.INSERTED, int(result.prefix_len), (_INTS.pack(exist, 0, 0, 0),))
 
     def _action(self, name: str, action: Any) -> None:
         component = getattr(action, "component_type", None)

@@ -197,8 +197,8 @@ class Replayer:
 
     def _request_tokens(self, count: int) -> array:
         """The first `count` tokens of the request whose checkpoint is open, as its last lookup
-        sent them. The capture names no more requests than this side keeps; a stand-in without
-        them (never expected) means this side's picture is wrong, so it starts afresh."""
+        sent them. The capture mirrors this side's stand-ins, so it never names more than the
+        stand-in holds; if it did, LookupError (the caller reports the ledger invalidated)."""
         req = self.frames[-1][3][0] if self.frames and self.frames[-1][0] == "checkpoint" else None
         ids, out = (req.origin_input_ids, req.output_ids) if req is not None else (array("q"), array("q"))
         if len(ids) + len(out) < count:
