@@ -254,7 +254,6 @@ class Driver:
             self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
 
-
     def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None) -> Served:
         """One request through the scheduler's own request-level steps (full attention)."""
         cache = self.cache
