@@ -57,13 +57,17 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _bytes_of(blob: Any) -> Any:
-    """A blob as bytes or a flat byte view, for a slice assignment into the ring: a strided
-    numpy array (page starts read out of a slot tensor) is gathered first."""
+def _view(blob: Any) -> Any:
+    """A blob as the ring copies it: bytes and 1-D int64 arrays (strided page starts read out
+    of a slot tensor are gathered straight into the ring) as they are, anything else as a flat
+    byte view (a non-contiguous array gathered first)."""
     if type(blob) is bytes:
         return blob
-    if type(blob) is np.ndarray and not blob.flags.c_contiguous:
-        blob = np.ascontiguousarray(blob)
+    if type(blob) is np.ndarray:
+        if blob.dtype == _I64 and blob.ndim == 1:
+            return blob
+        if not blob.flags.c_contiguous:
+            blob = np.ascontiguousarray(blob)
     return memoryview(blob).cast("B")
 
 
@@ -169,8 +173,7 @@ class Ring:
         if blobs:
             if len(blobs) >= len(_LENGTHS):
                 raise ValueError(f"a ring record holds at most {len(_LENGTHS) - 1} blobs, not {len(blobs)}")
-            views = [b if type(b) is bytes or (type(b) is np.ndarray and b.dtype == _I64 and b.ndim == 1)
-                     else _bytes_of(b) for b in blobs]
+            views = [_view(b) for b in blobs]
             try:
                 return self._place(kind, value, views, [v.nbytes if type(v) is np.ndarray else len(v) for v in views])
             finally:  # a view left exported would stop the engine from growing its token array
@@ -181,10 +184,10 @@ class Ring:
 
     def _place(self, kind: int, value: int, views: Sequence[Any], sizes: Sequence[int]) -> bool:
         count = len(views)
-        head = (_HEAD.size + 4 * count + 7) & ~7
+        head = _align(_HEAD.size + 4 * count)
         length = head + 15
         for n in sizes:
-            length += (n + 7) & ~7
+            length += _align(n)
         length &= ~15  # a tail left is >= one head
         size, write = self.size, self._write
         at = write % size
@@ -208,7 +211,7 @@ class Ring:
                     self.i64[pos >> 3 : (pos >> 3) + len(v)] = v
                 else:
                     buf[pos : pos + n] = v
-                pos += (n + 7) & ~7
+                pos += _align(n)
         self._write = write + length
         self._store(_WRITE, self._write)
         self.written += 1
@@ -241,7 +244,7 @@ class Ring:
             read += length
             self._store(_READ, read)
         base = HEADER_BYTES + at
-        sizes = struct.unpack_from(f"<{count}I", self.memory.buf, base + _HEAD.size) if count else ()
+        sizes = _LENGTHS[count].unpack_from(self.memory.buf, base + _HEAD.size) if count else ()
         pos = base + _align(_HEAD.size + 4 * count)
         views = []
         for n in sizes:
