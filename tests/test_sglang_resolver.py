@@ -6,6 +6,7 @@ end to end, against the in-process shim on SGLang's real cache, is in tests/engi
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
@@ -33,31 +34,38 @@ def _lookup(rid: str, tokens: np.ndarray) -> tuple[int, int, list]:
     return Rec.LOOKUP, flags, [_INTS.pack(0, 0, 0, 0), tokens.tobytes(), b"", text(rid), NONE, NONE, b""]
 
 
-def _checkpointed_insert(rid: str, known: int, slots: np.ndarray) -> list[tuple[int, int, list]]:
-    return [(Rec.CHECKPOINT, 0, [text(rid)]),
-            (Rec.INSERT, 1 | 4, [_INTS.pack(known, known, 0, 0), b"", slots.tobytes(), b"", NONE, NONE]),
-            (Rec.INSERTED, 0, [_INTS.pack(0, 0, 0, 0)]),
+def _checkpointed_insert(rid: str, known: int, slots: np.ndarray, folded: bool) -> list[tuple[int, int, list]]:
+    """A checkpoint of `rid` whose insert names `known` of its tokens, as the capture writes it:
+    `folded`, the insert's records open and close the checkpoint too (its usual form);
+    otherwise with the checkpoint's own records (when something else inside comes first)."""
+    blobs = [_INTS.pack(known, known, 0, 0), b"", slots.tobytes(), b"", NONE, NONE]
+    if folded:
+        return [(Rec.INSERT, 1 | 4 | 8, [*blobs, text(rid)]), (Rec.INSERTED, 0 << 2 | 2, [])]
+    return [(Rec.CHECKPOINT, 0, [text(rid)]), (Rec.INSERT, 1 | 4, blobs), (Rec.INSERTED, 0, []),
             (Rec.END, CALLS.index("checkpoint"), [])]
 
 
-def test_a_checkpoints_insert_is_named_by_its_requests_tokens() -> None:
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "own-records"])
+def test_a_checkpoints_insert_is_named_by_its_requests_tokens(folded: bool) -> None:
     replayer, emitter, sink = _replayer()
     tokens = np.arange(5000, 5000 + 4 * PAGE, dtype=np.int64)
     slots = np.arange(4, dtype=np.int64) * PAGE + 64  # page starts, as SGLang holds them
-    for kind, value, blobs in [_lookup("a", tokens), *_checkpointed_insert("a", len(tokens), slots)]:
+    for kind, value, blobs in [_lookup("a", tokens), *_checkpointed_insert("a", len(tokens), slots, folded)]:
         replayer.handle(kind, value, blobs)
     assert emitter.shutdown()
     commits = [e for e in sink.events if e.kind is EventKind.COMMIT]
     assert len(commits) == 1 and replayer.lost == 0
     assert [commits[0].block_key, *commits[0].more_keys] == page_keys(tokens, PAGE).tolist()
+    assert not replayer.frames  # the checkpoint and its insert both closed
 
 
-def test_an_insert_naming_tokens_it_does_not_hold_drops_the_ledger_not_the_requests() -> None:
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "own-records"])
+def test_an_insert_naming_tokens_it_does_not_hold_drops_the_ledger_not_the_requests(folded: bool) -> None:
     """Never expected (the capture mirrors the stand-ins); if it happens the commit is missing,
     so the ledger is reported invalidated, while the requests the resolver holds stay valid."""
     replayer, emitter, sink = _replayer()
     slots = np.arange(4, dtype=np.int64) * PAGE
-    for kind, value, blobs in _checkpointed_insert("never-looked-up", 4 * PAGE, slots):
+    for kind, value, blobs in _checkpointed_insert("never-looked-up", 4 * PAGE, slots, folded):
         replayer.handle(kind, value, blobs)
     assert emitter.shutdown()
     assert replayer.lost == 0 and replayer.errors == 1

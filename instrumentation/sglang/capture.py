@@ -56,9 +56,12 @@ class Rec(IntEnum):
     # its opening never was either, 8: a request object not seen before)
     INSERT = 5  # an insert starts (this opens the call): its key's tokens (flag 4: inside a
     # checkpoint, the first of them are the request's as its last lookup sent them, and only
-    # the rest are carried), slots, Mamba state
-    INSERTED = 6  # it returned; value: prefix_len
-    CHECKPOINT = 7  # checkpoint starts (this opens the call); blob: the request id; value 8 as LOOKUP's
+    # the rest are carried), slots, Mamba state; flag 8: it also opens the checkpoint around it
+    # (as CHECKPOINT would, its request id in a last blob; flag 16 as CHECKPOINT's 8)
+    INSERTED = 6  # it returned; value: prefix_len << 2, | 1 if the Mamba state existed,
+    # | 2 if the checkpoint around it returned right after (its END, folded in)
+    CHECKPOINT = 7  # a checkpoint whose first record inside is not its insert starts; blob: the
+    # request id; value 8 as LOOKUP's
     ACTION = 8  # a cache action is about to free slots; value: ledger step
     ADMIT = 9  # what an admitted request reused
     FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
@@ -169,8 +172,11 @@ class CaptureShim:
         # (`_stand_in`). The insert inside a request's checkpoint names that many of its tokens.
         self._sent: OrderedDict[str, int] = OrderedDict()
         self.sample_rate = sample_rate
-        self._checkpointing: tuple[str, int] = ("", 0)  # the request of the checkpoint under way
+        # The checkpoint under way: (its request's id, the request object, the number of its
+        # tokens the resolver holds once the checkpoint is opened there).
+        self._checkpointing: tuple[str, Any, int] = ("", None, 0)
         self._checkpoint_call = CALLS.index("checkpoint")
+        self._held = -1  # an INSERTED held back until the next record (its END may fold in)
         self.alive: Callable[[], bool] | None = None  # whether the resolver still runs
         self._check_due_ns = 0
         self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
@@ -182,7 +188,17 @@ class CaptureShim:
         """Write one record at once, while what it copies is still in the CPU's caches (a
         slot tensor gathered at the end of the call that handed it over costs several times
         more than at its start). The ring reports earlier drops ahead of it. After a drop the
-        resolver starts afresh, so every request's next ask carries its tokens again."""
+        resolver starts afresh, so every request's next ask carries its tokens again.
+
+        Records cost more for their number than their size (a small one ~10 us with the caches
+        as SGLang's work leaves them), so an insert's INSERTED waits for the next record: the
+        END of the checkpoint around it folds into it."""
+        if self._held >= 0:
+            inserted, self._held = self._held, -1
+            if kind is Rec.END and value == self._checkpoint_call:
+                kind, value = Rec.INSERTED, inserted | 2
+            else:
+                self._put(Rec.INSERTED, inserted)
         if self._unopened:
             self._open_calls()
         if self.ring.offer(kind, value, blobs):
@@ -194,7 +210,8 @@ class CaptureShim:
         """After a loss the resolver starts afresh: nothing sent before it is named again."""
         self._asked.clear()
         self._sent.clear()
-        self._checkpointing = ("", 0)
+        self._checkpointing = ("", None, 0)
+        self._held = -1
 
     def _open_calls(self) -> None:
         """Record the opening of every call in progress not recorded yet. A call is recorded
@@ -204,7 +221,10 @@ class CaptureShim:
         for frame in self._calls:
             if not frame[1]:
                 frame[1] = True
-                self._put(Rec.BEGIN, frame[0])
+                if frame[0] == self._checkpoint_call:
+                    self._open_checkpoint(None)
+                else:
+                    self._put(Rec.BEGIN, frame[0])
 
     def _failed(self, what: str) -> None:
         self.errors += 1
@@ -220,7 +240,7 @@ class CaptureShim:
     def install(self) -> CaptureShim:
         c = self.cache
         self._wrap(c, "match_prefix", None, self._lookup)
-        self._wrap(c, "checkpoint", self._checkpoint, None, optional=True)
+        self._wrap(c, "checkpoint", self._checkpoint, None, optional=True, opens=False)
         self._wrap(c, "insert", self._insert, self._inserted)
         for name in ("evict", "evict_for_alloc", "evict_host"):
             self._wrap(c, name, None, None, optional=name != "evict")
@@ -258,7 +278,9 @@ class CaptureShim:
         self._saved.clear()
 
     def _wrap(self, obj: Any, name: str, begin: Callable[..., None] | None, end: Callable[..., None] | None,
-              optional: bool = False) -> None:
+              optional: bool = False, opens: bool = True) -> None:
+        """`begin` runs before the call and, with `opens`, records its opening itself; otherwise
+        the call is opened on the ring only once something inside it is recorded."""
         original = getattr(obj, name, None)
         if original is None:
             if not optional:
@@ -270,11 +292,12 @@ class CaptureShim:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             frame = [call, False]  # (call, its opening recorded)
             try:
-                if begin is None:  # opened on the ring only if something inside is recorded
+                if begin is not None:
+                    begin(*args, **kwargs)
+                if begin is None or not opens:  # opened on the ring only if something inside is recorded
                     capture._calls.append(frame)
                     capture._unopened += 1
                 else:  # its own record opens it
-                    begin(*args, **kwargs)
                     frame[1] = True
                     capture._calls.append(frame)
             except Exception:  # noqa: BLE001
@@ -378,14 +401,27 @@ class CaptureShim:
             sent[rid] = tokens
 
     def _checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing is recorded yet: the checkpoint is opened by its insert's record (or, if
+        something else inside comes first, by a CHECKPOINT ahead of it), and one with nothing
+        inside costs no record."""
+        self._checkpointing = (str(getattr(req, "rid", "")), req, 0)
+
+    def _open_checkpoint(self, insert: list[Any] | None) -> int:
+        """Open the checkpoint under way on the ring: with a CHECKPOINT record, or (`insert`:
+        the INSERT's blobs) inside its insert's record. Returns the flags the INSERT takes, and
+        sets how many of the request's tokens the resolver then holds."""
+        rid, req, _ = self._checkpointing
         fresh = not getattr(req, "_kvtrace_seen", False)
-        rid = str(getattr(req, "rid", ""))
-        self._checkpointing = (rid, 0)
-        if self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)):
-            self._stand_in(rid, fresh, None)
-            self._checkpointing = (rid, self._sent[rid])  # what the resolver's stand-in holds
-            if fresh:
-                _mark(req)
+        if insert is None:
+            if not self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)):
+                return 0
+        else:
+            insert.append(text(rid))
+        self._stand_in(rid, fresh, None)  # the resolver's `_request`, when it opens the checkpoint
+        self._checkpointing = (rid, req, self._sent[rid])
+        if fresh:
+            _mark(req)
+        return 8 | (16 if fresh else 0)
 
     def _check_resolver(self) -> None:
         """At most once a second: if the resolver has exited, say so once and stop recording
@@ -412,22 +448,32 @@ class CaptureShim:
         mamba = getattr(params, "mamba_value", None)
         mamba_slots = page_starts(mamba, 1) if mamba is not None else None
         tokens = tokens_blob(key.token_ids)
+        blobs = [None, tokens, slots, mamba_slots if mamba_slots is not None else _NO_TOKENS,
+                 text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))]
+        flags = 1 | (2 if mamba_slots is not None else 0)
         known = 0
-        if self._calls and self._calls[-1][0] == self._checkpoint_call:
+        calls = self._calls  # this insert's own frame is not on it yet
+        if calls and calls[-1][0] == self._checkpoint_call:
+            if not calls[-1][1]:  # the checkpoint is opened here, by this record
+                calls[-1][1] = True
+                self._unopened -= 1
+                flags |= self._open_checkpoint(blobs)
             # SGLang's checkpoint inserts the request's own tokens (its prompt, then output), which
             # its lookup sent: only what came after them travels. The in-process shim trusts the
             # same thing (it names these pages with the request's own chain).
-            known = min(len(tokens), self._checkpointing[1])
+            known = min(len(tokens), self._checkpointing[2])
             if known:
-                tokens = _words(tokens)[known:]
-        flags = 1 | (2 if mamba_slots is not None else 0) | (4 if known else 0)
-        self._put(Rec.INSERT, flags, (_INTS.pack(len(key), known, 0, 0), tokens, slots,
-                                      mamba_slots if mamba_slots is not None else _NO_TOKENS,
-                                      text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))))
+                blobs[1] = _words(tokens)[known:]
+                flags |= 4
+        blobs[0] = _INTS.pack(len(key), known, 0, 0)
+        self._put(Rec.INSERT, flags, blobs)
 
     def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
-        exist = int(bool(getattr(result, "mamba_exist", False)))
-        self._put(Rec.INSERTED, int(result.prefix_len), (_INTS.pack(exist, 0, 0, 0),))
+        inserted = int(result.prefix_len) << 2 | int(bool(getattr(result, "mamba_exist", False)))
+        if self._calls and self._calls[-1][0] == self._checkpoint_call:
+            self._held = inserted  # written with the next record, which may be the checkpoint's END
+        else:
+            self._put(Rec.INSERTED, inserted)
 
     def _action(self, name: str, action: Any) -> None:
         component = getattr(action, "component_type", None)

@@ -124,8 +124,7 @@ class Replayer:
         if kind == Rec.BEGIN:
             self._open(CALLS[value])
         elif kind == Rec.END:
-            self._close(CALLS[value], shim._after_reset if CALLS[value] == "reset" else
-                        shim._after_checkpoint if CALLS[value] == "checkpoint" else None)
+            self._end(CALLS[value])
         elif kind == Rec.ABORT:
             if self.frames and self.frames[-1][0] == CALLS[value]:
                 _, top, _, _ = self.frames.pop()
@@ -159,8 +158,10 @@ class Replayer:
             if shim._usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
                 shim._usage_due_ns = _NEVER
         elif kind == Rec.CHECKPOINT:
-            self._open("checkpoint", shim._before_checkpoint, (self._request(untext(blobs[0]) or "", bool(value & 8)),))
+            self._open_checkpoint(untext(blobs[0]), bool(value & 8))
         elif kind == Rec.INSERT:
+            if value & 8:  # the checkpoint around it opens here
+                self._open_checkpoint(untext(blobs[6]), bool(value & 16))
             if not value:
                 params = SimpleNamespace(key=None, value=None, mamba_value=None)
             else:
@@ -181,8 +182,9 @@ class Replayer:
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
             self._open("insert", shim._before_insert, (params,))
         elif kind == Rec.INSERTED:
-            (exist, _, _, _) = _INTS.unpack(blobs[0])
-            self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value, mamba_exist=bool(exist)))
+            self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value >> 2, mamba_exist=bool(value & 1)))
+            if value & 2:  # and the checkpoint around it returned
+                self._end("checkpoint")
         elif kind == Rec.ACTION:
             name, component = untext(blobs[0]) or "", untext(blobs[1])
             slots = _slots(blobs[2], value)
@@ -194,6 +196,14 @@ class Replayer:
                                   tenant=untext(blobs[2]))
         elif kind == Rec.LOST:
             self.start_afresh()
+
+    def _end(self, call: str) -> None:
+        shim = self.shim
+        self._close(call, shim._after_reset if call == "reset" else
+                    shim._after_checkpoint if call == "checkpoint" else None)
+
+    def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:
+        self._open("checkpoint", self.shim._before_checkpoint, (self._request(rid or "", fresh),))
 
     def _request_tokens(self, count: int) -> array:
         """The first `count` tokens of the request whose checkpoint is open, as its last lookup
