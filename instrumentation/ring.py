@@ -33,6 +33,7 @@ import os
 import platform
 import struct
 import threading
+from array import array
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 from typing import Any
@@ -57,17 +58,11 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _view(blob: Any) -> Any:
-    """A blob as the ring copies it: bytes and 1-D int64 arrays (strided page starts read out
-    of a slot tensor are gathered straight into the ring) as they are, anything else as a flat
-    byte view (a non-contiguous array gathered first)."""
-    if type(blob) is bytes:
-        return blob
-    if type(blob) is np.ndarray:
-        if blob.dtype == _I64 and blob.ndim == 1:
-            return blob
-        if not blob.flags.c_contiguous:
-            blob = np.ascontiguousarray(blob)
+def _view(blob: Any) -> memoryview:
+    """A blob of another kind than those copied as they are (`Ring._append`) as a flat byte
+    view (a non-contiguous array gathered first)."""
+    if type(blob) is np.ndarray and not blob.flags.c_contiguous:
+        blob = np.ascontiguousarray(blob)
     return memoryview(blob).cast("B")
 
 
@@ -187,25 +182,21 @@ class Ring:
     def _append(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
         if len(blobs) >= len(_LENGTHS):
             raise ValueError(f"a ring record holds at most {len(_LENGTHS) - 1} blobs, not {len(blobs)}")
-        views, sizes, exported = [], [], False
-        for b in blobs:  # bytes and 1-D int64 arrays, the usual blobs, go as they are
+        sizes = []
+        for b in blobs:  # the usual blobs go as they are: bytes, 1-D int64 arrays, array("q")
             t = type(b)
             if t is bytes:
-                views.append(b)
                 sizes.append(len(b))
-                continue
-            if t is np.ndarray and b.ndim == 1 and b.dtype == _I64:
-                views.append(b)
-                sizes.append(b.size << 3)
-                continue
-            v = _view(b)
-            exported = exported or type(v) is memoryview
-            views.append(v)
-            sizes.append(v.nbytes if type(v) is np.ndarray else len(v))
-        if not exported:
-            return self._place(kind, value, views, sizes)
+            elif (t is np.ndarray and b.ndim == 1 and b.dtype == _I64) or (t is array and b.typecode == "q"):
+                sizes.append(len(b) << 3)
+            else:
+                return self._append_viewed(kind, value, blobs)
+        return self._place(kind, value, blobs, sizes)
+
+    def _append_viewed(self, kind: int, value: int, blobs: Sequence[Any]) -> bool:
+        views = [_view(b) for b in blobs]
         try:
-            return self._place(kind, value, views, sizes)
+            return self._place(kind, value, views, [len(v) for v in views])
         finally:  # a view left exported would stop the engine from growing its token array
             for v in views:
                 if type(v) is memoryview:
@@ -238,10 +229,11 @@ class Ring:
             for v, n in zip(views, sizes):
                 if not n:
                     continue
-                if type(v) is np.ndarray:  # int64, maybe strided: gathered in place
-                    self.i64[pos >> 3 : (pos >> 3) + len(v)] = v
-                else:
+                t = type(v)
+                if t is bytes or t is memoryview:
                     buf[pos : pos + n] = v
+                else:  # int64 (an array may be strided: gathered in place)
+                    self.i64[pos >> 3 : (pos >> 3) + (n >> 3)] = v
                 pos += (n + 7) & ~7
         self._write = write = write + length
         self._store(_WRITE, write)

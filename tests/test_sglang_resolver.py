@@ -11,14 +11,13 @@ import pytest
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.page_keys import page_keys
-from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, Rec, ResolverSpec, text
+from kvtrace.instrumentation.sglang.capture import CALLS, META, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.resolver import Replayer
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind
 from kvtrace.schema.kinds import Reason, Tier
 
 PAGE = 16
-NONE = text(None)
 
 
 def _replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
@@ -31,17 +30,19 @@ def _replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
 
 def _lookup(rid: str, tokens: np.ndarray) -> tuple[int, int, list]:
     flags = 1 | 4 | 8  # a request, nothing recorded inside the call, an object not seen before
-    return Rec.LOOKUP, flags, [_INTS.pack(0, 0, 0, 0), tokens.tobytes(), b"", text(rid), NONE, NONE, b""]
+    return Rec.LOOKUP, flags, [META.encode((0, 0, 0, rid, None, None, None)), tokens.tobytes()]
 
 
 def _checkpointed_insert(rid: str, known: int, slots: np.ndarray, folded: bool) -> list[tuple[int, int, list]]:
     """A checkpoint of `rid` whose insert names `known` of its tokens, as the capture writes it:
     `folded`, the insert's records open and close the checkpoint too (its usual form);
     otherwise with the checkpoint's own records (when something else inside comes first)."""
-    blobs = [_INTS.pack(known, known, 0, 0), b"", slots.tobytes(), b"", NONE, NONE]
+    def insert(opens: str | None) -> list:
+        return [META.encode((known, known, None, None, opens)), b"", slots.tobytes()]
+
     if folded:
-        return [(Rec.INSERT, 1 | 4 | 8, [*blobs, text(rid)]), (Rec.INSERTED, 0 << 2 | 2, [])]
-    return [(Rec.CHECKPOINT, 0, [text(rid)]), (Rec.INSERT, 1 | 4, blobs), (Rec.INSERTED, 0, []),
+        return [(Rec.INSERT, 1 | 4 | 8, insert(rid)), (Rec.INSERTED, 0 << 2 | 2, [])]
+    return [(Rec.CHECKPOINT, 0, [META.encode(rid)]), (Rec.INSERT, 1 | 4, insert(None)), (Rec.INSERTED, 0, []),
             (Rec.END, CALLS.index("checkpoint"), [])]
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -45,25 +44,33 @@ log = logging.getLogger("kvtrace.sglang")
 
 
 class Rec(IntEnum):
-    """Record kinds on the ring."""
+    """Record kinds on the ring. A record's small fields (lengths, ids, namespaces) travel as
+    one msgpack array, its first blob ("meta"); token ids and slots follow as raw int64 blobs.
+    A record costs more for its number of blobs than for its bytes (each is a step of Python on
+    the scheduler thread), so the small fields share one."""
 
     BEGIN = 1  # a wrapped call with nothing to read starts; value: its CALLS index
     END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
     ABORT = 3  # it raised
-    LOOKUP = 4  # match_prefix returned: hit lengths, the request and its tokens, the pool's
-    # counters when a usage sample is due (value: flags;
+    LOOKUP = 4  # match_prefix returned. Meta: device, host and full hit lengths, request id,
+    # extra key, cache salt, the pool's counters when a usage sample is due (else nil); then
+    # the request's prompt tokens, and its output tokens if it has any. Value: flags;
     # 1: a request, 2: a repeated ask (no tokens), 4: nothing was recorded inside the call, so
-    # its opening never was either, 8: a request object not seen before)
-    INSERT = 5  # an insert starts (this opens the call): its key's tokens (flag 4: inside a
-    # checkpoint, the first of them are the request's as its last lookup sent them, and only
-    # the rest are carried), slots, Mamba state; flag 8: it also opens the checkpoint around it
-    # (as CHECKPOINT would, its request id in a last blob; flag 16 as CHECKPOINT's 8)
+    # its opening never was either, 8: a request object not seen before
+    INSERT = 5  # an insert starts (this opens the call). Meta: key length, known (below), extra
+    # key, cache salt, request id (flag 8) or nil; then the key's tokens (flag 4: inside a
+    # checkpoint, the first `known` of them are the request's as its last lookup sent them, and
+    # only the rest are carried), the page starts, and the Mamba slots (flag 2). Flag 1: it has
+    # a key (else no blobs); flag 8: it also opens the checkpoint around it, as CHECKPOINT would
+    # (flag 16 as CHECKPOINT's 8)
     INSERTED = 6  # it returned; value: prefix_len << 2, | 1 if the Mamba state existed,
     # | 2 if the checkpoint around it returned right after (its END, folded in)
-    CHECKPOINT = 7  # a checkpoint whose first record inside is not its insert starts; blob: the
-    # request id; value 8 as LOOKUP's
-    ACTION = 8  # a cache action is about to free slots; value: ledger step
-    ADMIT = 9  # what an admitted request reused
+    CHECKPOINT = 7  # a checkpoint whose first record inside is not its insert starts; meta:
+    # the request id; value 8 as LOOKUP's
+    ACTION = 8  # a cache action is about to free slots; value: ledger step; meta: the action's
+    # name and component; then the page starts it frees
+    ADMIT = 9  # what an admitted request reused; meta: prompt tokens, device, host and storage
+    # tokens reused, request id, tenant
     FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
     STOP = 12
     LOST = 13  # value: records dropped since the last one that got through
@@ -71,8 +78,8 @@ class Rec(IntEnum):
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset")
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
-_INTS = struct.Struct("<qqqq")
 _NO_TOKENS = b""
+META = msgspec.msgpack.Encoder()
 REQUESTS_KEPT = 8192  # request stand-ins the resolver keeps (the capture mirrors which, and their tokens)
 
 
@@ -80,14 +87,8 @@ def _words(blob: Any) -> np.ndarray:
     return blob if type(blob) is np.ndarray else np.frombuffer(blob, dtype=np.int64)
 
 
-def text(value: str | None) -> bytes:
-    """A string that may be None, as bytes (a leading 0 byte is None)."""
-    return b"\x00" if value is None else b"\x01" + str(value).encode("utf-8")
-
-
-def untext(raw: Any) -> str | None:
-    data = bytes(raw)
-    return None if data[:1] == b"\x00" else data[1:].decode("utf-8")
+def _text(value: Any) -> str | None:
+    return value if value is None or type(value) is str else str(value)
 
 
 def tokens_blob(tokens: Any) -> Any:
@@ -181,7 +182,7 @@ class CaptureShim:
         self._check_due_ns = 0
         self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
         self._usage_due_ns = 0
-        self._frees: dict[tuple[str, Any], tuple[int, bytes, bytes]] = {}  # (action, component) -> step, texts
+        self._frees: dict[tuple[str, Any], tuple[int, bytes]] = {}  # (action, component) -> step, meta
 
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
@@ -222,7 +223,7 @@ class CaptureShim:
             if not frame[1]:
                 frame[1] = True
                 if frame[0] == self._checkpoint_call:
-                    self._open_checkpoint(None)
+                    self._open_checkpoint(False)
                 else:
                     self._put(Rec.BEGIN, frame[0])
 
@@ -345,7 +346,7 @@ class CaptureShim:
         rid = str(getattr(req, "rid", "")) if req is not None else ""
         repeat = bool(rid) and self._asked.get(rid) == (device, host)
         if repeat:  # the scheduler asks again each round: the resolver needs no tokens for that
-            ids, out, counters = _NO_TOKENS, _NO_TOKENS, _NO_TOKENS
+            ids, out, counters = _NO_TOKENS, _NO_TOKENS, None
         else:
             if req is not None and getattr(req, "origin_input_ids", None) is not None:
                 ids, out = tokens_blob(req.origin_input_ids), tokens_blob(getattr(req, "output_ids", None))
@@ -354,10 +355,10 @@ class CaptureShim:
             counters = self._usage_due(rid)
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
         flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
-        if not self._put(Rec.LOOKUP, flags, (_INTS.pack(device, host, full, 0), ids, out, text(rid),
-                                             text(getattr(key, "extra_key", None)),
-                                             text(getattr(key, "cache_salt", None)), counters)):
-            if counters:
+        meta = META.encode((device, host, full, rid, _text(getattr(key, "extra_key", None)),
+                            _text(getattr(key, "cache_salt", None)), counters))
+        if not self._put(Rec.LOOKUP, flags, (meta, ids, out) if len(out) else (meta, ids)):
+            if counters is not None:
                 self._usage_due_ns = 0  # the sample did not get through: the next lookup takes it
         else:
             if req is not None:
@@ -371,19 +372,19 @@ class CaptureShim:
                 _mark(req)
         self._check_resolver()
 
-    def _usage_due(self, rid: str) -> bytes:
+    def _usage_due(self, rid: str) -> tuple[int, int, int] | None:
         """The pool's counters as this lookup left them, once an interval has passed since the
         last ones sent and if the shim reports this request's lookup (it samples usage after a
         lookup it reports; a lookup without a request is named differently in each process, so
         it counts as reported): the resolver's shim samples usage at that lookup, where the
         in-process shim's clock would have it sample."""
         if not self._usage_ns:
-            return _NO_TOKENS
+            return None
         now = time.monotonic_ns()
         if now < self._usage_due_ns or (rid and not key_sampled(request_key(rid), self.sample_rate)):
-            return _NO_TOKENS
+            return None
         self._usage_due_ns = now + self._usage_ns
-        return _INTS.pack(*usage_counters(self.cache), 0)
+        return usage_counters(self.cache)
 
     def _stand_in(self, rid: str, fresh: bool, tokens: int | None) -> None:
         """Mirror the resolver's `_request` for a record it will read: a new (empty) stand-in for
@@ -406,17 +407,14 @@ class CaptureShim:
         inside costs no record."""
         self._checkpointing = (str(getattr(req, "rid", "")), req, 0)
 
-    def _open_checkpoint(self, insert: list[Any] | None) -> int:
-        """Open the checkpoint under way on the ring: with a CHECKPOINT record, or (`insert`:
-        the INSERT's blobs) inside its insert's record. Returns the flags the INSERT takes, and
-        sets how many of the request's tokens the resolver then holds."""
+    def _open_checkpoint(self, by_insert: bool) -> int:
+        """Open the checkpoint under way on the ring: with a CHECKPOINT record, or (`by_insert`)
+        inside its insert's record. Returns the flags the INSERT takes, and sets how many of the
+        request's tokens the resolver then holds."""
         rid, req, _ = self._checkpointing
         fresh = not getattr(req, "_kvtrace_seen", False)
-        if insert is None:
-            if not self._put(Rec.CHECKPOINT, 8 if fresh else 0, (text(rid),)):
-                return 0
-        else:
-            insert.append(text(rid))
+        if not by_insert and not self._put(Rec.CHECKPOINT, 8 if fresh else 0, (META.encode(rid),)):
+            return 0
         self._stand_in(rid, fresh, None)  # the resolver's `_request`, when it opens the checkpoint
         self._checkpointing = (rid, req, self._sent[rid])
         if fresh:
@@ -448,25 +446,25 @@ class CaptureShim:
         mamba = getattr(params, "mamba_value", None)
         mamba_slots = page_starts(mamba, 1) if mamba is not None else None
         tokens = tokens_blob(key.token_ids)
-        blobs = [None, tokens, slots, mamba_slots if mamba_slots is not None else _NO_TOKENS,
-                 text(getattr(key, "extra_key", None)), text(getattr(key, "cache_salt", None))]
         flags = 1 | (2 if mamba_slots is not None else 0)
-        known = 0
+        known, rid = 0, None
         calls = self._calls  # this insert's own frame is not on it yet
         if calls and calls[-1][0] == self._checkpoint_call:
             if not calls[-1][1]:  # the checkpoint is opened here, by this record
                 calls[-1][1] = True
                 self._unopened -= 1
-                flags |= self._open_checkpoint(blobs)
+                flags |= self._open_checkpoint(True)
+                rid = self._checkpointing[0]
             # SGLang's checkpoint inserts the request's own tokens (its prompt, then output), which
             # its lookup sent: only what came after them travels. The in-process shim trusts the
             # same thing (it names these pages with the request's own chain).
             known = min(len(tokens), self._checkpointing[2])
             if known:
-                blobs[1] = _words(tokens)[known:]
+                tokens = _words(tokens)[known:]
                 flags |= 4
-        blobs[0] = _INTS.pack(len(key), known, 0, 0)
-        self._put(Rec.INSERT, flags, blobs)
+        meta = META.encode((len(key), known, _text(getattr(key, "extra_key", None)),
+                            _text(getattr(key, "cache_salt", None)), rid))
+        self._put(Rec.INSERT, flags, (meta, tokens, slots) if mamba_slots is None else (meta, tokens, slots, mamba_slots))
 
     def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
         inserted = int(result.prefix_len) << 2 | int(bool(getattr(result, "mamba_exist", False)))
@@ -480,17 +478,17 @@ class CaptureShim:
         known = self._frees.get((name, component))
         if known is None:
             group = self.group_names.index(component_name(component)) if component is not None else 0
-            known = self._frees[(name, component)] = (self._step(group), text(name), text(self.group_names[group]))
-        step, name_text, group_text = known
+            known = self._frees[(name, component)] = (self._step(group), META.encode((name, self.group_names[group])))
+        step, meta = known
         values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
-        self._put(Rec.ACTION, step, (name_text, group_text, page_starts(values, step)))
+        self._put(Rec.ACTION, step, (meta, page_starts(values, step)))
 
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:
         try:
             self._asked.pop(str(request_id), None)  # as the shim forgets it: its next lookup is reported
-            self._put(Rec.ADMIT, 0, (_INTS.pack(int(prompt_tokens), int(device), int(host), int(storage)),
-                                     text(str(request_id)), text(tenant)))
+            self._put(Rec.ADMIT, 0, (META.encode((int(prompt_tokens), int(device), int(host), int(storage),
+                                                  str(request_id), _text(tenant))),))
         except Exception:  # noqa: BLE001
             self._failed("record_admission")
 

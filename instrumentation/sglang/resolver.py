@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.capture import _INTS, CALLS, REQUESTS_KEPT, Rec, ResolverSpec, untext
+from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
@@ -46,6 +46,7 @@ class _Key:
 
 
 _NEVER = 1 << 62  # a usage-sample due time that never comes
+_META = msgspec.msgpack.Decoder()  # a record's first blob: its small fields
 
 
 def _slots(raw: Any, step: int) -> LedgerSlots:
@@ -132,14 +133,14 @@ class Replayer:
         elif kind == Rec.LOOKUP:
             if value & 4:  # nothing happened inside the call: its opening was not recorded
                 self._open("match_prefix")
-            device, host, full, _ = _INTS.unpack(blobs[0])
-            rid, extra, salt = untext(blobs[3]), untext(blobs[4]), untext(blobs[5])
+            device, host, full, rid, extra, salt, counters = _META.decode(blobs[0])
             has_req, repeat = bool(value & 1), bool(value & 2)
             req = None
             if has_req:
                 req = self._request(rid or "", fresh=bool(value & 8))
                 if not repeat:
-                    req.origin_input_ids, req.output_ids = _tokens(blobs[1]), _tokens(blobs[2])
+                    req.origin_input_ids = _tokens(blobs[1])
+                    req.output_ids = _tokens(blobs[2]) if len(blobs) > 2 else array("q")
                 elif shim._looked_up.get(rid or "") != (device, host):
                     # A repeat the shim would report (it forgot the request), without tokens to
                     # report it with: ended without a lookup, and counted.
@@ -150,22 +151,22 @@ class Replayer:
             else:
                 tokens = _tokens(blobs[1])
                 key = _Key(tokens, extra, salt, len(tokens))
-            if len(blobs[6]):  # the capture's clock says a usage sample is due: at this lookup
-                self.cache.counters = _INTS.unpack(blobs[6])[:3]
+            if counters is not None:  # the capture's clock says a usage sample is due: at this lookup
+                self.cache.counters = tuple(counters)
                 shim._usage_due_ns = 0
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
             self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
             if shim._usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
                 shim._usage_due_ns = _NEVER
         elif kind == Rec.CHECKPOINT:
-            self._open_checkpoint(untext(blobs[0]), bool(value & 8))
+            self._open_checkpoint(_META.decode(blobs[0]), bool(value & 8))
         elif kind == Rec.INSERT:
-            if value & 8:  # the checkpoint around it opens here
-                self._open_checkpoint(untext(blobs[6]), bool(value & 16))
-            if not value:
+            if not value & 1:
                 params = SimpleNamespace(key=None, value=None, mamba_value=None)
             else:
-                (length, known, _, _) = _INTS.unpack(blobs[0])
+                length, known, extra, salt, rid = _META.decode(blobs[0])
+                if value & 8:  # the checkpoint around it opens here
+                    self._open_checkpoint(rid, bool(value & 16))
                 tokens = _tokens(blobs[1])
                 if value & 4:  # they begin with the checkpointed request's tokens, as last sent
                     try:
@@ -176,7 +177,7 @@ class Replayer:
                                     "reporting the device tier invalidated")
                         self._drop_ledger()
                         return
-                key = _Key(tokens, untext(blobs[4]), untext(blobs[5]), length)
+                key = _Key(tokens, extra, salt, length)
                 slots = _slots(blobs[2], 1 if self.page == 1 else self.page)
                 mamba = _slots(blobs[3], 1) if value & 2 else None
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
@@ -186,14 +187,13 @@ class Replayer:
             if value & 2:  # and the checkpoint around it returned
                 self._end("checkpoint")
         elif kind == Rec.ACTION:
-            name, component = untext(blobs[0]) or "", untext(blobs[1])
-            slots = _slots(blobs[2], value)
+            name, component = _META.decode(blobs[0])
+            slots = _slots(blobs[1], value)
             action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
             shim.before_action(name, action)
         elif kind == Rec.ADMIT:
-            prompt, device, host, storage = _INTS.unpack(blobs[0])
-            shim.record_admission(untext(blobs[1]) or "", prompt, device=device, host=host, storage=storage,
-                                  tenant=untext(blobs[2]))
+            prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
+            shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)
         elif kind == Rec.LOST:
             self.start_afresh()
 
