@@ -46,10 +46,11 @@ costs with the caches as SGLang's own work leaves them (two to four times its co
 tight loop).
 
 `--capture-floor` measures the least the out-of-process mode (`kvtrace-process`) could cost the
-request path: only the copies of what the shim reads (the request's tokens, the slots of each
-insert and free, and an insert's tokens where it names no request, as on the cache route) into
-a prefaulted shared-memory ring, without the mode's records, bookkeeping or resolver. It wraps the same cache methods, writes and overwrites the ring (nothing reads it),
-and reports that against `off` with the same alternation of order as the main table.
+request path: the same wrapped methods copying what the capture copies (the request's tokens,
+the page starts of each insert and free, and an insert's tokens where it names no request, as on
+the cache route) into kvtrace's own ring, one record each, without the capture's other records,
+its bookkeeping or a resolver (the read position just follows the write one). It reports that
+against `off` with the same alternation of order as the main table.
 
 `--profile` instead replays the requests once through a shim-equipped cache under cProfile and
 lists the functions in kvtrace's own code (the SGLang shim, its key chains, the emitter, the
@@ -63,22 +64,20 @@ import cProfile
 import os
 import pstats
 import statistics
-import struct
 import sys
-import threading
 import time
 from array import array
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from counting_sink import CountingSink  # beside this script
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.ring import Ring
+from kvtrace.instrumentation.sglang.ledger import page_starts
 from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
@@ -252,47 +251,22 @@ def breakdown(prompts: list[tuple[str, array]], config: DriverConfig) -> None:
         print(f"{secs / n * 1e6:>10.1f}  {label}")
 
 
-class _FloorRing:
-    """A byte ring in shared memory, touched once up front so no write takes a page fault;
-    records overwrite each other (the floor measures the copies, not a consumer)."""
-
-    HEADER = struct.Struct("<BxxxIq")
-
-    def __init__(self, size: int = 64 << 20) -> None:
-        self.memory = shared_memory.SharedMemory(create=True, size=size)
-        self.bytes = np.ndarray((size,), dtype=np.uint8, buffer=self.memory.buf)
-        self.bytes[:] = 1
-        self.size, self.at = size, 0
-        self.fence = threading.Lock()  # acquire/release: the store barrier a reader would need
-
-    def put(self, kind: int, value: int, words: np.ndarray | None = None) -> None:
-        data = words.view(np.uint8) if words is not None else None
-        n = self.HEADER.size + (len(data) if data is not None else 0)
-        at = self.at if self.at + n <= self.size else 0
-        self.HEADER.pack_into(self.memory.buf, at, kind, n, value)
-        if data is not None:
-            self.bytes[at + self.HEADER.size : at + n] = data
-        self.at = at + n
-        with self.fence:
-            pass
-
-    def close(self) -> None:
-        del self.bytes
-        self.memory.close()
-        self.memory.unlink()
-
-
-def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
-    """Wrap the methods the shim wraps; copy what it would read and nothing more."""
-    from kvtrace.instrumentation.sglang.ledger import as_slots
-
+def _capture_only(cache: Any, ring: Ring, page: int) -> None:
+    """Wrap the methods the capture wraps; copy into `ring` what it copies and nothing more:
+    the request's tokens at its lookup, the page starts of each insert and free, and an
+    insert's tokens where it names no request (on the cache route). Nothing reads the ring: the
+    read position follows the write one, as a consumer that kept up would move it."""
     match, insert, action, checkpoint = cache.match_prefix, cache.insert, cache._apply_cache_action, cache.checkpoint
     inside = [False]  # in a request's checkpoint: its insert's tokens are the request's, sent at its lookup
+
+    def put(kind: int, value: int, blobs: tuple[Any, ...]) -> None:
+        ring.offer(kind, value, blobs)
+        ring.release(ring.position)
 
     def match_prefix(params: Any) -> Any:
         result = match(params)
         tokens = params.req.origin_input_ids if params.req is not None else params.key.token_ids
-        ring.put(1, int(result.device_prefix_len), np.frombuffer(tokens, dtype=np.int64))
+        put(1, int(result.device_prefix_len), (tokens,))
         return result
 
     def checkpoint_(*args: Any, **kwargs: Any) -> Any:
@@ -304,15 +278,14 @@ def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
 
     def insert_(params: Any) -> Any:
         result = insert(params)
-        if not inside[0]:  # an insert that names no request carries its tokens
-            ring.put(2, 0, np.frombuffer(params.key.token_ids, dtype=np.int64))
-        ring.put(3, int(result.prefix_len), as_slots(params.value, page))
+        slots = page_starts(params.value, page)
+        put(3, int(result.prefix_len), (slots,) if inside[0] else (params.key.token_ids, slots))
         return result
 
     def apply(cache_action: Any) -> Any:
         indices = getattr(cache_action, "indices", None)
         if indices is not None:
-            ring.put(4, 0, as_slots(indices, page))
+            put(4, 0, (page_starts(indices, page),))
         return action(cache_action)
 
     cache.match_prefix, cache.insert, cache._apply_cache_action = match_prefix, insert_, apply
@@ -320,7 +293,7 @@ def _capture_only(cache: Any, ring: _FloorRing, page: int) -> None:
 
 
 def capture_floor(prompts: list[tuple[str, array]], config: DriverConfig, rounds: int) -> None:
-    ring = _FloorRing()
+    ring = Ring.create(64 << 20)
     drivers = {"off": Driver(*build_cache(config), config)}
     cache, allocator, req_pool = build_cache(config)
     _capture_only(cache, ring, int(cache.page_size))

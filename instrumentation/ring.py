@@ -247,6 +247,11 @@ class Ring:
     def consumer_counter(self, i: int) -> int:
         return self._load(CONSUMER_COUNTERS + 8 * i)
 
+    @property
+    def position(self) -> int:
+        """The producer's write position: bytes written since the start, padding included."""
+        return self._write
+
     def backlog(self) -> int:
         """Bytes written and not yet read."""
         return self._write - self._load(_READ)
