@@ -191,27 +191,34 @@ class CaptureShim:
         more than at its start). The ring reports earlier drops ahead of it. After a drop the
         resolver starts afresh, so every request's next ask carries its tokens again.
 
-        Records cost more for their number than their size (a small one ~10 us with the caches
+        Records cost more for their number than their size (a small one ~5-10 us with the caches
         as SGLang's work leaves them), so an insert's INSERTED waits for the next record: the
         END of the checkpoint around it folds into it."""
-        if self._held >= 0:
-            inserted, self._held = self._held, -1
-            if kind is Rec.END and value == self._checkpoint_call:
-                kind, value = Rec.INSERTED, inserted | 2
-            else:
-                self._put(Rec.INSERTED, inserted)
-        if self._unopened:
-            self._open_calls()
+        if self._held >= 0 and kind is Rec.END and value == self._checkpoint_call:
+            kind, value, self._held = Rec.INSERTED, self._held | 2, -1
+        self._settle()
         if self.ring.offer(kind, value, blobs):
             return True
         self._forget()
         return False
 
+    def _settle(self) -> None:
+        """Write what must precede a new record: a held INSERTED (its insert returned before any
+        call now open and unrecorded began, so it goes first, straight to the ring), then the
+        openings of those calls."""
+        if self._held >= 0:
+            held, self._held = self._held, -1
+            if not self.ring.offer(Rec.INSERTED, held):
+                self._forget()
+        if self._unopened:
+            self._open_calls()
+
     def _forget(self) -> None:
         """After a loss the resolver starts afresh: nothing sent before it is named again."""
         self._asked.clear()
         self._sent.clear()
-        self._checkpointing = ("", None, 0)
+        rid, req, _ = self._checkpointing  # a checkpoint under way stays; what its request holds there does not
+        self._checkpointing = (rid, req, 0)
         self._held = -1
 
     def _open_calls(self) -> None:
@@ -340,6 +347,7 @@ class CaptureShim:
 
     # -- what each call records ------------------------------------------------------------------
     def _lookup(self, result: Any, opened: bool, params: Any, *args: Any, **kwargs: Any) -> None:
+        self._settle()  # an opening written now may mark the request seen: before `fresh` is read
         req, key = getattr(params, "req", None), params.key
         device, host = int(result.device_prefix_len), int(result.host_hit_length)
         full = int(getattr(result, "full_kv_hit_length", 0) or 0)

@@ -187,6 +187,49 @@ def test_a_new_request_object_under_a_known_id_is_named_by_its_own_tokens(spool:
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
+@pytest.mark.parametrize("inside", ["an eviction after the insert", "the request's lookup before it"])
+def test_calls_inside_a_checkpoint_keep_the_modes_in_step(inside: str, spool: Path) -> None:
+    """The capture opens a checkpoint lazily, with the first record inside it, and holds an
+    insert's INSERTED back to fold the checkpoint's END into it. SGLang 0.5.23 makes no other
+    wrapped call inside a checkpoint; one that did must still be recorded in the engine's
+    order: an eviction after the insert behind the held INSERTED (else the resolver's calls
+    never close again and no commit follows; this case fails without that), a lookup of the
+    request ahead of the insert inside the checkpoint that lookup's record opens."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    config = DriverConfig(kv_tokens=1 << 15, route=Route.SCHEDULER)
+    cache, allocator, pool = build_cache(config)
+    into_tree = cache.checkpoint_into_tree
+
+    def checkpoint_into_tree(req: object, *args: object, **kwargs: object) -> None:
+        if inside.startswith("the request's lookup"):
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), req=req))  # type: ignore[attr-defined]
+        into_tree(req, *args, **kwargs)
+        if inside.startswith("an eviction"):
+            cache.evict(EvictParams(num_tokens=64))
+
+    cache.checkpoint_into_tree = checkpoint_into_tree
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
+    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
+    try:
+        driver = Driver(cache, allocator, pool, config, Both(inline, process))
+        for rid, tokens in prompts(30):
+            driver.serve(rid, tokens)
+        assert process.flush(60)
+        stats = process.stats()
+    finally:
+        process.close()
+    assert emitter.shutdown() and inline.errors == 0
+    assert stats.dropped == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours = [e.kind for e in sink.events]
+    assert ours.count(EventKind.COMMIT) >= 25 and EventKind.EVICT in ours
+    assert EventKind.INVALIDATE not in ours
+    assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
+
+
 def test_caches_it_does_not_cover_are_refused_by_name() -> None:
     cache, _, _ = build_cache(DriverConfig(mix=Mix.SWA, kv_tokens=1 << 15))
     assert "sliding-window" in (unsupported(cache) or "")
