@@ -50,7 +50,7 @@ request path: the same wrapped methods copying what the capture copies (the requ
 the page starts of each insert and free, and an insert's tokens where it names no request, as on
 the cache route) into kvtrace's own ring, one record each, without the capture's other records,
 its bookkeeping or a resolver (the read position just follows the write one). It reports that
-against `off` with the same alternation of order as the main table.
+against `off` with the same alternation of order as the main table. Full attention only.
 
 `--profile` instead replays the requests once through a shim-equipped cache under cProfile and
 lists the functions in kvtrace's own code (the SGLang shim, its key chains, the emitter, the
@@ -356,6 +356,8 @@ def main() -> None:
         breakdown(prompts, config)
         return
     if args.capture_floor:
+        if mix is not Mix.FULL:  # it reads every free as a token pool's pages
+            raise SystemExit("--capture-floor measures full attention only (--mix full)")
         capture_floor(prompts, config, args.rounds)
         return
 
