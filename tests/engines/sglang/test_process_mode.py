@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -21,7 +23,7 @@ import pytest
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
-from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
+from kvtrace.instrumentation.sglang.capture import CaptureStats, ProcessShim, unsupported
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
@@ -74,6 +76,26 @@ class Both:
             shim.record_admission(*args, **kwargs)  # type: ignore[attr-defined]
 
 
+def both_modes(config: DriverConfig, built: tuple[Any, Any, Any], replay: Callable[[Driver], None],
+               rate: float = 1.0) -> tuple[MemorySink, CaptureStats]:
+    """Replay through one cache observed by both shims; the in-process shim's events and the
+    capture's counters. Usage is sampled once (the first lookup), so both modes sample at the
+    same call."""
+    cache, allocator, pool = built
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    inline = RadixCacheShim(cache, emitter, IDENTITY, sample_rate=rate, usage_interval_s=3600).install()
+    process = ProcessShim(cache, IDENTITY, sample_rate=rate, usage_interval_s=3600).start()
+    try:
+        replay(Driver(cache, allocator, pool, config, Both(inline, process)))
+        assert process.flush(60)
+        stats = process.stats()
+    finally:
+        process.close()
+    assert emitter.shutdown() and inline.errors == 0
+    return sink, stats
+
+
 @pytest.mark.parametrize(("mix", "route", "rate"), [(Mix.FULL, Route.CACHE, 1.0), (Mix.MAMBA, Route.CACHE, 1.0),
                                                    (Mix.FULL, Route.SCHEDULER, 1.0), (Mix.FULL, Route.SCHEDULER, 0.5)])
 def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route, rate: float, spool: Path) -> None:
@@ -81,14 +103,9 @@ def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route
     checkpoint and names the tokens its lookup sent instead of carrying them again. Sampled,
     usage is taken after the first lookup either mode reports."""
     config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15, route=route)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
-    # Usage sampled once (the first lookup), so both modes sample at the same call.
-    inline = RadixCacheShim(cache, emitter, IDENTITY, sample_rate=rate, usage_interval_s=3600).install()
-    process = ProcessShim(cache, IDENTITY, sample_rate=rate, usage_interval_s=3600).start()
-    try:
-        driver = Driver(cache, allocator, pool, config, Both(inline, process))
+    cache, allocator, pool = built = build_cache(config)
+
+    def replay(driver: Driver) -> None:
         for rid, tokens in prompts(60):
             driver.serve(rid, tokens)
         cache.reset()  # as SGLang's flush_cache: it frees nothing through actions, and must reach the resolver
@@ -96,11 +113,8 @@ def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route
         allocator.clear()
         for rid, tokens in prompts(64)[60:]:
             driver.serve(rid, tokens)
-        assert process.flush(60)
-        stats = process.stats()
-    finally:
-        process.close()
-    assert emitter.shutdown() and inline.errors == 0
+
+    sink, stats = both_modes(config, built, replay, rate)
     assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.skipped == 0
     assert stats.resolved == stats.records
     theirs = spooled(spool)
@@ -199,7 +213,7 @@ def test_calls_inside_a_checkpoint_keep_the_modes_in_step(inside: str, spool: Pa
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     config = DriverConfig(kv_tokens=1 << 15, route=Route.SCHEDULER)
-    cache, allocator, pool = build_cache(config)
+    cache, allocator, pool = built = build_cache(config)
     into_tree = cache.checkpoint_into_tree
 
     def checkpoint_into_tree(req: object, *args: object, **kwargs: object) -> None:
@@ -210,19 +224,12 @@ def test_calls_inside_a_checkpoint_keep_the_modes_in_step(inside: str, spool: Pa
             cache.evict(EvictParams(num_tokens=64))
 
     cache.checkpoint_into_tree = checkpoint_into_tree
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
-    inline = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
-    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
-    try:
-        driver = Driver(cache, allocator, pool, config, Both(inline, process))
+
+    def replay(driver: Driver) -> None:
         for rid, tokens in prompts(30):
             driver.serve(rid, tokens)
-        assert process.flush(60)
-        stats = process.stats()
-    finally:
-        process.close()
-    assert emitter.shutdown() and inline.errors == 0
+
+    sink, stats = both_modes(config, built, replay)
     assert stats.dropped == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
     ours = [e.kind for e in sink.events]
     assert ours.count(EventKind.COMMIT) >= 25 and EventKind.EVICT in ours
