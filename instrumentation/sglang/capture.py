@@ -248,7 +248,7 @@ class CaptureShim:
     def install(self) -> CaptureShim:
         c = self.cache
         self._wrap(c, "match_prefix", None, self._lookup)
-        self._wrap(c, "checkpoint", self._checkpoint, None, optional=True, opens=False)
+        self._wrap(c, "checkpoint", self._checkpoint, self._checkpointed, optional=True, opens=False)
         self._wrap(c, "insert", self._insert, self._inserted)
         for name in ("evict", "evict_for_alloc", "evict_host"):
             self._wrap(c, name, None, None, optional=name != "evict")
@@ -414,6 +414,11 @@ class CaptureShim:
         something else inside comes first, by a CHECKPOINT ahead of it), and one with nothing
         inside costs no record."""
         self._checkpointing = (str(getattr(req, "rid", "")), req, 0)
+
+    def _checkpointed(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
+        self._checkpointing = ("", None, 0)  # the request object is not kept past its checkpoint
+        if opened:
+            self._put(Rec.END, self._checkpoint_call)
 
     def _open_checkpoint(self, by_insert: bool) -> int:
         """Open the checkpoint under way on the ring: with a CHECKPOINT record, or (`by_insert`)
