@@ -163,15 +163,22 @@ class Ring:
         """A record without blobs (16 bytes, one head), the hot path's most common kind: one
         pack and the position. At a 16-aligned offset such a record always fits before the end."""
         write = self._write
-        if 16 > self.size - (write - self._read_seen):
-            self._read_seen = self._load(_READ)
-            if 16 > self.size - (write - self._read_seen):
-                self.dropped += 1
-                return False
+        if not self._room(write, 16):
+            return False
         _HEAD.pack_into(self.buf, HEADER_BYTES + write % self.size, 16, kind, 0, value)
         self._write = write = write + 16
         self._store(_WRITE, write)
         self.written += 1
+        return True
+
+    def _room(self, write: int, need: int) -> bool:
+        """Whether `need` bytes fit ahead of the reader (its position is read only when the last
+        one seen leaves too little); counted as a drop when not."""
+        if need > self.size - (write - self._read_seen):
+            self._read_seen = self._load(_READ)
+            if need > self.size - (write - self._read_seen):
+                self.dropped += 1
+                return False
         return True
 
     def note_loss(self) -> None:
@@ -204,19 +211,16 @@ class Ring:
 
     def _place(self, kind: int, value: int, views: Sequence[Any], sizes: Sequence[int]) -> bool:
         count = len(views)
-        head = (_HEAD.size + 4 * count + 7) & ~7
+        head = _align(_HEAD.size + 4 * count)
         length = head + 15
         for n in sizes:
-            length += (n + 7) & ~7  # each blob padded to 8
+            length += _align(n)
         length &= ~15  # a tail left is >= one head
         size, write = self.size, self._write
         at = write % size
         pad = size - at if at + length > size else 0
-        if length + pad > size - (write - self._read_seen):
-            self._read_seen = self._load(_READ)
-            if length + pad > size - (write - self._read_seen):
-                self.dropped += 1
-                return False
+        if not self._room(write, length + pad):
+            return False
         buf = self.buf
         if pad:
             _HEAD.pack_into(buf, HEADER_BYTES + at, pad, PAD, 0, 0)
@@ -234,7 +238,7 @@ class Ring:
                     buf[pos : pos + n] = v
                 else:  # int64 (an array may be strided: gathered in place)
                     self.i64[pos >> 3 : (pos >> 3) + (n >> 3)] = v
-                pos += (n + 7) & ~7
+                pos += _align(n)
         self._write = write = write + length
         self._store(_WRITE, write)
         self.written += 1
