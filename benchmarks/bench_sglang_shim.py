@@ -77,9 +77,9 @@ from counting_sink import CountingSink  # beside this script
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.ledger import page_starts
 from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
+from kvtrace.instrumentation.sglang.ledger import page_starts
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
 from kvtrace.instrumentation.traces import read_trace
 
