@@ -74,3 +74,67 @@ def test_an_insert_naming_tokens_it_does_not_hold_drops_the_ledger_not_the_reque
     assert not [e for e in sink.events if e.kind is EventKind.COMMIT]
     (reset,) = [e for e in sink.events if e.kind is EventKind.INVALIDATE]
     assert reset.tier is Tier.DEVICE and reset.reason is Reason.EXPLICIT
+
+
+def _window_replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    spec = ResolverSpec(ring="unused", page_size=PAGE, components=("FULL", "SWA"), page_bytes=(1, 0),
+                        identity=Identity(instance="r"), usage_interval_s=0)
+    return Replayer(spec, emitter), emitter, sink
+
+
+def _window_record(kind: Rec, name: str, full: np.ndarray, window: np.ndarray, component: str = "SWA") -> tuple:
+    """A window action as the capture writes it: the full-attention page starts it names and the
+    window slots the allocator's table maps them to when the shim would read it."""
+    meta = META.encode(name) if kind is Rec.ACTED else META.encode((name, component))
+    return kind, PAGE, [meta, full.tobytes(), window.tobytes()]
+
+
+def _keys(events: list, kind: EventKind, group: int) -> list[int]:
+    return [k for e in events if e.kind is kind and e.group_id == group for k in (e.block_key, *e.more_keys)]
+
+
+def test_window_pages_are_named_in_the_window_numbering_the_records_carry() -> None:
+    """A window's state lives in its own pool, numbered by the allocator's full-to-window table;
+    the resolver has no allocator, only the table's entries each record carried. A recovery
+    moves a window to other window slots: a free of the old ones then names nothing, and a
+    free of the new ones names the recovered pages."""
+    replayer, emitter, sink = _window_replayer()
+    tokens = np.arange(7000, 7000 + 4 * PAGE, dtype=np.int64)
+    full = np.arange(4, dtype=np.int64) * PAGE + 64
+    first, moved = full + 1024, full + 4096  # window slots, before and after the recovery
+    insert_meta = META.encode((len(tokens), 0, None, None, None))
+    records = [
+        (Rec.INSERT, 1, [insert_meta, tokens.tobytes(), full.tobytes()]),
+        _window_record(Rec.ACTED, "SWARebuild", full, first),  # the insert builds the window
+        (Rec.INSERTED, 0, []),
+        _window_record(Rec.ACTION, "FreeComponentDeviceSlot", full, first),  # the window evicted
+        _window_record(Rec.ACTED, "RecoverSWAWithLockedFull", full, moved),  # and recovered elsewhere
+        _window_record(Rec.ACTION, "FreeComponentDeviceSlot", full, first),  # its old slots: nothing held
+    ]
+    for kind, value, blobs in records:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown()
+    names = page_keys(tokens, PAGE).tolist()
+    assert _keys(sink.events, EventKind.COMMIT, 0) == names
+    assert _keys(sink.events, EventKind.COMMIT, 1) == names * 2  # built, then recovered
+    assert _keys(sink.events, EventKind.EVICT, 1) == names  # only the first free found them
+    assert replayer.errors == 0 and replayer.shim.errors == 0
+
+
+def test_a_free_that_read_no_window_table_keeps_the_full_numbering() -> None:
+    """Without a table (a record with no window slots) the shim names the window by the
+    full-attention slots, as it does in-process; a table left from an earlier record is not read."""
+    replayer, emitter, sink = _window_replayer()
+    tokens = np.arange(9000, 9000 + 2 * PAGE, dtype=np.int64)
+    full = np.arange(2, dtype=np.int64) * PAGE
+    replayer.handle(*_window_record(Rec.ACTION, "FreeComponentDeviceSlot", full + 512, full + 2048))  # a table seen
+    replayer.handle(Rec.INSERT, 1, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), full.tobytes()])
+    replayer.handle(Rec.ACTED, PAGE, [META.encode("SWARebuild"), full.tobytes()])  # then none
+    replayer.handle(Rec.INSERTED, 0, [])
+    replayer.handle(Rec.ACTION, PAGE, [META.encode(("FreeComponentDeviceSlot", "SWA")), full.tobytes()])
+    assert emitter.shutdown()
+    names = page_keys(tokens, PAGE).tolist()
+    assert _keys(sink.events, EventKind.COMMIT, 1) == names and _keys(sink.events, EventKind.EVICT, 1) == names
+    assert replayer.cache.token_to_kv_pool_allocator.full_to_swa_index_mapping is None

@@ -5,16 +5,16 @@ page keys, keeps the slot ledger and builds the events. On a cache-only replay t
 a request, as much as the cache's own work. In this mode the scheduler thread only copies what
 the shim would read (a lookup's tokens and hit lengths, an insert's slots, the slots a free
 drops, and an insert's tokens unless it is inside a request's checkpoint, whose tokens that
-request's lookup sent) into a shared-memory ring (`kvtrace.instrumentation.ring`). A resolver process
-(`resolver`) replays those facts through an unchanged `RadixCacheShim`, so both modes emit the
-same events, and its emitter sends them to the configured sink.
+request's lookup sent, and the window slots the allocator maps full-attention pages to, where
+the shim would read that live table) into a shared-memory ring (`kvtrace.instrumentation.ring`).
+A resolver process (`resolver`) replays those facts through an unchanged `RadixCacheShim`, so
+both modes emit the same events, and its emitter sends them to the configured sink.
 
 The scheduler thread never waits: a full ring drops the record and counts it, and the
 resolver, told of the loss, starts its ledger afresh and reports the device tier invalidated
-(an honest "unknown" instead of evictions it can no longer name). Covered: full attention and
-Mamba components on the unified tree. A sliding window's slots are translated through a live
-allocator table, and HiCache's tiers through its controller: those stay in-process
-(`unsupported` says why).
+(an honest "unknown" instead of evictions it can no longer name). Covered: full attention,
+sliding-window and Mamba components, in any mix, on the unified tree. HiCache's tiers are read
+through its controller: they stay in-process (`unsupported` says why).
 """
 
 from __future__ import annotations
@@ -68,9 +68,14 @@ class Rec(IntEnum):
     CHECKPOINT = 7  # a checkpoint whose first record inside is not its insert starts; meta:
     # the request id; value 8 as LOOKUP's
     ACTION = 8  # a cache action is about to free slots; value: ledger step; meta: the action's
-    # name and component; then the page starts it frees
+    # name and component; then the page starts it frees, and, where the shim translates them
+    # (a cache with a window: a KV free, or the window's own), the window slots the allocator
+    # maps those pages to, read before the free
     ADMIT = 9  # what an admitted request reused; meta: prompt tokens, device, host and storage
     # tokens reused, request id, tenant
+    ACTED = 10  # a window action ran (WINDOW_ACTIONS); value: ledger step; meta: its name; then
+    # the page starts of the full-attention slots it names (a rebuild's source value, a
+    # recovery's kept full value) and the window slots the allocator maps them to now
     FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
     STOP = 12
     LOST = 13  # value: records dropped since the last one that got through
@@ -78,6 +83,8 @@ class Rec(IntEnum):
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset")
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
+WINDOW_ACTIONS = {"SWARebuild": "source_value", "RecoverSWAWithLockedFull": "kept_full",
+                  "RecoverEvictedSWA": "kept_full"}  # the shim's `after_action`: the field each names slots in
 _NO_TOKENS = b""
 META = msgspec.msgpack.Encoder()
 REQUESTS_KEPT = 8192  # request stand-ins the resolver keeps (the capture mirrors which, and their tokens)
@@ -115,9 +122,6 @@ def _mark(req: Any) -> None:
 
 def unsupported(cache: Any) -> str | None:
     """Why this cache cannot be traced out of process, or None."""
-    names = [component_name(ct) for ct in component_types(cache)]
-    if "SWA" in names:
-        return "a sliding-window component (its slots are translated through the live allocator)"
     if getattr(cache, "cache_controller", None) is not None:
         return "HiCache's host and storage tiers (read through its controller)"
     if getattr(cache, "_apply_cache_action", None) is None:
@@ -163,6 +167,7 @@ class CaptureShim:
         names = [component_name(ct) for ct in component_types(cache)]
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
+        self._swa = names.index("SWA") if "SWA" in names and len(names) > 1 else None  # the shim's rule
         self._saved: list[tuple[Any, str, Any]] = []
         self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
         self._unopened = 0
@@ -264,7 +269,13 @@ class CaptureShim:
                     capture._action(name, action)
                 except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
                     capture._failed(name)
-            return original(action)
+            result = original(action)
+            if name in WINDOW_ACTIONS and capture._swa is not None:
+                try:
+                    capture._acted(name, action)
+                except Exception:  # noqa: BLE001
+                    capture._failed(name)
+            return result
 
         self._saved.append((c, "_apply_cache_action", original))
         c._apply_cache_action = _apply_cache_action
@@ -491,10 +502,41 @@ class CaptureShim:
         known = self._frees.get((name, component))
         if known is None:
             group = self.group_names.index(component_name(component)) if component is not None else 0
-            known = self._frees[(name, component)] = (self._step(group), META.encode((name, self.group_names[group])))
-        step, meta = known
+            # The shim translates a KV free's pages, and the window's own, into window slots.
+            window = self._swa is not None and (name == "FreeDeviceKV" or
+                                                 (name == "FreeComponentDeviceSlot" and group == self._swa))
+            known = self._frees[(name, component)] = (self._step(group), META.encode((name, self.group_names[group])),
+                                                      window)
+        step, meta, window = known
         values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
-        self._put(Rec.ACTION, step, (meta, page_starts(values, step)))
+        starts = page_starts(values, step)
+        mapped = self._window_of(starts) if window else None
+        self._put(Rec.ACTION, step, (meta, starts) if mapped is None else (meta, starts, mapped))
+
+    def _acted(self, name: str, action: Any) -> None:
+        """A window action that ran: the full-attention pages it names and their window slots
+        as the allocator maps them now, which is when the shim reads them."""
+        step = self._step(-1)
+        starts = page_starts(getattr(action, WINDOW_ACTIONS[name]), step)
+        mapped = self._window_of(starts)
+        meta = META.encode(name)
+        self._put(Rec.ACTED, step, (meta, starts) if mapped is None else (meta, starts, mapped))
+
+    def _window_of(self, starts: np.ndarray) -> np.ndarray | None:
+        """The window slots the allocator's live table maps full-attention page starts to (what
+        the shim's `_swa_slots` reads), or None where there is no table (the shim then keeps the
+        full numbering). Negative starts (pads) map to nothing the resolver reads."""
+        allocator = getattr(self.cache, "token_to_kv_pool_allocator", None)
+        mapping = getattr(allocator, "full_to_swa_index_mapping", None)
+        if mapping is None:
+            return None
+        if not len(starts):
+            return starts
+        if mapping.is_cpu:
+            return mapping.numpy()[starts].astype(np.int64, copy=False)
+        import torch
+
+        return mapping[torch.from_numpy(starts).to(mapping.device)].cpu().numpy().astype(np.int64, copy=False)
 
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:

@@ -62,14 +62,53 @@ def _tokens(raw: Any) -> array:
 
 
 
+class _WindowTable:
+    """The allocator's full-to-window slot table as the shim reads it (`_swa_slots`: a CPU
+    tensor's numpy view), holding what records carried: every entry the shim reads is written
+    by the record it replays, just before."""
+
+    is_cpu = True
+
+    def __init__(self) -> None:
+        self.table = np.zeros(0, dtype=np.int64)
+
+    def numpy(self) -> np.ndarray:
+        return self.table
+
+    def write(self, starts: np.ndarray, mapped: np.ndarray) -> None:
+        keep = starts >= 0  # pads name no slot
+        starts, mapped = starts[keep], mapped[keep]
+        if not len(starts):
+            return
+        top = int(starts.max())
+        if top >= len(self.table):
+            grown = np.zeros(max(top + 1, 2 * len(self.table)), dtype=np.int64)
+            grown[: len(self.table)] = self.table
+            self.table = grown
+        self.table[starts] = mapped
+
+
 class _Cache:
-    """The cache as the shim sees it here: its page size and components, and the device pool's
-    counters as the last lookup recorded them (for the shim's usage samples)."""
+    """The cache as the shim sees it here: its page size and components, the device pool's
+    counters as the last lookup recorded them (for the shim's usage samples), and the window
+    slot table as the last record that read it found it."""
 
     def __init__(self, page_size: int, components: list[str]) -> None:
         self.page_size, self.tree_components = page_size, components
         self.counters: tuple[int, int, int] = (0, 0, 0)  # tokens locked, evictable, free
-        self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: self.counters[2])
+        self.window = _WindowTable()
+        self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: self.counters[2],
+                                                          full_to_swa_index_mapping=None)
+
+    def map_window(self, blobs: list[Any]) -> None:
+        """Set the window table from a record's page starts and window slots (its second and
+        third blobs); a record without them saw no table, and the shim then reads none."""
+        allocator = self.token_to_kv_pool_allocator
+        if len(blobs) < 3:
+            allocator.full_to_swa_index_mapping = None
+            return
+        self.window.write(np.frombuffer(blobs[1], dtype=np.int64), np.frombuffer(blobs[2], dtype=np.int64))
+        allocator.full_to_swa_index_mapping = self.window
 
     def full_protected_size(self) -> int:
         return self.counters[0]
@@ -189,8 +228,14 @@ class Replayer:
         elif kind == Rec.ACTION:
             name, component = _META.decode(blobs[0])
             slots = _slots(blobs[1], value)
+            self.cache.map_window(blobs)
             action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
             shim.before_action(name, action)
+        elif kind == Rec.ACTED:
+            name = _META.decode(blobs[0])
+            slots = _slots(blobs[1], value)
+            self.cache.map_window(blobs)
+            shim.after_action(name, SimpleNamespace(source_value=slots, kept_full=slots))
         elif kind == Rec.ADMIT:
             prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
             shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)

@@ -24,7 +24,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import CaptureStats, ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
+from kvtrace.instrumentation.sglang.driver import COMPONENTS, ComponentType, Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
@@ -97,12 +97,16 @@ def both_modes(config: DriverConfig, built: tuple[Any, Any, Any], replay: Callab
 
 
 @pytest.mark.parametrize(("mix", "route", "rate"), [(Mix.FULL, Route.CACHE, 1.0), (Mix.MAMBA, Route.CACHE, 1.0),
+                                                   (Mix.SWA, Route.CACHE, 1.0), (Mix.SWA_MAMBA, Route.CACHE, 1.0),
                                                    (Mix.FULL, Route.SCHEDULER, 1.0), (Mix.FULL, Route.SCHEDULER, 0.5)])
 def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route, rate: float, spool: Path) -> None:
     """Call for call. On the scheduler route the prompt's insert happens inside the request's
     checkpoint and names the tokens its lookup sent instead of carrying them again. Sampled,
-    usage is taken after the first lookup either mode reports."""
-    config = DriverConfig(mix=mix, page_size=1 if mix is Mix.MAMBA else 16, kv_tokens=1 << 15, route=route)
+    usage is taken after the first lookup either mode reports. With a sliding window, its
+    pages are named in the window pool's numbering, which the allocator's live table gives:
+    the capture sends what the shim reads of it."""
+    paged = mix in (Mix.MAMBA, Mix.SWA_MAMBA)  # SGLang's Mamba mixes need 1-token pages
+    config = DriverConfig(mix=mix, page_size=1 if paged else 16, kv_tokens=1 << 15, route=route)
     cache, allocator, pool = built = build_cache(config)
 
     def replay(driver: Driver) -> None:
@@ -122,6 +126,9 @@ def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route
     assert {EventKind.LOOKUP, EventKind.COMMIT, EventKind.EVICT, EventKind.ADOPT, EventKind.USAGE,
             EventKind.INVALIDATE} <= kinds  # evictions happened, usage was sampled, the reset came through
     assert [comparable(e) for e in theirs] == [comparable(e) for e in sink.events]
+    if mix in (Mix.SWA, Mix.SWA_MAMBA):  # the window's own pages were named, committed and evicted
+        window = COMPONENTS[mix].index(ComponentType.SWA)
+        assert {EventKind.COMMIT, EventKind.EVICT} <= {e.kind for e in theirs if e.group_id == window}
 
 
 def test_a_stopped_resolver_never_stalls_the_cache_and_the_loss_is_reported(spool: Path) -> None:
@@ -237,10 +244,49 @@ def test_calls_inside_a_checkpoint_keep_the_modes_in_step(inside: str, spool: Pa
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
+def test_a_window_rebuilt_over_its_tombstone_is_named_alike_in_both_modes(spool: Path) -> None:
+    """A prompt's window evicted while its full-attention KV stays (a tombstone), then the prompt
+    inserted again: SGLang frees the old full-attention slots and rebuilds the window from the
+    new ones, inside the insert. The shim names the rebuilt window through the allocator's
+    table as the rebuild left it, and keeps the full-attention pages resident under their new
+    slots; the resolver must do the same from what the capture sent."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    config = DriverConfig(mix=Mix.SWA, kv_tokens=1 << 15)
+    cache, allocator, pool = built = build_cache(config)
+    actions: list[str] = []
+    apply = cache._apply_cache_action
+
+    def seen(action: Any) -> Any:
+        actions.append(type(action).__name__)
+        return apply(action)
+
+    cache._apply_cache_action = seen  # under both shims: what SGLang did, in order
+    prompt = list(range(1000, 3048))
+
+    def replay(driver: Driver) -> None:
+        driver.serve("first", prompt)
+        cache.evict(EvictParams(swa_num_tokens=4096))  # the window only: a tombstone
+        actions.clear()
+        assert driver.serve("again", prompt).full_kv_hit > 0  # the KV was still there
+        driver.serve("longer", prompt + [7] * 64)
+
+    sink, stats = both_modes(config, built, replay)
+    assert actions[:2] == ["FreeDeviceKVFullOnly", "SWARebuild"]  # the case this test is about
+    assert stats.dropped == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    window = COMPONENTS[Mix.SWA].index(ComponentType.SWA)
+    evicted = {k for e in sink.events if e.kind is EventKind.EVICT and e.group_id == window
+               for k in (e.block_key, *e.more_keys)}
+    recommitted = {k for e in sink.events if e.kind is EventKind.COMMIT and e.group_id == window
+                   and e.block_key in evicted for k in (e.block_key, *e.more_keys)}
+    assert recommitted  # the rebuilt window's pages are committed again under their names
+    assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
+
+
 def test_caches_it_does_not_cover_are_refused_by_name() -> None:
-    cache, _, _ = build_cache(DriverConfig(mix=Mix.SWA, kv_tokens=1 << 15))
-    assert "sliding-window" in (unsupported(cache) or "")
-    with pytest.raises(ValueError, match="sliding-window"):
+    cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15, tree="pure_swa"))
+    assert "PureSWARadixCache" in (unsupported(cache) or "")
+    with pytest.raises(ValueError, match="PureSWARadixCache"):
         ProcessShim(cache, IDENTITY)
 
 
