@@ -22,7 +22,7 @@ methods directly, as the other mixes always do:
   kvtrace-process  the out-of-process mode (`sglang/capture.py`): the scheduler thread copies what
                    the shim reads into a shared-memory ring, and a resolver process runs the
                    same shim there; a round ends when the resolver has handled and exported all
-                   of it. Full attention and Mamba mixes only (the mode does not cover SWA)
+                   of it
   kv-events        SGLang's own KV-event path instead: enable_kv_cache_events=True and the
                    queue drained after every request with take_events(), as the scheduler does
                    when a publisher exists

@@ -88,7 +88,7 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
 def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
     """`KVTRACE_SGLANG_MODE=process`: the plugin starts a resolver for a cache the mode covers
     (admissions reach the sink from there) and keeps the in-process shim, saying why, for one
-    it does not (a sliding window)."""
+    it does not (an older single-component tree)."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import Req
@@ -123,12 +123,12 @@ def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_pat
     (adopt,) = [e for e in events if e.kind is EventKind.ADOPT]
     assert adopt.request_id == "q1" and adopt.model == "tiny-llama" and adopt.recomputed_tokens == 24
 
-    swa, _, _ = build_cache(DriverConfig(mix=Mix.SWA, page_size=4, kv_tokens=1024))
+    older, _, _ = build_cache(DriverConfig(page_size=4, kv_tokens=1024, tree="pure_swa"))
     with caplog.at_level("WARNING", logger="kvtrace.sglang"):
-        shim = plugin.attach(swa, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
+        shim = plugin.attach(older, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
     try:
         assert isinstance(shim, RadixCacheShim)
-        assert "sliding-window" in caplog.text
+        assert "PureSWARadixCache" in caplog.text
     finally:
         shim.uninstall()
         from kvtrace.instrumentation.api import get_emitter
