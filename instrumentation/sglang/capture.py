@@ -168,6 +168,7 @@ class CaptureShim:
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
         self._swa = names.index("SWA") if "SWA" in names and len(names) > 1 else None  # the shim's rule
+        self._windowed = "SWA" in names  # window actions are recorded (the shim reads each one it sees)
         self._saved: list[tuple[Any, str, Any]] = []
         self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
         self._unopened = 0
@@ -187,7 +188,7 @@ class CaptureShim:
         self._check_due_ns = 0
         self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
         self._usage_due_ns = 0
-        self._frees: dict[tuple[str, Any], tuple[int, bytes]] = {}  # (action, component) -> step, meta
+        self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
 
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
@@ -270,7 +271,7 @@ class CaptureShim:
                 except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
                     capture._failed(name)
             result = original(action)
-            if name in WINDOW_ACTIONS and capture._swa is not None:
+            if name in WINDOW_ACTIONS and capture._windowed:
                 try:
                     capture._acted(name, action)
                 except Exception:  # noqa: BLE001

@@ -244,16 +244,22 @@ def test_calls_inside_a_checkpoint_keep_the_modes_in_step(inside: str, spool: Pa
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
-def test_a_window_rebuilt_over_its_tombstone_is_named_alike_in_both_modes(spool: Path) -> None:
+@pytest.mark.parametrize("locked", [False, True], ids=["rebuilt", "recovered-under-a-lock"])
+def test_a_window_restored_over_its_tombstone_is_named_alike_in_both_modes(locked: bool, spool: Path) -> None:
     """A prompt's window evicted while its full-attention KV stays (a tombstone), then the prompt
-    inserted again: SGLang frees the old full-attention slots and rebuilds the window from the
-    new ones, inside the insert. The shim names the rebuilt window through the allocator's
-    table as the rebuild left it, and keeps the full-attention pages resident under their new
-    slots; the resolver must do the same from what the capture sent."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    inserted again. Unlocked, SGLang frees the old full-attention slots and rebuilds the window
+    from the new ones; under a running request's lock, it keeps the locked slots and moves the
+    incoming window's table entries onto them (`RecoverSWAWithLockedFull`). The shim reads the
+    table after the action: the capture must send what it holds then, not before. The window
+    pool starts 37 pages in, so its numbering is not the full pool's."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     config = DriverConfig(mix=Mix.SWA, kv_tokens=1 << 15)
     cache, allocator, pool = built = build_cache(config)
+    allocator.swa_attn_allocator.alloc(37 * 16)  # held for good: the two numberings differ
     actions: list[str] = []
     apply = cache._apply_cache_action
 
@@ -266,20 +272,29 @@ def test_a_window_rebuilt_over_its_tombstone_is_named_alike_in_both_modes(spool:
 
     def replay(driver: Driver) -> None:
         driver.serve("first", prompt)
+        if locked:  # a running request holds the prompt's pages
+            req = driver._req("running", array("q", prompt))
+            node = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req)).last_device_node
+            lock = cache.inc_lock_ref(node)
         cache.evict(EvictParams(swa_num_tokens=4096))  # the window only: a tombstone
         actions.clear()
         assert driver.serve("again", prompt).full_kv_hit > 0  # the KV was still there
         driver.serve("longer", prompt + [7] * 64)
+        if locked:
+            cache.dec_lock_ref(node, lock.to_dec_params())
+        cache.evict(EvictParams(num_tokens=1 << 15, swa_num_tokens=1 << 15))  # every window freed by its name
+        for rid, tokens in prompts(20):
+            driver.serve(rid, tokens)
 
     sink, stats = both_modes(config, built, replay)
-    assert actions[:2] == ["FreeDeviceKVFullOnly", "SWARebuild"]  # the case this test is about
-    assert stats.dropped == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    assert ("RecoverSWAWithLockedFull" if locked else "SWARebuild") in actions  # the case this test is about
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
     window = COMPONENTS[Mix.SWA].index(ComponentType.SWA)
     evicted = {k for e in sink.events if e.kind is EventKind.EVICT and e.group_id == window
                for k in (e.block_key, *e.more_keys)}
-    recommitted = {k for e in sink.events if e.kind is EventKind.COMMIT and e.group_id == window
-                   and e.block_key in evicted for k in (e.block_key, *e.more_keys)}
-    assert recommitted  # the rebuilt window's pages are committed again under their names
+    restored = [e for e in sink.events if e.kind is EventKind.COMMIT and e.group_id == window
+                and e.block_key in evicted]
+    assert restored  # the window's pages are committed again under their names
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
