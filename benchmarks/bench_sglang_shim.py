@@ -3,7 +3,7 @@
 Runs in the SGLang venv (`bash scripts/engine-venv.sh sglang` builds it):
 
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py [--requests 1000] [--rounds 4] \
-        [--mix full] [--route scheduler|cache] [--core rust] [--kv-tokens 131072]
+        [--mix full] [--route scheduler|cache] [--core rust] [--kv-tokens 131072] [--sink count|encode]
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py --profile [--requests 500]
 
 Five variants replay the same requests of the Mooncake conversation trace (tokens synthesized
@@ -16,7 +16,9 @@ methods directly, as the other mixes always do:
   off              SGLang's cache alone (its KV events off)
   kvtrace          the same with RadixCacheShim installed (and told each admission, as the
                    scheduler would), emitting through BatchEmitter into a sink that counts and
-                   drops (the export path is measured by bench_export.py)
+                   drops (the export path is measured by bench_export.py); with `--sink encode`
+                   it first encodes each batch as msgpack rows, as the spool and HTTP sinks do,
+                   so the exporter thread's share of the engine process is in the time
   kvtrace-sampled  the shim with sample_rate=0.1 (lookups and adopts of 1 request in 10;
                    commits and evictions are always reported)
   kvtrace-process  the out-of-process mode (`sglang/capture.py`): the scheduler thread copies what
@@ -72,13 +74,13 @@ from typing import Any
 
 import torch
 
-from counting_sink import CountingSink  # beside this script
+from counting_sink import CountingSink, EncodingSink  # beside this script
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache, enable_hicache
 from kvtrace.instrumentation.sglang.ledger import page_starts
 from kvtrace.instrumentation.sglang.shim import Identity, RadixCacheShim
 from kvtrace.instrumentation.traces import read_trace
@@ -86,18 +88,31 @@ from kvtrace.instrumentation.traces import read_trace
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 SHIMMED = {"kvtrace": 1.0, "kvtrace-sampled": 0.1}
+HOST_RATIO = [16.0]  # HiCache's host pool, in device pools (--host-ratio)
 
 
-def _emitter() -> BatchEmitter:
-    return BatchEmitter(CountingSink(), BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+SINKS = {"count": CountingSink, "encode": EncodingSink}
+
+
+def _emitter(sink: str = "count") -> BatchEmitter:
+    return BatchEmitter(SINKS[sink](), BatchConfig(max_queue_size=1 << 20), register_atexit=False)
 
 
 def _shimmed(config: DriverConfig, emitter: BatchEmitter,
-             sample_rate: float) -> tuple[Driver, RadixCacheShim]:
+             sample_rate: float, hicache: bool = False) -> tuple[Driver, RadixCacheShim]:
     cache, allocator, req_pool = build_cache(config)
     identity = Identity(instance="bench", model="m")
     shim = RadixCacheShim(cache, emitter, identity, sample_rate=sample_rate).install()
+    if hicache:  # added after the shim, as SGLang does: the shim follows `init_hicache`
+        enable_hicache(cache, host_ratio=HOST_RATIO[0])
     return Driver(cache, allocator, req_pool, config, shim=shim), shim
+
+
+def _plain(config: DriverConfig, hicache: bool = False, **kwargs: Any) -> Driver:
+    cache, allocator, req_pool = build_cache(config, **kwargs)
+    if hicache:
+        enable_hicache(cache, host_ratio=HOST_RATIO[0])
+    return Driver(cache, allocator, req_pool, config)
 
 
 # Closures the shim puts in place of SGLang's methods: they call the originals, so only their own
@@ -105,15 +120,17 @@ def _shimmed(config: DriverConfig, emitter: BatchEmitter,
 WRAPPERS = {"wrapper", "_apply_cache_action", "free_host_values"}
 
 
-def _warm(prompts: list[tuple[str, array]], config: DriverConfig, n: int) -> None:
+def _warm(prompts: list[tuple[str, array]], config: DriverConfig, n: int, hicache: bool = False) -> None:
     """Serve the first requests on throwaway caches of each kind, untimed: one-off costs (SGLang
     loading its native hasher on the first hash, first calls into torch and the tree core) land
     here instead of on whichever variant runs first."""
     emitter = _emitter()
-    events_on = Driver(*build_cache(config, enable_kv_cache_events=True), config)
-    for driver in (_shimmed(config, emitter, 1.0)[0], events_on):
+    events_on = _plain(config, hicache, enable_kv_cache_events=True)
+    for driver in (_shimmed(config, emitter, 1.0, hicache)[0], events_on):
         for rid, tokens in prompts[:n]:
             driver.serve(f"warm-{rid}", tokens)
+            if hicache:
+                driver.cache.check_hicache_events()
         driver.cache.take_events()
     emitter.shutdown()
 
@@ -332,6 +349,16 @@ def main() -> None:
                     help="time the shim's hooks in place (us per request) instead of the variants")
     ap.add_argument("--capture-floor", action="store_true",
                     help="measure the copy-only floor of an out-of-process design (see the docstring)")
+    ap.add_argument("--sink", choices=list(SINKS), default="count",
+                    help="what the emitters export into: count and drop, or also encode each batch as "
+                         "msgpack rows, as the spool and HTTP sinks do (the exporter's share of the time)")
+    ap.add_argument("--hicache", action="store_true",
+                    help="give every variant's cache HiCache's host tier (write-through, CPU stand-ins "
+                         "for the accelerator copies), polled after every request as the scheduler does; "
+                         "cache route, no out-of-process variant")
+    ap.add_argument("--host-ratio", type=float, default=HOST_RATIO[0],
+                    help="HiCache's host pool in device pools (at 2, SGLang's default, this trace's reuse "
+                         "distance is longer than the host tier and nothing comes back from it)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=20,
                     help="requests served untimed on throwaway caches first")
@@ -339,16 +366,17 @@ def main() -> None:
                     help="torch intra-op threads (default 1; see the module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
+    HOST_RATIO[0] = args.host_ratio
 
     mix = Mix(args.mix)
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else args.page_size  # SGLang's Mamba mixes need page 1
-    route = Route(args.route) if mix is Mix.FULL else Route.CACHE
+    route = Route(args.route) if mix is Mix.FULL and not args.hicache else Route.CACHE  # the driver takes HiCache by the cache route
     config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.kv_tokens, tree_core=args.core, route=route)
     trace = list(read_trace(args.trace, limit=args.requests))
     # Token ids as SGLang's scheduler receives them (array("q"), built in its tokenizer process):
     # the conversion from a list is not the cache's work, and would be ~1/3 of `off`.
     prompts = [(r.request_id, array("q", tokens_of(r))) for r in trace]
-    _warm(prompts, config, args.warmup)
+    _warm(prompts, config, args.warmup, args.hicache)
     if args.profile:
         profile(prompts, config, args.top)
         return
@@ -361,16 +389,16 @@ def main() -> None:
         capture_floor(prompts, config, args.rounds)
         return
 
-    emitters = {name: _emitter() for name in SHIMMED}
+    emitters = {name: _emitter(args.sink) for name in SHIMMED}
     shims: dict[str, RadixCacheShim] = {}
-    drivers: dict[str, Driver] = {"off": Driver(*build_cache(config), config)}
+    drivers: dict[str, Driver] = {"off": _plain(config, args.hicache)}
     for name, rate in SHIMMED.items():
-        drivers[name], shims[name] = _shimmed(config, emitters[name], rate)
-    drivers["kv-events"] = Driver(*build_cache(config, enable_kv_cache_events=True), config)
+        drivers[name], shims[name] = _shimmed(config, emitters[name], rate, args.hicache)
+    drivers["kv-events"] = _plain(config, args.hicache, enable_kv_cache_events=True)
     process = None
     cache, allocator, req_pool = build_cache(config)
-    if unsupported(cache) is None:
-        process = ProcessShim(cache, Identity(instance="bench", model="m"), sink="counting_sink:CountingSink")
+    if unsupported(cache) is None and not args.hicache:  # the mode does not cover HiCache's tiers
+        process = ProcessShim(cache, Identity(instance="bench", model="m"), sink=f"counting_sink:{SINKS[args.sink].__name__}")
         process.start().flush(120)  # the resolver is up and has imported what it needs
         drivers["kvtrace-process"] = Driver(cache, allocator, req_pool, config, shim=process)
     names = list(drivers)
@@ -387,8 +415,11 @@ def main() -> None:
             drain = driver.cache.take_events if name == "kv-events" else None
             hit = 0
             started = time.perf_counter()
+            poll = driver.cache.check_hicache_events if args.hicache else None
             for rid, tokens in chunk:
                 hit += driver.serve(rid, tokens).reused
+                if poll is not None:  # the scheduler's per-step poll: backups acknowledged
+                    poll()
                 if drain is not None:
                     kv_events += len(drain())
             if name in emitters:  # the exporter thread's share counts too
@@ -413,7 +444,7 @@ def main() -> None:
         raise SystemExit(f"the variants disagree on hits: {hits}")
 
     print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {route} route, {args.core} core, page {page}, "
-          f"{args.kv_tokens:,} KV slots, {args.rounds} rounds; "
+          f"{args.kv_tokens:,} KV slots, {args.rounds} rounds, sink {args.sink}; "
           f"SGLang reused {hits['off']:,} tokens in every variant")
     print(f"{'variant':<16} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")
     for name in names:
