@@ -355,7 +355,7 @@ def main() -> None:
     ap.add_argument("--hicache", action="store_true",
                     help="give every variant's cache HiCache's host tier (write-through, CPU stand-ins "
                          "for the accelerator copies), polled after every request as the scheduler does; "
-                         "cache route, no out-of-process variant")
+                         "cache route")
     ap.add_argument("--host-ratio", type=float, default=HOST_RATIO[0],
                     help="HiCache's host pool in device pools (at 2, SGLang's default, this trace's reuse "
                          "distance is longer than the host tier and nothing comes back from it)")
@@ -397,7 +397,9 @@ def main() -> None:
     drivers["kv-events"] = _plain(config, args.hicache, enable_kv_cache_events=True)
     process = None
     cache, allocator, req_pool = build_cache(config)
-    if unsupported(cache) is None and not args.hicache:  # the mode does not cover HiCache's tiers
+    if args.hicache:
+        enable_hicache(cache, host_ratio=HOST_RATIO[0])
+    if unsupported(cache) is None:
         process = ProcessShim(cache, Identity(instance="bench", model="m"), sink=f"counting_sink:{SINKS[args.sink].__name__}")
         process.start().flush(120)  # the resolver is up and has imported what it needs
         drivers["kvtrace-process"] = Driver(cache, allocator, req_pool, config, shim=process)

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -79,9 +80,19 @@ class Rec(IntEnum):
     FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
     STOP = 12
     LOST = 13  # value: records dropped since the last one that got through
+    # HiCache's host tier (`hicache.HiCacheHooks` reads the same calls in-process). Times are the
+    # scheduler thread's monotonic clock, in ns, taken where the in-process hooks take theirs.
+    BACKUP = 14  # `cache_controller.write` returned host slots; meta: node id, time, the extra
+    # pools' component names; then the device and host page starts, and each extra pool's
+    BACKED = 15  # a backup acknowledged (`_finish_write_through_ack`); meta: ack id, time
+    RESTORE = 16  # `cache_controller.load` returned device slots; meta: node id, time, the extra
+    # pools' component names; then the host and device page starts, and each extra pool's
+    RESTORED = 17  # `loading_check` returned; value: 4 if its opening was not recorded; meta: the
+    # (int) load ids in progress before it and after it, how many there are after it, time
 
 
-CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset")
+CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
+         "loading_check", "check_hicache_events", "init_load_back")
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
 WINDOW_ACTIONS = {"SWARebuild": "source_value", "RecoverSWAWithLockedFull": "kept_full",
                   "RecoverEvictedSWA": "kept_full"}  # the shim's `after_action`: the field each names slots in
@@ -122,8 +133,8 @@ def _mark(req: Any) -> None:
 
 def unsupported(cache: Any) -> str | None:
     """Why this cache cannot be traced out of process, or None."""
-    if getattr(cache, "cache_controller", None) is not None:
-        return "HiCache's host and storage tiers (read through its controller)"
+    if getattr(getattr(cache, "cache_controller", None), "enable_storage", False):
+        return "HiCache's storage tier (its writes, acknowledgements and prefetches are read in-process)"
     if getattr(cache, "_apply_cache_action", None) is None:
         return f"{type(cache).__name__} (an older tree: frees are read from tree nodes)"
     return None
@@ -189,6 +200,7 @@ class CaptureShim:
         self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
         self._usage_due_ns = 0
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
+        self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
 
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
@@ -280,17 +292,66 @@ class CaptureShim:
 
         self._saved.append((c, "_apply_cache_action", original))
         c._apply_cache_action = _apply_cache_action
-        init = getattr(c, "init_hicache", None)
-        if init is not None:  # tiers added later are not covered: say so rather than miss them quietly
-
-            def init_hicache(*args: Any, **kwargs: Any) -> Any:
-                log.warning("kvtrace: HiCache's tiers were added to a cache traced out of process; "
-                            "their moves are not traced (use the in-process shim for HiCache)")
-                return init(*args, **kwargs)
-
-            self._saved.append((c, "init_hicache", init))
-            c.init_hicache = init_hicache
+        for component_type, component in (getattr(c, "components", None) or {}).items():
+            self._wrap_host_free(component, component_type)
+        if getattr(c, "cache_controller", None) is not None:
+            self._install_hicache()
+        elif hasattr(c, "init_hicache"):  # tiers added later: followed once they exist
+            self._wrap_after(c, "init_hicache", lambda *args, **kwargs: self._install_hicache())
         return self
+
+    def _install_hicache(self) -> None:
+        """HiCache's host tier: its copies and their acknowledgements, as `HiCacheHooks` reads
+        them in-process. A storage tier added with it is not traced from here: said once."""
+        c = self.cache
+        cc = c.cache_controller
+        if getattr(cc, "enable_storage", False):
+            log.warning("kvtrace: HiCache's storage tier is not traced out of process (its moves are "
+                        "missing from the events); trace this cache in-process")
+        self._wrap_after(cc, "write", self._backup)
+        self._wrap_after(c, "_finish_write_through_ack", self._backed)
+        self._wrap_after(cc, "load", self._restore)
+        self._wrap(c, "loading_check", self._loading, self._restored, optional=True, opens=False)
+        self._wrap(c, "check_hicache_events", None, None, optional=True)
+        self._wrap(c, "init_load_back", None, None, optional=True)
+
+    def _wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> None:
+        """Record after a call that returned (`after` reads its result and arguments); no call
+        frame of its own on the ring."""
+        original = getattr(obj, name, None)
+        if original is None:
+            return
+        capture = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                after(result, *args, **kwargs)
+            except Exception:  # noqa: BLE001
+                capture._failed(name)
+            return result
+
+        self._saved.append((obj, name, original))
+        setattr(obj, name, wrapper)
+
+    def _wrap_host_free(self, component: Any, component_type: Any) -> None:
+        """A component freeing host slots (`free_host_values`): recorded as the host free it is,
+        which the shim reads the same way (`_wrap_host_free` there)."""
+        original = getattr(component, "free_host_values", None)
+        if original is None or component_name(component_type) not in self.group_names:
+            return
+        capture = self
+
+        def free_host_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                capture._action("FreeComponentHostSlot", SimpleNamespace(component_type=component_type,
+                                                                        host_indices=values))
+            except Exception:  # noqa: BLE001
+                capture._failed("free_host_values")
+            return original(values, *args, **kwargs)
+
+        self._saved.append((component, "free_host_values", original))
+        component.free_host_values = free_host_values
 
     def uninstall(self) -> None:
         for obj, name, original in reversed(self._saved):
@@ -538,6 +599,50 @@ class CaptureShim:
         import torch
 
         return mapping[torch.from_numpy(starts).to(mapping.device)].cpu().numpy().astype(np.int64, copy=False)
+
+    # -- HiCache's host tier --------------------------------------------------------------------
+    def _pools(self, extra_pools: Any, first: str, second: str) -> tuple[list[str], list[Any]]:
+        """The component transfers that travel with a copy (a window's or Mamba's state), as
+        `HiCacheHooks._extra` takes them: their names, and their slots' page starts, `first`
+        then `second` side of each."""
+        names, blobs = [], []
+        for transfer in extra_pools or ():
+            name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
+            one, two = getattr(transfer, first, None), getattr(transfer, second, None)
+            if name in ("SWA", "MAMBA") and name in self.group_names and one is not None and two is not None:
+                step = self._step(self.group_names.index(name))
+                names.append(name)
+                blobs += [page_starts(one, step), page_starts(two, step)]
+        return names, blobs
+
+    def _backup(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+                **kwargs: Any) -> None:
+        if host is None:
+            return  # the host was full: no backup
+        now, step = time.monotonic_ns(), self._step(-1)
+        names, extra = self._pools(extra_pools, "device_indices", "host_indices")
+        self._put(Rec.BACKUP, 0, (META.encode((int(node_id), now, names)), page_starts(device_indices, step),
+                                  page_starts(host, step), *extra))
+
+    def _backed(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
+        self._put(Rec.BACKED, 0, (META.encode((int(ack_id), time.monotonic_ns())),))
+
+    def _restore(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+                 **kwargs: Any) -> None:
+        if device is None:
+            return
+        now, step = time.monotonic_ns(), self._step(-1)
+        names, extra = self._pools(extra_pools, "host_indices", "device_indices")
+        self._put(Rec.RESTORE, 0, (META.encode((int(node_id), now, names)), page_starts(host_indices, step),
+                                   page_starts(device, step), *extra))
+
+    def _loading(self, *args: Any, **kwargs: Any) -> None:
+        self._loads_before = [a for a in (getattr(self.cache, "ongoing_load_back", None) or {}) if type(a) is int]
+
+    def _restored(self, _result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
+        still = getattr(self.cache, "ongoing_load_back", None) or {}
+        meta = META.encode((self._loads_before, [a for a in still if type(a) is int], len(still), time.monotonic_ns()))
+        self._put(Rec.RESTORED, 0 if opened else 4, (meta,))
 
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,9 @@ class HiCacheHooks:
         self.unnamed_pages = 0
         self.prefetches_started = 0
         self.prefetches_revoked = 0
+        # When a copy started and ended; the out-of-process resolver reads it off the records
+        # instead, the times the capture took on the scheduler thread.
+        self.clock: Callable[[], int] = time.monotonic_ns
 
     def install(self) -> HiCacheHooks:
         c, cc = self.cache, self.controller
@@ -96,7 +100,7 @@ class HiCacheHooks:
                      **kwargs: Any) -> None:
         if host is None:
             return  # the host was full: no backup
-        now, page = time.monotonic_ns(), self.shim._page_slots
+        now, page = self.clock(), self.shim._page_slots
         pending = self._writes.setdefault(int(node_id), [])
         pending.append((self.full, page(self.full, device_indices), page(self.full, host), now))
         for group, dev, hst in self._extra(extra_pools):  # host slots are filled in by the write
@@ -107,7 +111,7 @@ class HiCacheHooks:
         pending = self._writes.pop(int(ack_id), None)
         if not pending:
             return
-        now = time.monotonic_ns()
+        now = self.clock()
         for group, dev, host, t0 in pending:
             book = self.shim.ledger.get((group, Tier.DEVICE))
             if book is None:
@@ -126,7 +130,7 @@ class HiCacheHooks:
             return
         moves = [(self.full, host_indices, device)]
         moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools)]  # device side now resolved
-        now, loads = time.monotonic_ns(), []
+        now, loads = self.clock(), []
         for group, hst, dev in moves:
             book = self.shim.ledger.get((group, Tier.HOST))
             if book is None or hst is None or dev is None:
@@ -148,7 +152,7 @@ class HiCacheHooks:
         if before is None:
             return
         still = set(getattr(self.cache, "ongoing_load_back", {}) or {})
-        now = time.monotonic_ns()
+        now = self.clock()
         done = [a for a in before - still if isinstance(a, int)]
         if not still:  # anything left was retired without an id we saw: report it done now
             done += [a for a in self._loads if a in before and a not in done]
@@ -168,7 +172,7 @@ class HiCacheHooks:
         # acknowledgement, before the host ledger holds the pages.
         names = list(hash_value)
         self._storage[int(op_id)] = (names, self.shim._page_slots(self.full, host_indices)[: len(names)],
-                                     time.monotonic_ns())
+                                     self.clock())
 
     def _after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
         pending = self._storage.pop(int(getattr(op, "id", -1)), None)
@@ -183,7 +187,7 @@ class HiCacheHooks:
         keys = keys[keys != 0]
         if len(keys):
             self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.HOST, Tier.DISK, keys,
-                                     time.monotonic_ns() - t0)
+                                     self.clock() - t0)
 
     # -- disk -> host ------------------------------------------------------------------------------
     def _after_prefetch_start(self, *args: Any, **kwargs: Any) -> None:

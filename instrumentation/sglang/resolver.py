@@ -26,7 +26,8 @@ import numpy as np
 
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
-from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts
+from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
+from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
 
@@ -97,6 +98,7 @@ class _Cache:
         self.page_size, self.tree_components = page_size, components
         self.counters: tuple[int, int, int] = (0, 0, 0)  # tokens locked, evictable, free
         self.window = _WindowTable()
+        self.ongoing_load_back: set[Any] = set()  # HiCache's loads in progress, as the last record saw them
         self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: self.counters[2],
                                                           full_to_swa_index_mapping=None)
 
@@ -133,6 +135,8 @@ class Replayer:
         self.lost = 0
         self.handled = 0
         self.skipped = 0  # repeated asks of a request this side no longer knows
+        self.hooks: HiCacheHooks | None = None  # HiCache's host tier, once a record of it comes
+        self.now = 0  # the capture's clock at the HiCache record being replayed
 
     def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
         """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,
@@ -236,6 +240,30 @@ class Replayer:
             slots = _slots(blobs[1], value)
             self.cache.map_window(blobs)
             shim.after_action(name, SimpleNamespace(source_value=slots, kept_full=slots))
+        elif kind == Rec.BACKUP:
+            node_id, self.now, names = _META.decode(blobs[0])
+            step = self._step(None)
+            extra = self._pools(names, blobs[3:], "device_indices", "host_indices")
+            self._hicache()._after_write(_slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
+                                         extra_pools=extra)
+        elif kind == Rec.BACKED:
+            ack_id, self.now = _META.decode(blobs[0])
+            self._hicache()._after_write_ack(None, ack_id)
+        elif kind == Rec.RESTORE:
+            node_id, self.now, names = _META.decode(blobs[0])
+            step = self._step(None)
+            extra = self._pools(names, blobs[3:], "host_indices", "device_indices")
+            self._hicache()._after_load(_slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
+                                        extra_pools=extra)
+        elif kind == Rec.RESTORED:
+            if value & 4:  # nothing happened inside the call: its opening was not recorded
+                self._open("loading_check")
+            before, still, count, self.now = _META.decode(blobs[0])
+            # What `_after_loading_check` reads: the int ids still loading, and whether any is.
+            self.cache.ongoing_load_back = set(still) | ({None} if count > len(still) else set())
+            if self.frames and self.frames[-1][0] == "loading_check":
+                _, top, _, _ = self.frames.pop()
+                shim.end_call("loading_check", top, self._hicache()._after_loading_check, None, set(before), (), {})
         elif kind == Rec.ADMIT:
             prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
             shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)
@@ -246,6 +274,29 @@ class Replayer:
         shim = self.shim
         self._close(call, shim._after_reset if call == "reset" else
                     shim._after_checkpoint if call == "checkpoint" else None)
+        if call == "reset" and self.hooks is not None:
+            self.hooks._after_reset()
+
+    def _hicache(self) -> HiCacheHooks:
+        """The shim's HiCache hooks, made at the first record of HiCache's host tier (nothing is
+        wrapped here: the records are the calls), on the capture's clock."""
+        if self.hooks is None:
+            self.hooks = self.shim.hicache = HiCacheHooks(self.shim)
+            self.hooks.clock = lambda: self.now
+        return self.hooks
+
+    def _step(self, component: str | None) -> int:
+        """Slots per ledger entry for a component's pool, by the shim's rule (`slot_step`)."""
+        return slot_step(self.page, component == "MAMBA")
+
+    def _pools(self, names: list[str], blobs: list[Any], first: str, second: str) -> list[SimpleNamespace]:
+        """The extra pools of a HiCache copy, as `HiCacheHooks._extra` reads them."""
+        out = []
+        for i, name in enumerate(names):
+            step = self._step(name)
+            out.append(SimpleNamespace(name=name, **{first: _slots(blobs[2 * i], step),
+                                                     second: _slots(blobs[2 * i + 1], step)}))
+        return out
 
     def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:
         self._open("checkpoint", self.shim._before_checkpoint, (self._request(rid or "", fresh),))
@@ -271,6 +322,8 @@ class Replayer:
         self.requests.clear()  # chains are rebuilt from the tokens the next asks carry
         shim._looked_up.clear()
         shim._depth, shim._scope, shim._current_req = 0, None, None
+        if self.hooks is not None:  # copies under way name pages of the ledger about to be dropped
+            self.hooks._after_reset()
         self._drop_ledger()
 
     def _drop_ledger(self) -> None:

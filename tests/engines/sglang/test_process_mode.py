@@ -24,7 +24,8 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import CaptureStats, ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import COMPONENTS, ComponentType, Driver, DriverConfig, Mix, Route, build_cache
+from kvtrace.instrumentation.sglang.driver import (COMPONENTS, ComponentType, Driver, DriverConfig, Mix, Route,
+                                                  build_cache, enable_hicache)
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
@@ -298,11 +299,62 @@ def test_a_window_restored_over_its_tombstone_is_named_alike_in_both_modes(locke
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
-def test_caches_it_does_not_cover_are_refused_by_name() -> None:
+@pytest.mark.parametrize("mix", [Mix.FULL, Mix.SWA])
+def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Path) -> None:
+    """HiCache's host tier on CPU (the accelerator copies stood in): every insert backed up to
+    host, acknowledged at the scheduler's poll, host pages evicted, host hits loaded back. The
+    capture records each copy where the in-process hooks read it, with the time it read; the
+    resolver replays them through the same hooks. Durations are each mode's own clock reads, so
+    they are compared apart."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    config = DriverConfig(mix=mix, kv_tokens=1 << 15)
+    cache, allocator, pool = built = build_cache(config)
+    enable_hicache(cache, host_ratio=2)
+    requests = prompts(60)
+
+    def settle() -> None:
+        deadline = time.monotonic() + 20
+        while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
+            cache.check_hicache_events()
+            time.sleep(0.01)
+
+    def serve(driver: Driver, batch: list[tuple[str, list[int]]]) -> None:
+        for rid, tokens in batch:
+            driver.serve(rid, tokens)
+            cache.check_hicache_events()  # the scheduler's per-step poll: backups acknowledged
+
+    def replay(driver: Driver) -> None:
+        serve(driver, requests[:12])
+        settle()
+        cache.evict(EvictParams(num_tokens=1 << 15, swa_num_tokens=1 << 15))  # device only: host keeps them
+        serve(driver, [(f"again-{rid}", tokens) for rid, tokens in requests[:4]])  # host hits, loaded back
+        serve(driver, requests[12:])  # the host tier fills and evicts
+        settle()
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours, theirs = sink.events, spooled(spool)
+    moves = {(e.kind, e.src_tier, e.dst_tier) for e in ours}
+    assert {(EventKind.OFFLOAD, Tier.DEVICE, Tier.HOST), (EventKind.LOAD, Tier.HOST, Tier.DEVICE)} <= moves
+    assert any(e.kind is EventKind.EVICT and e.tier is Tier.HOST for e in ours)
+
+    def timeless(e: Event) -> bytes:
+        return comparable(msgspec.structs.replace(e, duration_ns=0))
+
+    assert [timeless(e) for e in theirs] == [timeless(e) for e in ours]
+    copies = [e for e in theirs if e.kind in (EventKind.OFFLOAD, EventKind.LOAD)]
+    assert all(e.duration_ns >= 0 for e in copies) and any(e.duration_ns > 0 for e in copies)
+
+
+def test_caches_it_does_not_cover_are_refused_by_name(tmp_path: Path) -> None:
     cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15, tree="pure_swa"))
     assert "PureSWARadixCache" in (unsupported(cache) or "")
     with pytest.raises(ValueError, match="PureSWARadixCache"):
         ProcessShim(cache, IDENTITY)
+    cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15))
+    enable_hicache(cache, str(tmp_path))
+    assert "storage tier" in (unsupported(cache) or "")
 
 
 def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_tokens(spool: Path) -> None:
