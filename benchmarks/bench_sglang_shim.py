@@ -3,7 +3,8 @@
 Runs in the SGLang venv (`bash scripts/engine-venv.sh sglang` builds it):
 
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py [--requests 1000] [--rounds 4] \
-        [--mix full] [--route scheduler|cache] [--core rust] [--kv-tokens 131072] [--sink count|encode]
+        [--mix full] [--route scheduler|cache] [--core rust] [--kv-tokens 131072] [--sink count|encode] \
+        [--hicache [--host-ratio 16]]
     .venvs/sglang/bin/python benchmarks/bench_sglang_shim.py --profile [--requests 500]
 
 Five variants replay the same requests of the Mooncake conversation trace (tokens synthesized
@@ -40,6 +41,11 @@ torch runs on one thread (`--torch-threads 1`): the pools are tiny CPU tensors s
 device memory, and with torch's default of one thread per core a `torch.cat` of a few thousand
 slots waits for a second thread that a shared machine has often lent elsewhere (milliseconds
 per call, in every variant alike), which buries what is being measured.
+
+`--hicache` gives every variant's cache HiCache's host tier (write-through, `--host-ratio` device
+pools of host memory, SGLang's own controller with CPU stand-ins for the accelerator copies) and
+runs the scheduler's per-step poll (`check_hicache_events`) after every request, inside the
+time; requests take the cache route, which loads host hits back.
 
 `--breakdown` replays the requests once without and once with the shim (no profiler) and
 times the shim's hooks and their main steps where they run, in microseconds per request. The

@@ -13,8 +13,10 @@ both modes emit the same events, and its emitter sends them to the configured si
 The scheduler thread never waits: a full ring drops the record and counts it, and the
 resolver, told of the loss, starts its ledger afresh and reports the device tier invalidated
 (an honest "unknown" instead of evictions it can no longer name). Covered: full attention,
-sliding-window and Mamba components, in any mix, on the unified tree. HiCache's tiers are read
-through its controller: they stay in-process (`unsupported` says why).
+sliding-window and Mamba components, in any mix, on the unified tree, and HiCache's host tier
+(its copies are recorded where `HiCacheHooks` reads them, with the scheduler thread's times).
+HiCache's storage tier and the older single-component trees stay in-process (`unsupported`
+says why).
 """
 
 from __future__ import annotations
