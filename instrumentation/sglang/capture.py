@@ -41,7 +41,8 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.ledger import page_starts, slot_step
-from kvtrace.instrumentation.sglang.shim import RadixCacheShim, component_name, component_types, usage_counters
+from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
+                                                usage_counters)
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -198,11 +199,13 @@ class CaptureShim:
         self._checkpoint_call = CALLS.index("checkpoint")
         self._held = -1  # an INSERTED held back until the next record (its END may fold in)
         self.alive: Callable[[], bool] | None = None  # whether the resolver still runs
+        self.stopped = False  # unwrapped: records nothing more
         self._check_due_ns = 0
         self._usage_ns = int(usage_interval_s * 1e9)  # 0: usage is never sampled
         self._usage_due_ns = 0
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
+        self._loading_call = CALLS.index("loading_check")
 
     # -- the ring ----------------------------------------------------------------------------------
     def _put(self, kind: Rec, value: int = 0, blobs: Any = ()) -> bool:
@@ -304,18 +307,19 @@ class CaptureShim:
 
     def _install_hicache(self) -> None:
         """HiCache's host tier: its copies and their acknowledgements, as `HiCacheHooks` reads
-        them in-process. A storage tier added with it is not traced from here: said once."""
+        them in-process. A storage tier cannot be followed from here (`_storage_attached`)."""
         c = self.cache
         cc = c.cache_controller
-        if getattr(cc, "enable_storage", False):
-            log.warning("kvtrace: HiCache's storage tier is not traced out of process (its moves are "
-                        "missing from the events); trace this cache in-process")
+        if getattr(cc, "enable_storage", False):  # added after the capture, with its tiers
+            self._storage_attached()
+            return
         self._wrap_after(cc, "write", self._backup)
         self._wrap_after(c, "_finish_write_through_ack", self._backed)
         self._wrap_after(cc, "load", self._restore)
         self._wrap(c, "loading_check", self._loading, self._restored, optional=True, opens=False)
         self._wrap(c, "check_hicache_events", None, None, optional=True)
         self._wrap(c, "init_load_back", None, None, optional=True)
+        self._wrap_after(c, "attach_storage_backend", self._storage_attached)
 
     def _wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> None:
         """Record after a call that returned (`after` reads its result and arguments); no call
@@ -344,18 +348,20 @@ class CaptureShim:
             return
         capture = self
 
-        def free_host_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+        def free_host_values(*args: Any, **kwargs: Any) -> Any:
             try:
                 capture._action("FreeComponentHostSlot", SimpleNamespace(component_type=component_type,
-                                                                        host_indices=values))
+                                                                        host_indices=host_values(args, kwargs)))
             except Exception:  # noqa: BLE001
                 capture._failed("free_host_values")
-            return original(values, *args, **kwargs)
+            return original(*args, **kwargs)
 
         self._saved.append((component, "free_host_values", original))
         component.free_host_values = free_host_values
 
     def uninstall(self) -> None:
+        """Unwrap the cache; nothing more is recorded (admissions included)."""
+        self.stopped = True
         for obj, name, original in reversed(self._saved):
             setattr(obj, name, original)
         self._saved.clear()
@@ -642,12 +648,32 @@ class CaptureShim:
         self._loads_before = [a for a in (getattr(self.cache, "ongoing_load_back", None) or {}) if type(a) is int]
 
     def _restored(self, _result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
+        """With no load in progress when it began (most steps), the call retires nothing: the
+        in-process hook reads nothing then, and the call costs a plain END if it was opened."""
+        if not self._loads_before:
+            if opened:
+                self._put(Rec.END, self._loading_call)
+            return
         still = getattr(self.cache, "ongoing_load_back", None) or {}
         meta = META.encode((self._loads_before, [a for a in still if type(a) is int], len(still), time.monotonic_ns()))
         self._put(Rec.RESTORED, 0 if opened else 4, (meta,))
 
+    def _storage_attached(self, *args: Any, **kwargs: Any) -> None:
+        """A storage tier attached at run time: its moves cannot be followed from here, so the
+        resolver is told the picture has a hole (it reports the tiers invalidated) and recording
+        stops, said once; the engine is not touched."""
+        if not getattr(getattr(self.cache, "cache_controller", None), "enable_storage", False):
+            return
+        log.error("kvtrace: a HiCache storage tier was attached to a cache traced out of process; "
+                  "its moves cannot be followed there, so tracing of this cache stops "
+                  "(trace it in-process to follow the storage tier)")
+        self.ring.offer(Rec.LOST, 1)
+        self.uninstall()
+
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:
+        if self.stopped:  # its lookup was not recorded either
+            return
         try:
             self._asked.pop(str(request_id), None)  # as the shim forgets it: its next lookup is reported
             self._put(Rec.ADMIT, 0, (META.encode((int(prompt_tokens), int(device), int(host), int(storage),

@@ -311,12 +311,12 @@ class RadixCacheShim:
             return
         shim = self
 
-        def free_host_values(values: Any, *args: Any, **kwargs: Any) -> Any:
+        def free_host_values(*args: Any, **kwargs: Any) -> Any:  # the values however they are passed
             try:
-                shim._free(group, Tier.HOST, shim._page_slots(group, values))
+                shim._free(group, Tier.HOST, shim._page_slots(group, host_values(args, kwargs)))
             except Exception:  # noqa: BLE001
                 shim._failed("free_host_values")
-            return original(values, *args, **kwargs)
+            return original(*args, **kwargs)
 
         self._saved.append((component, "free_host_values", original))
         component.free_host_values = free_host_values
@@ -644,6 +644,11 @@ class RadixCacheShim:
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
                                   component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def host_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The slots of a component's `free_host_values(host_values)` call, positional or not."""
+    return args[0] if args else kwargs.get("host_values")
 
 
 def usage_counters(cache: Any) -> tuple[int, int, int]:
