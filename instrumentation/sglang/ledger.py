@@ -102,6 +102,18 @@ def unique(keys: np.ndarray) -> np.ndarray:
     return keys[np.sort(first)]
 
 
+def scatter(table: np.ndarray, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`table[slots] = values` (`slots` not empty), the table grown first (doubling, zeros) to
+    hold the largest slot; returns the table, which may be a new array."""
+    top = int(slots.max())
+    if top >= len(table):
+        grown = np.zeros(max(top + 1, 2 * len(table)), dtype=table.dtype)
+        grown[: len(table)] = table
+        table = grown
+    table[slots] = values
+    return table
+
+
 class SlotBook:
     """Page keys by ledger slot; grows to the largest slot seen."""
 
@@ -111,14 +123,8 @@ class SlotBook:
         self.keys = np.zeros(size, dtype=np.uint64)
 
     def put(self, slots: np.ndarray, keys: np.ndarray) -> None:
-        if not len(slots):
-            return
-        top = int(slots.max())
-        if top >= len(self.keys):
-            grown = np.zeros(max(top + 1, 2 * len(self.keys)), dtype=np.uint64)
-            grown[: len(self.keys)] = self.keys
-            self.keys = grown
-        self.keys[slots] = keys
+        if len(slots):
+            self.keys = scatter(self.keys, slots, keys)
 
     def peek(self, slots: np.ndarray) -> np.ndarray:
         """The keys the slots hold (0 where empty)."""

@@ -27,7 +27,7 @@ import numpy as np
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
-from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, slot_step
+from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, scatter, slot_step
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
 
@@ -78,15 +78,8 @@ class _WindowTable:
 
     def write(self, starts: np.ndarray, mapped: np.ndarray) -> None:
         keep = starts >= 0  # pads name no slot
-        starts, mapped = starts[keep], mapped[keep]
-        if not len(starts):
-            return
-        top = int(starts.max())
-        if top >= len(self.table):
-            grown = np.zeros(max(top + 1, 2 * len(self.table)), dtype=np.int64)
-            grown[: len(self.table)] = self.table
-            self.table = grown
-        self.table[starts] = mapped
+        if keep.any():
+            self.table = scatter(self.table, starts[keep], mapped[keep])
 
 
 class _Cache:
@@ -240,21 +233,18 @@ class Replayer:
             slots = _slots(blobs[1], value)
             self.cache.map_window(blobs)
             shim.after_action(name, SimpleNamespace(source_value=slots, kept_full=slots))
-        elif kind == Rec.BACKUP:
+        elif kind == Rec.BACKUP or kind == Rec.RESTORE:
+            # A copy's record carries its source's slots, then its destination's (what the call
+            # returned, which the hook takes first), then each extra pool's, in the same order.
             node_id, self.now, names = _META.decode(blobs[0])
-            step = self._step(None)
-            extra = self._pools(names, blobs[3:], "device_indices", "host_indices")
-            self._hicache()._after_write(_slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
-                                         extra_pools=extra)
+            backup, step, hooks = kind == Rec.BACKUP, self._step(None), self._hicache()
+            sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
+            (hooks._after_write if backup else hooks._after_load)(
+                _slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
+                extra_pools=self._pools(names, blobs[3:], *sides))
         elif kind == Rec.BACKED:
             ack_id, self.now = _META.decode(blobs[0])
             self._hicache()._after_write_ack(None, ack_id)
-        elif kind == Rec.RESTORE:
-            node_id, self.now, names = _META.decode(blobs[0])
-            step = self._step(None)
-            extra = self._pools(names, blobs[3:], "host_indices", "device_indices")
-            self._hicache()._after_load(_slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
-                                        extra_pools=extra)
         elif kind == Rec.RESTORED:
             if value & 4:  # nothing happened inside the call: its opening was not recorded
                 self._open("loading_check")
