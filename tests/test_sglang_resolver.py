@@ -138,3 +138,40 @@ def test_a_free_that_read_no_window_table_keeps_the_full_numbering() -> None:
     names = page_keys(tokens, PAGE).tolist()
     assert _keys(sink.events, EventKind.COMMIT, 1) == names and _keys(sink.events, EventKind.EVICT, 1) == names
     assert replayer.cache.token_to_kv_pool_allocator.full_to_swa_index_mapping is None
+
+
+def test_host_loads_are_reported_when_loading_check_retires_them_one_by_one() -> None:
+    """HiCache's loads retire at the scheduler's `loading_check`: a load still in progress at one
+    check is reported at a later one, with the time from its start on the capture's clock; the
+    resolver never reads its own clock for it."""
+    replayer, emitter, sink = _replayer()
+    tokens = np.arange(3000, 3000 + 4 * PAGE, dtype=np.int64)
+    device, host = np.arange(4, dtype=np.int64) * PAGE, np.arange(4, dtype=np.int64) * PAGE + 1024
+    first, second = np.arange(2, dtype=np.int64) * PAGE + 2048, np.arange(2, 4, dtype=np.int64) * PAGE + 2048
+    ms = 1_000_000
+
+    def copy(kind: Rec, node: int, at: int, source: np.ndarray, target: np.ndarray) -> tuple:
+        return kind, 0, [META.encode((node, at, [])), source.tobytes(), target.tobytes()]
+
+    def check(before: list[int], still: list[int], count: int, at: int) -> tuple:
+        return Rec.RESTORED, 4, [META.encode((before, still, count, at))]
+
+    records = [
+        (Rec.INSERT, 1, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), device.tobytes()]),
+        (Rec.INSERTED, 0, []),
+        copy(Rec.BACKUP, 7, 10 * ms, device, host),
+        (Rec.BACKED, 0, [META.encode((7, 13 * ms))]),
+        copy(Rec.RESTORE, 1, 20 * ms, host[:2], first),
+        copy(Rec.RESTORE, 2, 21 * ms, host[2:], second),
+        check([1, 2], [2], 1, 25 * ms),  # the first is done, the second still loading
+        check([2], [], 1, 30 * ms),  # something not an id still loads: only the second retires
+    ]
+    for kind, value, blobs in records:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown() and replayer.errors == 0 and replayer.shim.errors == 0
+    names = page_keys(tokens, PAGE).tolist()
+    moves = [(e.kind, [e.block_key, *e.more_keys], e.duration_ns) for e in sink.events
+             if e.kind in (EventKind.OFFLOAD, EventKind.LOAD)]
+    assert moves == [(EventKind.OFFLOAD, names, 3 * ms), (EventKind.LOAD, names[:2], 5 * ms),
+                     (EventKind.LOAD, names[2:], 9 * ms)]
+    assert not replayer.frames
