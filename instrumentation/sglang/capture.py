@@ -39,8 +39,10 @@ import numpy as np
 
 from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.ledger import page_starts, slot_step
+from kvtrace.instrumentation.sglang.hicache import pool_name
+from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 usage_counters)
 
@@ -324,21 +326,7 @@ class CaptureShim:
     def _wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> None:
         """Record after a call that returned (`after` reads its result and arguments); no call
         frame of its own on the ring."""
-        original = getattr(obj, name, None)
-        if original is None:
-            return
-        capture = self
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            try:
-                after(result, *args, **kwargs)
-            except Exception:  # noqa: BLE001
-                capture._failed(name)
-            return result
-
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        wrap_after(obj, name, after, self._failed, self._saved, log, "SGLang")
 
     def _wrap_host_free(self, component: Any, component_type: Any) -> None:
         """A component freeing host slots (`free_host_values`): recorded as the host free it is,
@@ -600,13 +588,7 @@ class CaptureShim:
         mapping = getattr(allocator, "full_to_swa_index_mapping", None)
         if mapping is None:
             return None
-        if not len(starts):
-            return starts
-        if mapping.is_cpu:
-            return mapping.numpy()[starts].astype(np.int64, copy=False)
-        import torch
-
-        return mapping[torch.from_numpy(starts).to(mapping.device)].cpu().numpy().astype(np.int64, copy=False)
+        return gather(mapping, starts) if len(starts) else starts
 
     # -- HiCache's host tier --------------------------------------------------------------------
     def _pools(self, extra_pools: Any, first: str, second: str) -> tuple[list[str], list[Any]]:
@@ -615,9 +597,9 @@ class CaptureShim:
         then `second` side of each."""
         names, blobs = [], []
         for transfer in extra_pools or ():
-            name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
+            name = pool_name(transfer)
             one, two = getattr(transfer, first, None), getattr(transfer, second, None)
-            if name in ("SWA", "MAMBA") and name in self.group_names and one is not None and two is not None:
+            if name in self.group_names and one is not None and two is not None:
                 step = self._step(self.group_names.index(name))
                 names.append(name)
                 blobs += [page_starts(one, step), page_starts(two, step)]
@@ -625,24 +607,25 @@ class CaptureShim:
 
     def _backup(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
                 **kwargs: Any) -> None:
-        if host is None:
-            return  # the host was full: no backup
-        now, step = time.monotonic_ns(), self._step(-1)
-        names, extra = self._pools(extra_pools, "device_indices", "host_indices")
-        self._put(Rec.BACKUP, 0, (META.encode((int(node_id), now, names)), page_starts(device_indices, step),
-                                  page_starts(host, step), *extra))
-
-    def _backed(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
-        self._put(Rec.BACKED, 0, (META.encode((int(ack_id), time.monotonic_ns())),))
+        self._copied(Rec.BACKUP, device_indices, host, node_id, extra_pools, ("device_indices", "host_indices"))
 
     def _restore(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
                  **kwargs: Any) -> None:
-        if device is None:
+        self._copied(Rec.RESTORE, host_indices, device, node_id, extra_pools, ("host_indices", "device_indices"))
+
+    def _copied(self, kind: Rec, source: Any, target: Any, node_id: int, extra_pools: Any,
+                sides: tuple[str, str]) -> None:
+        """A copy between tiers the controller queued: its source's and target's page starts (the
+        target is what the call returned; None: no room, no copy) and its extra pools', alike."""
+        if target is None:
             return
         now, step = time.monotonic_ns(), self._step(-1)
-        names, extra = self._pools(extra_pools, "host_indices", "device_indices")
-        self._put(Rec.RESTORE, 0, (META.encode((int(node_id), now, names)), page_starts(host_indices, step),
-                                   page_starts(device, step), *extra))
+        names, extra = self._pools(extra_pools, *sides)
+        self._put(kind, 0, (META.encode((int(node_id), now, names)), page_starts(source, step),
+                            page_starts(target, step), *extra))
+
+    def _backed(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
+        self._put(Rec.BACKED, 0, (META.encode((int(ack_id), time.monotonic_ns())),))
 
     def _loading(self, *args: Any, **kwargs: Any) -> None:
         self._loads_before = [a for a in (getattr(self.cache, "ongoing_load_back", None) or {}) if type(a) is int]

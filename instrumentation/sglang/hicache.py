@@ -40,6 +40,13 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 log = logging.getLogger("kvtrace.sglang")
 
 
+def pool_name(transfer: Any) -> str | None:
+    """The component an extra pool of a HiCache copy belongs to ("SWA", "MAMBA"), or None for
+    one kvtrace does not follow (sidecars)."""
+    name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
+    return name if name in ("SWA", "MAMBA") else None
+
+
 class HiCacheHooks:
     """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`."""
 
@@ -89,8 +96,8 @@ class HiCacheHooks:
         copy (`extra_pools`: a sliding window's or Mamba's state); sidecars are skipped."""
         out = []
         for transfer in pools or ():
-            name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
-            group = self.shim._group_named(name) if name in ("SWA", "MAMBA") else None
+            name = pool_name(transfer)
+            group = self.shim._group_named(name) if name is not None else None
             if group is not None:
                 out.append((group, getattr(transfer, "device_indices", None), getattr(transfer, "host_indices", None)))
         return out

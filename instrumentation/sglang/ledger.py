@@ -74,6 +74,16 @@ def page_starts(values: Any, step: int) -> np.ndarray:
     return out if out.dtype == np.int64 else out.astype(np.int64)
 
 
+def gather(table: Any, index: np.ndarray) -> np.ndarray:
+    """`table[index]` of a 1-D slot table (an allocator's full-to-window map) as int64: on CPU a
+    gather from the tensor's numpy view, no torch dispatch; on a device a gather there and one
+    copy back."""
+    if table.is_cpu:
+        return table.numpy()[index].astype(np.int64, copy=False)
+    torch = sys.modules["torch"]  # a device tensor came from it
+    return table[torch.from_numpy(index).to(table.device)].cpu().numpy().astype(np.int64, copy=False)
+
+
 def ledger_of_starts(starts: np.ndarray, step: int) -> np.ndarray:
     """Ledger indices of page starts: -1 pads and sentinels dropped, divided by the step."""
     if len(starts) and starts.min() < 0:

@@ -44,7 +44,7 @@ from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
-from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, slot_step, unique
+from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -382,13 +382,7 @@ class RadixCacheShim:
         mapping = getattr(getattr(self.cache, "token_to_kv_pool_allocator", None), "full_to_swa_index_mapping", None)
         if mapping is None or not len(full_slots):
             return full_slots
-        if mapping.is_cpu:  # a numpy view of the live table: one gather, no torch dispatch
-            out = mapping.numpy()[full_slots * self.page].astype(np.int64, copy=False)
-        else:
-            import torch
-
-            idx = torch.from_numpy(full_slots * self.page).to(mapping.device)
-            out = mapping[idx].cpu().numpy().astype(np.int64, copy=False)
+        out = gather(mapping, full_slots * self.page)
         return out // self.page if self.page > 1 else out
 
     def _on_swa_recovered(self, action: Any) -> None:
