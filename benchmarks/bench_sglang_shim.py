@@ -94,7 +94,6 @@ from kvtrace.instrumentation.traces import read_trace
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 SHIMMED = {"kvtrace": 1.0, "kvtrace-sampled": 0.1}
-HOST_RATIO = [16.0]  # HiCache's host pool, in device pools (--host-ratio)
 
 
 SINKS = {"count": CountingSink, "encode": EncodingSink}
@@ -105,20 +104,26 @@ def _emitter(sink: str = "count") -> BatchEmitter:
 
 
 def _shimmed(config: DriverConfig, emitter: BatchEmitter,
-             sample_rate: float, hicache: bool = False) -> tuple[Driver, RadixCacheShim]:
+             sample_rate: float, host_ratio: float | None = None) -> tuple[Driver, RadixCacheShim]:
     cache, allocator, req_pool = build_cache(config)
     identity = Identity(instance="bench", model="m")
     shim = RadixCacheShim(cache, emitter, identity, sample_rate=sample_rate).install()
-    if hicache:  # added after the shim, as SGLang does: the shim follows `init_hicache`
-        enable_hicache(cache, host_ratio=HOST_RATIO[0])
+    if host_ratio is not None:  # added after the shim, as SGLang does: the shim follows `init_hicache`
+        enable_hicache(cache, host_ratio=host_ratio)
     return Driver(cache, allocator, req_pool, config, shim=shim), shim
 
 
-def _plain(config: DriverConfig, hicache: bool = False, **kwargs: Any) -> Driver:
+def _built(config: DriverConfig, host_ratio: float | None = None, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """A cache (with HiCache's host tier of `host_ratio` device pools, unless None), its
+    allocator and request pool."""
     cache, allocator, req_pool = build_cache(config, **kwargs)
-    if hicache:
-        enable_hicache(cache, host_ratio=HOST_RATIO[0])
-    return Driver(cache, allocator, req_pool, config)
+    if host_ratio is not None:
+        enable_hicache(cache, host_ratio=host_ratio)
+    return cache, allocator, req_pool
+
+
+def _plain(config: DriverConfig, host_ratio: float | None = None, **kwargs: Any) -> Driver:
+    return Driver(*_built(config, host_ratio, **kwargs), config)
 
 
 # Closures the shim puts in place of SGLang's methods: they call the originals, so only their own
@@ -126,16 +131,16 @@ def _plain(config: DriverConfig, hicache: bool = False, **kwargs: Any) -> Driver
 WRAPPERS = {"wrapper", "_apply_cache_action", "free_host_values"}
 
 
-def _warm(prompts: list[tuple[str, array]], config: DriverConfig, n: int, hicache: bool = False) -> None:
+def _warm(prompts: list[tuple[str, array]], config: DriverConfig, n: int, host_ratio: float | None = None) -> None:
     """Serve the first requests on throwaway caches of each kind, untimed: one-off costs (SGLang
     loading its native hasher on the first hash, first calls into torch and the tree core) land
     here instead of on whichever variant runs first."""
     emitter = _emitter()
-    events_on = _plain(config, hicache, enable_kv_cache_events=True)
-    for driver in (_shimmed(config, emitter, 1.0, hicache)[0], events_on):
+    events_on = _plain(config, host_ratio, enable_kv_cache_events=True)
+    for driver in (_shimmed(config, emitter, 1.0, host_ratio)[0], events_on):
         for rid, tokens in prompts[:n]:
             driver.serve(f"warm-{rid}", tokens)
-            if hicache:
+            if host_ratio is not None:
                 driver.cache.check_hicache_events()
         driver.cache.take_events()
     emitter.shutdown()
@@ -362,7 +367,7 @@ def main() -> None:
                     help="give every variant's cache HiCache's host tier (write-through, CPU stand-ins "
                          "for the accelerator copies), polled after every request as the scheduler does; "
                          "cache route")
-    ap.add_argument("--host-ratio", type=float, default=HOST_RATIO[0],
+    ap.add_argument("--host-ratio", type=float, default=16.0,
                     help="HiCache's host pool in device pools (at 2, SGLang's default, this trace's reuse "
                          "distance is longer than the host tier and nothing comes back from it)")
     ap.add_argument("--top", type=int, default=25)
@@ -372,7 +377,7 @@ def main() -> None:
                     help="torch intra-op threads (default 1; see the module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
-    HOST_RATIO[0] = args.host_ratio
+    tiers = args.host_ratio if args.hicache else None  # HiCache's host pool, in device pools
 
     mix = Mix(args.mix)
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else args.page_size  # SGLang's Mamba mixes need page 1
@@ -382,7 +387,7 @@ def main() -> None:
     # Token ids as SGLang's scheduler receives them (array("q"), built in its tokenizer process):
     # the conversion from a list is not the cache's work, and would be ~1/3 of `off`.
     prompts = [(r.request_id, array("q", tokens_of(r))) for r in trace]
-    _warm(prompts, config, args.warmup, args.hicache)
+    _warm(prompts, config, args.warmup, tiers)
     if args.profile:
         profile(prompts, config, args.top)
         return
@@ -397,14 +402,12 @@ def main() -> None:
 
     emitters = {name: _emitter(args.sink) for name in SHIMMED}
     shims: dict[str, RadixCacheShim] = {}
-    drivers: dict[str, Driver] = {"off": _plain(config, args.hicache)}
+    drivers: dict[str, Driver] = {"off": _plain(config, tiers)}
     for name, rate in SHIMMED.items():
-        drivers[name], shims[name] = _shimmed(config, emitters[name], rate, args.hicache)
-    drivers["kv-events"] = _plain(config, args.hicache, enable_kv_cache_events=True)
+        drivers[name], shims[name] = _shimmed(config, emitters[name], rate, tiers)
+    drivers["kv-events"] = _plain(config, tiers, enable_kv_cache_events=True)
     process = None
-    cache, allocator, req_pool = build_cache(config)
-    if args.hicache:
-        enable_hicache(cache, host_ratio=HOST_RATIO[0])
+    cache, allocator, req_pool = _built(config, tiers)
     if unsupported(cache) is None:
         process = ProcessShim(cache, Identity(instance="bench", model="m"), sink=f"counting_sink:{SINKS[args.sink].__name__}")
         process.start().flush(120)  # the resolver is up and has imported what it needs
@@ -423,7 +426,7 @@ def main() -> None:
             drain = driver.cache.take_events if name == "kv-events" else None
             hit = 0
             started = time.perf_counter()
-            poll = driver.cache.check_hicache_events if args.hicache else None
+            poll = driver.cache.check_hicache_events if tiers is not None else None
             for rid, tokens in chunk:
                 hit += driver.serve(rid, tokens).reused
                 if poll is not None:  # the scheduler's per-step poll: backups acknowledged

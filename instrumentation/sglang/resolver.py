@@ -214,7 +214,7 @@ class Replayer:
                         self._drop_ledger()
                         return
                 key = _Key(tokens, extra, salt, length)
-                slots = _slots(blobs[2], 1 if self.page == 1 else self.page)
+                slots = _slots(blobs[2], self._step(None))
                 mamba = _slots(blobs[3], 1) if value & 2 else None
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
             self._open("insert", shim._before_insert, (params,))
