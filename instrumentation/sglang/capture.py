@@ -597,7 +597,7 @@ class CaptureShim:
         then `second` side of each."""
         names, blobs = [], []
         for transfer in extra_pools or ():
-            name = pool_name(transfer)
+            name = pool_name(transfer, load=first == "host_indices")
             one, two = getattr(transfer, first, None), getattr(transfer, second, None)
             if name in self.group_names and one is not None and two is not None:
                 step = self._step(self.group_names.index(name))

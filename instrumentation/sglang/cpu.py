@@ -8,8 +8,9 @@ replay path work without one; none of them is needed, or installed, inside a rea
   PyPI's build is a CUDA build that fails to import on a CPU-only torch. A permissive module
   stands in (text models never call it). Installed only when no torchvision is importable.
 - HiCache's host tier registers its buffers with CUDA and pins them; on CPU both are skipped.
-- HiCache's "direct" copy path calls a kernel bound only on accelerators; a torch indexing
-  copy with the same meaning (layer-first layout) stands in.
+- HiCache's "direct" copy paths call kernels bound only on accelerators; torch indexing copies
+  with the same meaning stand in, for the layer-first layout and for the page-first-direct one
+  (the only layout Mamba's host pool takes).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def patch_hicache_for_cpu() -> None:
     import torch
     from sglang.srt.mem_cache.pool_host import base as host_base
     from sglang.srt.mem_cache.pool_host import common as host_common
+    from sglang.srt.mem_cache.pool_host import mamba as host_mamba
     from sglang.srt.mem_cache.pool_host import mha as host_mha
 
     host_common._cuda_host_register = lambda *args, **kwargs: None
@@ -96,7 +98,37 @@ def patch_hicache_for_cpu() -> None:
         for src, dst in zip(src_layers, dst_layers, strict=True):
             dst[dst_indices] = src[src_indices].to(dst.device)
 
-    host_mha.transfer_kv_direct = transfer_kv_direct
+    def page_starts(indices: Any, page_size: int) -> Any:
+        return indices.to(torch.long).view(-1, page_size)[:, 0]
+
+    def lf_to_pf(src_ptrs: Any, dst_ptrs: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
+        """Layer-first device slots to page-first host pages, every layer: `src_ptrs` holds one
+        tensor per layer (K layers then V layers, or one latent/state layer set), `dst_ptrs` one
+        (pages, layers, page, ...) buffer per set."""
+        tokens = (page_starts(src_indices, page_size)[:, None] + torch.arange(page_size)).reshape(-1)
+        pages = page_starts(dst_indices, page_size) // page_size
+        layers = len(src_ptrs) // len(dst_ptrs)
+        for part, dst in enumerate(dst_ptrs):
+            for layer in range(layers):
+                moved = src_ptrs[part * layers + layer][tokens].to(dst.device)
+                dst[pages, layer] = moved.view(len(pages), page_size, *moved.shape[1:])
+
+    def pf_to_lf(src_ptrs: Any, dst_ptrs: Any, src_indices: Any, dst_indices: Any, layer_id: int,
+                 page_size: int) -> None:
+        """Page-first host pages to layer-first device slots, one layer (or `len(dst_ptrs) /
+        len(src_ptrs)` consecutive ones from `layer_id`)."""
+        pages = page_starts(src_indices, page_size) // page_size
+        tokens = (page_starts(dst_indices, page_size)[:, None] + torch.arange(page_size)).reshape(-1)
+        layers = len(dst_ptrs) // len(src_ptrs)
+        for part, src in enumerate(src_ptrs):
+            for layer in range(layers):
+                dst = dst_ptrs[part * layers + layer]
+                dst[tokens] = src[pages, layer_id + layer].reshape(len(tokens), *dst.shape[1:]).to(dst.device)
+
+    for module in (host_mha, host_mamba):
+        module.transfer_kv_direct = transfer_kv_direct
+        module.transfer_kv_all_layer_direct_lf_pf = lf_to_pf
+        module.transfer_kv_per_layer_direct_pf_lf = pf_to_lf
     allocate = host_base.HostKVCache._allocate_host_buffer
 
     def allocate_unpinned(self: Any) -> Any:

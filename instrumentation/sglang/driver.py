@@ -310,8 +310,11 @@ def enable_hicache(cache: Any, storage_dir: str | None = None, write_policy: str
         get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
         envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir).__enter__()
         extra = json.dumps({"prefetch_threshold": int(cache.page_size)})
+    # Mamba's host pool takes only page-first layouts; the others keep SGLang's default
+    mamba = ComponentType.MAMBA in (getattr(cache, "tree_components", None) or ())
     args = ServerArgs(model_path="dummy", page_size=int(cache.page_size), hicache_io_backend="direct",
-                      hicache_mem_layout="layer_first", hicache_write_policy=write_policy,
+                      hicache_mem_layout="page_first_direct" if mamba else "layer_first",
+                      hicache_write_policy=write_policy,
                       hicache_storage_backend="file" if storage_dir is not None else None,
                       hicache_storage_backend_extra_config=extra, hicache_storage_prefetch_policy="wait_complete",
                       hicache_ratio=host_ratio)

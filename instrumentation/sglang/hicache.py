@@ -40,11 +40,16 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 log = logging.getLogger("kvtrace.sglang")
 
 
-def pool_name(transfer: Any) -> str | None:
+def pool_name(transfer: Any, load: bool = False) -> str | None:
     """The component an extra pool of a HiCache copy belongs to ("SWA", "MAMBA"), or None for
-    one kvtrace does not follow (sidecars)."""
+    one kvtrace does not follow: sidecars, and on a load-back (`load`) a transfer that restores
+    no tree node (no `nodes_to_load`). That is Mamba's copy-on-write: the node's state is loaded
+    once for the tree and once more into the request's own state slot, which the request then
+    advances; that second copy is the request using the state, not the cache holding it."""
     name = str(getattr(getattr(transfer, "name", None), "name", getattr(transfer, "name", ""))).upper()
-    return name if name in ("SWA", "MAMBA") else None
+    if name not in ("SWA", "MAMBA") or (load and not getattr(transfer, "nodes_to_load", None)):
+        return None
+    return name
 
 
 class HiCacheHooks:
@@ -91,12 +96,12 @@ class HiCacheHooks:
         s._wrap_plain(c, "reset", self._after_reset)
         return self
 
-    def _extra(self, pools: Any) -> list[tuple[int, Any, Any]]:
+    def _extra(self, pools: Any, load: bool = False) -> list[tuple[int, Any, Any]]:
         """(group, device indices, host indices) of the component transfers that travel with a
-        copy (`extra_pools`: a sliding window's or Mamba's state); sidecars are skipped."""
+        copy (`extra_pools`: a sliding window's or Mamba's state) that kvtrace follows (`pool_name`)."""
         out = []
         for transfer in pools or ():
-            name = pool_name(transfer)
+            name = pool_name(transfer, load)
             group = self.shim._group_named(name) if name is not None else None
             if group is not None:
                 out.append((group, getattr(transfer, "device_indices", None), getattr(transfer, "host_indices", None)))
@@ -136,7 +141,7 @@ class HiCacheHooks:
         if device is None:
             return
         moves = [(self.full, host_indices, device)]
-        moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools)]  # device side now resolved
+        moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools, load=True)]  # device side now resolved
         now, loads = self.clock(), []
         for group, hst, dev in moves:
             book = self.shim.ledger.get((group, Tier.HOST))

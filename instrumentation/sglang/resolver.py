@@ -241,7 +241,7 @@ class Replayer:
             sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
             (hooks._after_write if backup else hooks._after_load)(
                 _slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
-                extra_pools=self._pools(names, blobs[3:], *sides))
+                extra_pools=self._pools(names, blobs[3:], *sides, node_id))
         elif kind == Rec.BACKED:
             ack_id, self.now = _META.decode(blobs[0])
             self._hicache()._after_write_ack(None, ack_id)
@@ -279,13 +279,15 @@ class Replayer:
         """Slots per ledger entry for a component's pool, by the shim's rule (`slot_step`)."""
         return slot_step(self.page, component == "MAMBA")
 
-    def _pools(self, names: list[str], blobs: list[Any], first: str, second: str) -> list[SimpleNamespace]:
-        """The extra pools of a HiCache copy, as `HiCacheHooks._extra` reads them."""
+    def _pools(self, names: list[str], blobs: list[Any], first: str, second: str,
+               node_id: int) -> list[SimpleNamespace]:
+        """The extra pools of a HiCache copy, as `HiCacheHooks._extra` reads them. The capture
+        sent only those it follows, so each is taken as restoring the copy's node."""
         out = []
         for i, name in enumerate(names):
             step = self._step(name)
-            out.append(SimpleNamespace(name=name, **{first: _slots(blobs[2 * i], step),
-                                                     second: _slots(blobs[2 * i + 1], step)}))
+            out.append(SimpleNamespace(name=name, nodes_to_load=(node_id,),
+                                       **{first: _slots(blobs[2 * i], step), second: _slots(blobs[2 * i + 1], step)}))
         return out
 
     def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:

@@ -1,5 +1,6 @@
 """HiCache on CPU: device -> host backup, device eviction, load back, a file storage round trip
-and prefetch, each seen with its tiers, on both tree cores.
+and prefetch, each seen with its tiers, on both tree cores, with a sliding window's and Mamba's
+state beside the KV.
 
 The accelerator-only copy paths of HiCache's host tier get CPU stand-ins
 (`kvtrace.instrumentation.sglang.cpu.patch_hicache_for_cpu`); the tree, the controller, the
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvtrace.instrumentation.sglang.cpu import patch_hicache_for_cpu
 from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache, enable_hicache
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -172,6 +174,53 @@ def test_a_sliding_window_travels_with_its_pages(core: str) -> None:
     assert result.verdict is Verdict.PARTIAL
 
 
+@pytest.mark.parametrize("mix", [Mix.MAMBA, Mix.SWA_MAMBA])
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_a_mamba_state_travels_with_its_pages(core: str, mix: Mix) -> None:
+    """Full attention + Mamba (+ a window) on 1-token pages, Mamba's host pool page-first as
+    SGLang requires. The state kept at the prompt's end is backed up with its KV and loaded
+    back once for the tree; SGLang also copies it into the request's own state slot, which is
+    the request using it, not a second load. A request that stops one token short finds the
+    KV on host but no state at its boundary: a logical hit with nothing recoverable, as SGLang
+    says."""
+    config = DriverConfig(mix=mix, tree_core=core, page_size=1, window=8, kv_tokens=512, mamba_states=8)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    enable_hicache(cache)
+    driver = Driver(cache, allocator, pool, config, shim)
+    prompt = list(range(100, 233))
+    driver.serve("r1", prompt)
+    for _ in range(200):
+        cache.check_hicache_events()
+        if not cache.ongoing_write_through:
+            break
+        time.sleep(0.01)
+    evict = EvictParams(num_tokens=512, swa_num_tokens=512, mamba_num=8)
+    cache.evict(evict)
+    longer = driver.serve("longer", prompt + list(range(900, 920)))
+    assert longer.host_hit == 133 and longer.loaded == 133
+    cache.evict(evict)
+    short = driver.serve("short", prompt)  # matches 132 tokens: the state is at 133
+    assert short.host_hit == 0 and short.full_kv_hit == 132
+    assert emitter.shutdown() and shim.errors == 0
+
+    def moved(kind: EventKind, component: str) -> list[int]:
+        return [len(_keys(e)) for e in sink.events if e.kind is kind and e.component.value == component]
+
+    assert moved(EventKind.OFFLOAD, "mamba") == [1] and moved(EventKind.LOAD, "mamba") == [1]
+    assert sum(moved(EventKind.OFFLOAD, "full_attention")) == sum(moved(EventKind.LOAD, "full_attention")) == 133
+    if mix is Mix.SWA_MAMBA:
+        assert moved(EventKind.LOAD, "sliding_window") == [8]  # the window only
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
+    assert results["short"].logical_hit_tokens == 132 and results["short"].recoverable_hit_tokens == 0
+    assert results["short"].reason is GapReason.NO_CHECKPOINT
+    hit = results["longer"]
+    assert hit.recoverable_hit_tokens == 133 == hit.adopted_tokens and not hit.unsafe_reuse
+    assert hit.verdict is Verdict.PARTIAL and hit.restore_host_bytes > 0
+
+
 @pytest.mark.parametrize("core", ["rust", "python"])
 def test_pages_fetched_under_a_host_node_continue_its_chain(core: str, tmp_path: Path) -> None:
     """A prefix on host and the rest only on storage, stored by another process (its names
@@ -199,3 +248,25 @@ def test_pages_fetched_under_a_host_node_continue_its_chain(core: str, tmp_path:
     assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS[2:])
     assert rig.shim.hicache.unnamed_pages == 0
     assert rig.emitter.shutdown() and rig.shim.errors == 0
+
+
+def test_the_page_first_stand_ins_move_what_the_kernels_would() -> None:
+    """The CPU stand-ins for SGLang's page-first-direct copies keep its layout: host page
+    `index // page`, layer, offset in the page, holding the device slots' rows; K and V apart."""
+    import torch
+
+    from sglang.srt.mem_cache.pool_host import mha
+
+    patch_hicache_for_cpu()  # what `enable_hicache` installs
+    page, layers = 4, 3
+    k, v = ([torch.randn(64, 2, 5) for _ in range(layers)] for _ in range(2))
+    host_k, host_v = torch.zeros(10, layers, page, 2, 5), torch.zeros(10, layers, page, 2, 5)
+    device, host = torch.tensor([8, 9, 10, 11, 40, 41, 42, 43]), torch.tensor([12, 13, 14, 15, 4, 5, 6, 7])
+    mha.transfer_kv_all_layer_direct_lf_pf(k + v, [host_k, host_v], device, host, page)
+    assert torch.equal(host_k[3, 1], k[1][8:12]) and torch.equal(host_v[1, 2], v[2][40:44])
+    assert not host_k[0].any() and not host_v[2].any()  # pages not named stay untouched
+    k2, v2 = [torch.zeros_like(t) for t in k], [torch.zeros_like(t) for t in v]
+    mha.transfer_kv_per_layer_direct_pf_lf([host_k, host_v], [k2[2], v2[2]], host,
+                                           torch.tensor([20, 21, 22, 23, 0, 1, 2, 3]), 2, page)
+    assert torch.equal(k2[2][20:24], k[2][8:12]) and torch.equal(v2[2][0:4], v[2][40:44])
+    assert not k2[1].any() and not v2[0].any()  # one layer only

@@ -31,7 +31,7 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.schema import EventKind
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import Reason, Tier
+from kvtrace.schema.kinds import ComponentKind, Reason, Tier
 from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -299,16 +299,18 @@ def test_a_window_restored_over_its_tombstone_is_named_alike_in_both_modes(locke
     assert [comparable(e) for e in spooled(spool)] == [comparable(e) for e in sink.events]
 
 
-@pytest.mark.parametrize("mix", [Mix.FULL, Mix.SWA])
+@pytest.mark.parametrize("mix", list(Mix))
 def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Path) -> None:
     """HiCache's host tier on CPU (the accelerator copies stood in): every insert backed up to
     host, acknowledged at the scheduler's poll, host pages evicted, host hits loaded back. The
     capture records each copy where the in-process hooks read it, with the time it read; the
     resolver replays them through the same hooks. Durations are each mode's own clock reads, so
-    they are compared apart."""
+    they are compared apart. With Mamba, a request asked again goes one token further, to resume
+    from the state kept at the prompt's end."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    config = DriverConfig(mix=mix, kv_tokens=1 << 15)
+    paged = mix in (Mix.MAMBA, Mix.SWA_MAMBA)  # SGLang's Mamba mixes need 1-token pages
+    config = DriverConfig(mix=mix, page_size=1 if paged else 16, kv_tokens=1 << 15)
     cache, allocator, pool = built = build_cache(config)
     enable_hicache(cache, host_ratio=2)
     requests = prompts(60)
@@ -327,8 +329,10 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
     def replay(driver: Driver) -> None:
         serve(driver, requests[:12])
         settle()
-        cache.evict(EvictParams(num_tokens=1 << 15, swa_num_tokens=1 << 15))  # device only: host keeps them
-        serve(driver, [(f"again-{rid}", tokens) for rid, tokens in requests[:4]])  # host hits, loaded back
+        # device only: host keeps them
+        cache.evict(EvictParams(num_tokens=1 << 15, swa_num_tokens=1 << 15, mamba_num=config.mamba_states))
+        further = [1] if paged else []
+        serve(driver, [(f"again-{rid}", tokens + further) for rid, tokens in requests[:4]])  # host hits, loaded back
         serve(driver, requests[12:])  # the host tier fills and evicts
         settle()
 
@@ -338,6 +342,11 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
     moves = {(e.kind, e.src_tier, e.dst_tier) for e in ours}
     assert {(EventKind.OFFLOAD, Tier.DEVICE, Tier.HOST), (EventKind.LOAD, Tier.HOST, Tier.DEVICE)} <= moves
     assert any(e.kind is EventKind.EVICT and e.tier is Tier.HOST for e in ours)
+    if paged:  # each host hit loaded the state at its boundary back once, for the tree
+        loaded = [e for e in ours if e.kind is EventKind.LOAD and e.component is ComponentKind.MAMBA]
+        from_host = [e for e in ours if e.kind is EventKind.ADOPT and Tier.HOST in e.reused_tiers]
+        assert len(loaded) == len(from_host) >= 4 and all(not e.more_keys for e in loaded)
+        assert any(e.kind is EventKind.OFFLOAD and e.component is ComponentKind.MAMBA for e in ours)
 
     def timeless(e: Event) -> bytes:
         return comparable(msgspec.structs.replace(e, duration_ns=0))
