@@ -52,6 +52,15 @@ def pool_name(transfer: Any, load: bool = False) -> str | None:
     return name
 
 
+def hung_under(cache: Any, node_id: Any) -> tuple[bool, str | None]:
+    """Where pages a prefetch landed hang in the tree: under the root (True, None), or under a
+    node, named by SGLang's storage name for its last page (False, that name or None)."""
+    tree = getattr(cache, "tree_core", None)
+    if tree is not None and tree.is_root(node_id):
+        return True, None
+    return False, cache.get_last_hash_value(node_id) or None
+
+
 class HiCacheHooks:
     """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`."""
 
@@ -69,6 +78,7 @@ class HiCacheHooks:
         self.unnamed_pages = 0
         self.prefetches_started = 0
         self.prefetches_revoked = 0
+        self._acks: Any = None  # the storage acknowledgement queue wrapped
         # When a copy started and ended; the out-of-process resolver reads it off the records
         # instead, the times the capture took on the scheduler thread.
         self.clock: Callable[[], int] = time.monotonic_ns
@@ -86,15 +96,25 @@ class HiCacheHooks:
         s._wrap_scoped(c, "check_hicache_events", None)
         s._wrap_scoped(c, "init_load_back", None)
         s._wrap_plain(cc, "write_storage", self._after_write_storage)
-        queue = getattr(cc, "ack_backup_queue", None)
-        if queue is not None:
-            s._wrap_plain(queue, "get", self._after_storage_ack)
+        self._wrap_storage_acks()
+        s._wrap_plain(cc, "attach_storage_backend", self._after_attach_storage)
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
         s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
         s._wrap_plain(c, "revoke_pending_prefetch", self._after_prefetch_revoke)
         s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
         s._wrap_plain(c, "reset", self._after_reset)
         return self
+
+    def _wrap_storage_acks(self) -> None:
+        """The storage tier's acknowledgement queue: there from the start when the tier was, made
+        anew when one is attached at run time (`attach_storage_backend`)."""
+        queue = getattr(self.controller, "ack_backup_queue", None)
+        if queue is not None and queue is not self._acks:
+            self._acks = queue
+            self.shim._wrap_plain(queue, "get", self._after_storage_ack)
+
+    def _after_attach_storage(self, *args: Any, **kwargs: Any) -> None:
+        self._wrap_storage_acks()
 
     def _extra(self, pools: Any, load: bool = False) -> list[tuple[int, Any, Any]]:
         """(group, device indices, host indices) of the component transfers that travel with a
@@ -212,11 +232,18 @@ class HiCacheHooks:
                            *args: Any, **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
-        start = int(result.prefix_len) // self.page
-        names = list(hash_value)
+        root, parent = hung_under(self.cache, node_id)
+        self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent)
+
+    def landed(self, prefix_len: int, names: list[str], key: Any, host_value: Any, root: bool,
+               parent: str | None) -> None:
+        """A prefetch landed on host: `names` (SGLang's storage names) for the key's pages in
+        `host_value`, the first `prefix_len` tokens already on host, under the root or under
+        the node whose last page SGLang names `parent`."""
+        start = prefix_len // self.page
         keys = np.array([self.names.get(n) for n in names], dtype=np.uint64)
         if not keys.all():
-            chain = self._chain_under(node_id, key)
+            chain = self._chain_under(root, parent, key)
             if chain is not None:
                 made = chain.extend(key.token_ids, self.page)[: len(keys)]
                 keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
@@ -230,14 +257,13 @@ class HiCacheHooks:
             self.shim.install_slots(self.full, Tier.HOST, slots[known], keys[known], report=False)
             self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[known], 0)
 
-    def _chain_under(self, node_id: Any, key: Any) -> Chain | None:
+    def _chain_under(self, root: bool, parent: str | None, key: Any) -> Chain | None:
         """The chain of pages that hang under a tree node: from the namespace's seed under the
         root, else after the node's last page when this process knows its kvtrace key."""
-        tree = getattr(self.cache, "tree_core", None)
-        if tree is not None and tree.is_root(node_id):
+        if root:
             return new_chain(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
-        parent = self.names.get(self.cache.get_last_hash_value(node_id))
-        return continue_from(parent) if parent else None
+        known = self.names.get(parent)
+        return continue_from(known) if known else None
 
     def _after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:

@@ -270,3 +270,32 @@ def test_the_page_first_stand_ins_move_what_the_kernels_would() -> None:
                                            torch.tensor([20, 21, 22, 23, 0, 1, 2, 3]), 2, page)
     assert torch.equal(k2[2][20:24], k[2][8:12]) and torch.equal(v2[2][0:4], v[2][40:44])
     assert not k2[1].any() and not v2[0].any()  # one layer only
+
+
+def test_a_storage_tier_attached_at_run_time_is_followed(tmp_path: Path) -> None:
+    """SGLang can attach a storage tier to a running engine (`attach_storage_backend`), with a
+    new acknowledgement queue: the shim follows the new queue, so writes to disk are reported."""
+    import json
+
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_parallel
+
+    config = DriverConfig(mix=Mix.FULL, page_size=PAGE, kv_tokens=256)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    enable_hicache(cache)  # the host tier only
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path)).__enter__()
+    ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": PAGE}))
+    assert ok, why
+    driver = Driver(cache, allocator, pool, config, shim)
+    driver.serve("r1", PROMPT)
+    deadline = time.monotonic() + 20
+    while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
+        cache.check_hicache_events()
+        time.sleep(0.01)
+    assert emitter.shutdown() and shim.errors == 0
+    offloads = [(e.src_tier, e.dst_tier, _keys(e)) for e in sink.events if e.kind is EventKind.OFFLOAD]
+    assert offloads == [(Tier.DEVICE, Tier.HOST, KEYS), (Tier.HOST, Tier.DISK, KEYS)]
