@@ -13,10 +13,11 @@ both modes emit the same events, and its emitter sends them to the configured si
 The scheduler thread never waits: a full ring drops the record and counts it, and the
 resolver, told of the loss, starts its ledger afresh and reports the device tier invalidated
 (an honest "unknown" instead of evictions it can no longer name). Covered: full attention,
-sliding-window and Mamba components, in any mix, on the unified tree, and HiCache's host tier
-(its copies are recorded where `HiCacheHooks` reads them, with the scheduler thread's times).
-HiCache's storage tier and the older single-component trees stay in-process (`unsupported`
-says why).
+sliding-window and Mamba components, in any mix, on the unified tree, and HiCache's host and
+storage tiers (their copies are recorded where `HiCacheHooks` reads them, with the scheduler
+thread's times). The older single-component trees stay in-process (`unsupported` says why).
+HiCache's prefetch counters (`HiCacheHooks.prefetches_started`, `_revoked`) are not events and
+are kept in-process only.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import pool_name
+from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 usage_counters)
@@ -94,6 +95,16 @@ class Rec(IntEnum):
     # pools' component names; then the host and device page starts, and each extra pool's
     RESTORED = 17  # `loading_check` returned; value: 4 if its opening was not recorded; meta: the
     # (int) load ids in progress before it and after it, how many there are after it, time
+    # HiCache's storage tier. Its writes and prefetches run on SGLang's own threads, but what the
+    # in-process hooks read of them happens on the scheduler thread, and is recorded there.
+    STORE = 18  # `cache_controller.write_storage` queued a write; meta: operation id, time, SGLang's
+    # storage names for its pages; then the host page starts
+    STORED = 19  # the storage acknowledgement queue handed a write back; meta: operation id, the
+    # tokens it completed (nil: all), time
+    FETCHED = 20  # `tree_core.insert_host` put a landed prefetch on host; meta: prefix length,
+    # storage names, whether it hangs under the root, the storage name of the node it hangs
+    # under (`hicache.hung_under`), extra key, cache salt; then the key's tokens, the host page starts
+    CLEARED = 21  # `clear_storage_backend` emptied the storage tier
 
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
@@ -138,8 +149,6 @@ def _mark(req: Any) -> None:
 
 def unsupported(cache: Any) -> str | None:
     """Why this cache cannot be traced out of process, or None."""
-    if getattr(getattr(cache, "cache_controller", None), "enable_storage", False):
-        return "HiCache's storage tier (its writes, acknowledgements and prefetches are read in-process)"
     if getattr(cache, "_apply_cache_action", None) is None:
         return f"{type(cache).__name__} (an older tree: frees are read from tree nodes)"
     return None
@@ -207,6 +216,7 @@ class CaptureShim:
         self._usage_due_ns = 0
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
+        self._acks: Any = None  # the storage acknowledgement queue wrapped
         self._loading_call = CALLS.index("loading_check")
 
     # -- the ring ----------------------------------------------------------------------------------
@@ -308,20 +318,28 @@ class CaptureShim:
         return self
 
     def _install_hicache(self) -> None:
-        """HiCache's host tier: its copies and their acknowledgements, as `HiCacheHooks` reads
-        them in-process. A storage tier cannot be followed from here (`_storage_attached`)."""
+        """HiCache's host and storage tiers: their copies and acknowledgements, as
+        `HiCacheHooks` reads them in-process."""
         c = self.cache
         cc = c.cache_controller
-        if getattr(cc, "enable_storage", False):  # added after the capture, with its tiers
-            self._storage_attached()
-            return
         self._wrap_after(cc, "write", self._backup)
         self._wrap_after(c, "_finish_write_through_ack", self._backed)
         self._wrap_after(cc, "load", self._restore)
         self._wrap(c, "loading_check", self._loading, self._restored, optional=True, opens=False)
         self._wrap(c, "check_hicache_events", None, None, optional=True)
         self._wrap(c, "init_load_back", None, None, optional=True)
-        self._wrap_after(c, "attach_storage_backend", self._storage_attached)
+        self._wrap_after(cc, "write_storage", self._store)
+        self._wrap_storage_acks()
+        self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
+        self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
+        self._wrap_after(c, "clear_storage_backend", self._cleared)
+
+    def _wrap_storage_acks(self) -> None:
+        """The storage tier's acknowledgement queue, made anew when one is attached at run time."""
+        queue = getattr(self.cache.cache_controller, "ack_backup_queue", None)
+        if queue is not None and queue is not self._acks:
+            self._acks = queue
+            self._wrap_after(queue, "get", self._stored)
 
     def _wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> None:
         """Record after a call that returned (`after` reads its result and arguments); no call
@@ -641,17 +659,30 @@ class CaptureShim:
         meta = META.encode((self._loads_before, [a for a in still if type(a) is int], len(still), time.monotonic_ns()))
         self._put(Rec.RESTORED, 0 if opened else 4, (meta,))
 
-    def _storage_attached(self, *args: Any, **kwargs: Any) -> None:
-        """A storage tier attached at run time: its moves cannot be followed from here, so the
-        resolver is told the picture has a hole (it reports the tiers invalidated) and recording
-        stops, said once; the engine is not touched."""
-        if not getattr(getattr(self.cache, "cache_controller", None), "enable_storage", False):
+    def _store(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None, *args: Any,
+               **kwargs: Any) -> None:
+        if op_id is None or not hash_value:
             return
-        log.error("kvtrace: a HiCache storage tier was attached to a cache traced out of process; "
-                  "its moves cannot be followed there, so tracing of this cache stops "
-                  "(trace it in-process to follow the storage tier)")
-        self.ring.offer(Rec.LOST, 1)
-        self.uninstall()
+        self._put(Rec.STORE, 0, (META.encode((int(op_id), time.monotonic_ns(), list(hash_value))),
+                                 page_starts(host_indices, self._step(-1))))
+
+    def _stored(self, op: Any, *args: Any, **kwargs: Any) -> None:
+        done = getattr(op, "completed_tokens", None)
+        self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
+                                               time.monotonic_ns())),))
+
+    def _fetched(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
+            return
+        root, parent = hung_under(self.cache, node_id)
+        meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
+                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None))))
+        self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
+
+    def _cleared(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
+        if cleared:
+            self._put(Rec.CLEARED)
 
     def record_admission(self, request_id: str, prompt_tokens: int, device: int, host: int = 0, storage: int = 0,
                          tenant: str | None = None) -> None:

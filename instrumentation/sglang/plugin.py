@@ -16,8 +16,8 @@ If SGLang lacks the registry or a target, it logs once and the engine runs untra
 
 `KVTRACE_SGLANG_MODE=process` moves the shim's work off the scheduler thread: the thread only
 copies what the shim reads into shared memory and a resolver process does the rest (see
-`capture`). A cache that mode does not cover (HiCache's storage tier, the older
-single-component trees) is traced in-process, with a log line saying why.
+`capture`). A cache that mode does not cover (the older single-component trees) is traced
+in-process, with a log line saying why.
 """
 
 from __future__ import annotations

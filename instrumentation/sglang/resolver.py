@@ -254,6 +254,20 @@ class Replayer:
             if self.frames and self.frames[-1][0] == "loading_check":
                 _, top, _, _ = self.frames.pop()
                 shim.end_call("loading_check", top, self._hicache()._after_loading_check, None, set(before), (), {})
+        elif kind == Rec.STORE:
+            op_id, self.now, names = _META.decode(blobs[0])
+            self._hicache()._after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names)
+        elif kind == Rec.STORED:
+            op_id, done, self.now = _META.decode(blobs[0])
+            op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
+            self._hicache()._after_storage_ack(op)
+        elif kind == Rec.FETCHED:
+            prefix_len, names, root, parent, extra, salt = _META.decode(blobs[0])
+            tokens = _tokens(blobs[1])
+            self._hicache().landed(prefix_len, names, _Key(tokens, extra, salt, len(tokens)),
+                                   _slots(blobs[2], self._step(None)), root, parent)
+        elif kind == Rec.CLEARED:
+            self._hicache()._after_clear_storage(True)
         elif kind == Rec.ADMIT:
             prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
             shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)

@@ -26,6 +26,7 @@ from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import CaptureStats, ProcessShim, unsupported
 from kvtrace.instrumentation.sglang.driver import (COMPONENTS, ComponentType, Driver, DriverConfig, Mix, Route,
                                                   build_cache, enable_hicache)
+from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
@@ -95,6 +96,21 @@ def both_modes(config: DriverConfig, built: tuple[Any, Any, Any], replay: Callab
         process.close()
     assert emitter.shutdown() and inline.errors == 0
     return sink, stats
+
+
+def _settle(cache: Any) -> None:
+    """The scheduler's per-step poll until backups and storage writes are acknowledged."""
+    deadline = time.monotonic() + 20
+    while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
+        cache.check_hicache_events()
+        time.sleep(0.01)
+
+
+def _timeless(e: Event) -> bytes:
+    """An event as `comparable`, without durations (each mode reads its own clock) and with a
+    lookup that had no request unnamed (each process names it by an object of its own)."""
+    anonymous = e.request_id.startswith("anon-")
+    return comparable(msgspec.structs.replace(e, duration_ns=0, request_id="anon" if anonymous else e.request_id))
 
 
 @pytest.mark.parametrize(("mix", "route", "rate"), [(Mix.FULL, Route.CACHE, 1.0), (Mix.MAMBA, Route.CACHE, 1.0),
@@ -315,12 +331,6 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
     enable_hicache(cache, host_ratio=2)
     requests = prompts(60)
 
-    def settle() -> None:
-        deadline = time.monotonic() + 20
-        while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
-            cache.check_hicache_events()
-            time.sleep(0.01)
-
     def serve(driver: Driver, batch: list[tuple[str, list[int]]]) -> None:
         for rid, tokens in batch:
             driver.serve(rid, tokens)
@@ -328,13 +338,13 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
 
     def replay(driver: Driver) -> None:
         serve(driver, requests[:12])
-        settle()
+        _settle(cache)
         # device only: host keeps them
         cache.evict(EvictParams(num_tokens=1 << 15, swa_num_tokens=1 << 15, mamba_num=config.mamba_states))
         further = [1] if paged else []
         serve(driver, [(f"again-{rid}", tokens + further) for rid, tokens in requests[:4]])  # host hits, loaded back
         serve(driver, requests[12:])  # the host tier fills and evicts
-        settle()
+        _settle(cache)
 
     sink, stats = both_modes(config, built, replay)
     assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
@@ -348,10 +358,7 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
         assert len(loaded) == len(from_host) >= 4 and all(not e.more_keys for e in loaded)
         assert any(e.kind is EventKind.OFFLOAD and e.component is ComponentKind.MAMBA for e in ours)
 
-    def timeless(e: Event) -> bytes:
-        return comparable(msgspec.structs.replace(e, duration_ns=0))
-
-    assert [timeless(e) for e in theirs] == [timeless(e) for e in ours]
+    assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
     # The resolver's durations are the capture's clock reads on the scheduler thread, next to
     # the in-process hooks' own: the same copies' times, not the time the replay took.
     pairs = [(a.duration_ns, b.duration_ns) for a, b in zip(theirs, ours, strict=True)
@@ -361,56 +368,108 @@ def test_hicaches_host_tier_is_followed_alike_in_both_modes(mix: Mix, spool: Pat
     assert max(a for a, _ in pairs) > 5_000_000 and max(b for _, b in pairs) > 5_000_000  # one waited for a poll
 
 
+def test_hicaches_storage_tier_is_followed_alike_in_both_modes(spool: Path, tmp_path: Path) -> None:
+    """HiCache's file storage tier: host pages written to disk and acknowledged, prefetches
+    landing on host, the tier cleared. Some pages on disk were stored by another engine, so their
+    names are unknown here: one prefetch lands under the root and is keyed from its tokens,
+    another under a node this engine stored and continues that node's chain."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    config = DriverConfig(page_size=4, kv_tokens=256)
+    storage = str(tmp_path / "l3")
+    theirs_only, head, whole = list(range(700, 717)), list(range(100, 108)), list(range(100, 116)) + [999]
+    other, other_allocator, other_pool = build_cache(config)  # another engine on the same storage
+    enable_hicache(other, storage)
+    other_driver = Driver(other, other_allocator, other_pool, config)
+    other_driver.serve("x", theirs_only)
+    other_driver.serve("y", whole)
+    _settle(other)
+    cache, allocator, pool = built = build_cache(config)
+    enable_hicache(cache, storage)
+
+    def prefetch(rid: str, tokens: list[int]) -> int:
+        probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        handle = CacheRequestHandle(rid, 0)
+        node = probe.last_host_node
+        cache.prefetch_from_storage(handle, node, array("q", tokens[probe.device_prefix_len + probe.host_hit_length:]),
+                                    cache.get_last_hash_value(node))
+        deadline = time.monotonic() + 20
+        while not cache.check_prefetch_progress(handle) and time.monotonic() < deadline:
+            cache.check_hicache_events()
+            time.sleep(0.01)
+        return cache.pop_prefetch_loaded_span(handle)[0]
+
+    def replay(driver: Driver) -> None:
+        driver.serve("a", head + [998])  # stored here: its names are known
+        _settle(cache)
+        cache.evict(EvictParams(num_tokens=256))
+        assert prefetch("p1", theirs_only[:16]) == 16  # under the root, stored by the other engine
+        assert prefetch("p2", whole[:16]) == 8  # under "a"'s node, whose pages are on host
+        driver.serve("b", whole)  # loaded back from host
+        _settle(cache)
+        assert cache.clear_storage_backend()
+        cache.reset()
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours, theirs = sink.events, spooled(spool)
+    def keys(e: Event) -> list[int]:
+        return [e.block_key, *e.more_keys]
+
+    def chain(tokens: list[int]) -> list[int]:
+        return new_chain(None, None).extend(array("q", tokens), 4).tolist()
+
+    written = [keys(e) for e in ours if e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK]
+    assert written[0] == chain(head)  # "a"'s pages, written to disk
+    fetched = [keys(e) for e in ours if e.kind is EventKind.LOAD and e.src_tier is Tier.DISK]
+    assert fetched == [chain(theirs_only[:16]), chain(whole[:16])[2:]]  # keyed from their tokens
+    assert any(e.kind is EventKind.INVALIDATE and e.tier is Tier.DISK for e in ours)
+    assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
+
+
 @pytest.mark.parametrize("how", ["attached at run time", "added with the host tier"])
-def test_a_storage_tier_added_later_stops_the_capture_and_says_so(how: str, spool: Path, tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """HiCache's storage tier is not followed out of process. One that arrives after the capture
-    started (SGLang can attach one at run time) makes it stop recording, log why, and tell the
-    resolver the picture has a hole, which it reports as the device tier invalidated."""
+def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path: Path) -> None:
+    """SGLang can attach a storage tier at run time (with a new acknowledgement queue), or the
+    tiers may come after the capture started: either way the capture follows the storage tier."""
     import json
 
     from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_parallel
 
     config = DriverConfig(kv_tokens=1 << 15)
-    cache, allocator, pool = build_cache(config)
+    cache, allocator, pool = built = build_cache(config)
     if how == "attached at run time":
         enable_hicache(cache)  # the host tier first, followed
-    process = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
-    try:
-        driver = Driver(cache, allocator, pool, config, process)
+
+    def replay(driver: Driver) -> None:
         for rid, tokens in prompts(3):
             driver.serve(rid, tokens)
-        with caplog.at_level("ERROR", logger="kvtrace.sglang"):
-            if how == "attached at run time":  # what the scheduler's process has set up by then
-                get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-                envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")).__enter__()
-                ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
-                assert ok, why
-            else:
-                enable_hicache(cache, str(tmp_path / "l3"))
-        assert "storage tier was attached" in caplog.text
-        assert not process.capture._saved  # unwrapped: the engine runs untouched
-        for rid, tokens in prompts(5)[3:]:
+        if how == "attached at run time":  # what the scheduler's process has set up by then
+            get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+            envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")).__enter__()
+            ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
+            assert ok, why
+        else:
+            enable_hicache(cache, str(tmp_path / "l3"))
+        for rid, tokens in prompts(6)[3:]:
             driver.serve(rid, tokens)
-        assert process.flush(60)
-        stats = process.stats()
-    finally:
-        process.close()
-    assert stats.lost_resets == 1 and stats.resolver_errors == 0
-    events = spooled(spool)
-    assert events[-1].kind is EventKind.INVALIDATE and events[-1].tier is Tier.DEVICE
-    assert sum(e.kind is EventKind.LOOKUP for e in events) == 3  # nothing after it
+        _settle(cache)
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.lost_resets == 0 and stats.resolver_errors == 0 and stats.errors == 0
+    ours, theirs = sink.events, spooled(spool)
+    assert any(e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK for e in ours)
+    assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
 
 
-def test_caches_it_does_not_cover_are_refused_by_name(tmp_path: Path) -> None:
+def test_caches_it_does_not_cover_are_refused_by_name() -> None:
     cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15, tree="pure_swa"))
     assert "PureSWARadixCache" in (unsupported(cache) or "")
     with pytest.raises(ValueError, match="PureSWARadixCache"):
         ProcessShim(cache, IDENTITY)
-    cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15))
-    enable_hicache(cache, str(tmp_path))
-    assert "storage tier" in (unsupported(cache) or "")
 
 
 def test_a_request_asked_again_after_its_admission_is_reported_with_its_new_tokens(spool: Path) -> None:
