@@ -16,8 +16,8 @@ resolver, told of the loss, starts its ledger afresh and reports the device tier
 sliding-window and Mamba components, in any mix, on the unified tree, and HiCache's host and
 storage tiers (their copies are recorded where `HiCacheHooks` reads them, with the scheduler
 thread's times). The older single-component trees stay in-process (`unsupported` says why).
-HiCache's prefetch counters (`HiCacheHooks.prefetches_started`, `_revoked`) are not events and
-are kept in-process only.
+HiCache's counters (`HiCacheHooks.prefetches_started`, `_revoked`, `unnamed_pages`) are not
+events: in this mode only the resolver has the last one, and the first two are not kept.
 """
 
 from __future__ import annotations
@@ -98,13 +98,17 @@ class Rec(IntEnum):
     # HiCache's storage tier. Its writes and prefetches run on SGLang's own threads, but what the
     # in-process hooks read of them happens on the scheduler thread, and is recorded there.
     STORE = 18  # `cache_controller.write_storage` queued a write; meta: operation id, time, SGLang's
-    # storage names for its pages; then the host page starts
+    # storage names for its pages, the component names of the states written with them; then the
+    # host page starts, and each state's
     STORED = 19  # the storage acknowledgement queue handed a write back; meta: operation id, the
     # tokens it completed (nil: all), time
     FETCHED = 20  # `tree_core.insert_host` put a landed prefetch on host; meta: prefix length,
     # storage names, whether it hangs under the root, the storage name of the node it hangs
     # under (`hicache.hung_under`), extra key, cache salt; then the key's tokens, the host page starts
     CLEARED = 21  # `clear_storage_backend` emptied the storage tier
+    STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
+    # the component names of the states staged on host, and of those the commit frees again; then
+    # the host page starts of each, in that order
 
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
@@ -192,6 +196,7 @@ class CaptureShim:
         names = [component_name(ct) for ct in component_types(cache)]
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
+        self._full = names.index("FULL") if "FULL" in names else 0  # the shim's rule (`_full`)
         self._swa = names.index("SWA") if "SWA" in names and len(names) > 1 else None  # the shim's rule
         self._windowed = "SWA" in names  # window actions are recorded (the shim reads each one it sees)
         self._saved: list[tuple[Any, str, Any]] = []
@@ -332,6 +337,7 @@ class CaptureShim:
         self._wrap_storage_acks()
         self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
         self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
+        self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
         self._wrap_after(c, "clear_storage_backend", self._cleared)
 
     def _wrap_storage_acks(self) -> None:
@@ -660,11 +666,17 @@ class CaptureShim:
         self._put(Rec.RESTORED, 0 if opened else 4, (meta,))
 
     def _store(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None, *args: Any,
-               **kwargs: Any) -> None:
+               extra_pools: Any = None, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
-        self._put(Rec.STORE, 0, (META.encode((int(op_id), time.monotonic_ns(), list(hash_value))),
-                                 page_starts(host_indices, self._step(-1))))
+        names, states = [], []
+        for transfer in extra_pools or ():
+            name, host = pool_name(transfer), getattr(transfer, "host_indices", None)
+            if name in self.group_names and host is not None:
+                names.append(name)
+                states.append(page_starts(host, self._step(self.group_names.index(name))))
+        self._put(Rec.STORE, 0, (META.encode((int(op_id), time.monotonic_ns(), list(hash_value), names)),
+                                 page_starts(host_indices, self._step(-1)), *states))
 
     def _stored(self, op: Any, *args: Any, **kwargs: Any) -> None:
         done = getattr(op, "completed_tokens", None)
@@ -679,6 +691,28 @@ class CaptureShim:
         meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
                             _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None))))
         self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
+
+    def _staged(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
+                cache_actions: Any = (), **kwargs: Any) -> None:
+        """What `HiCacheHooks._after_commit_transfers` reads: the states a landed prefetch staged
+        on host, and the host slots the commit frees again."""
+        if getattr(phase, "name", phase) != "PREFETCH":
+            return
+        staged, released, blobs = [], [], []
+        for ct, xfers in (comp_xfers or {}).items():
+            name = component_name(ct)
+            if (name in self.group_names and self.group_names.index(name) != self._full and xfers
+                    and xfers[0].host_indices is not None):
+                staged.append(name)
+                blobs.append(page_starts(xfers[0].host_indices, self._step(self.group_names.index(name))))
+        for action in cache_actions or ():
+            if type(action).__name__ == "FreeComponentHostSlot":
+                name = component_name(action.component_type)
+                if name in staged:  # what the hook reads of them
+                    released.append(name)
+                    blobs.append(page_starts(action.host_indices, self._step(self.group_names.index(name))))
+        if staged:
+            self._put(Rec.STAGED, 0, (META.encode((staged, released)), *blobs))
 
     def _cleared(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:

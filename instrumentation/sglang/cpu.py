@@ -78,6 +78,17 @@ def install_vision_stand_in() -> None:
 _hicache_patched = False
 
 
+def _importable(*names: str) -> list[types.ModuleType]:
+    """SGLang's host pool modules of these names that import here (each pulls its own kernels)."""
+    out = []
+    for name in names:
+        try:
+            out.append(importlib.import_module(f"sglang.srt.mem_cache.pool_host.{name}"))
+        except Exception:  # noqa: BLE001 - a pool this build or platform lacks: nothing to stand in for
+            continue
+    return out
+
+
 def patch_hicache_for_cpu() -> None:
     """Let HiCache's host tier (and storage behind it) run on CPU; idempotent."""
     global _hicache_patched
@@ -99,7 +110,7 @@ def patch_hicache_for_cpu() -> None:
             dst[dst_indices] = src[src_indices].to(dst.device)
 
     def page_starts(indices: Any, page_size: int) -> Any:
-        return indices.to(torch.long).view(-1, page_size)[:, 0]
+        return indices.to(torch.long).reshape(-1, page_size)[:, 0]
 
     def lf_to_pf(src_ptrs: Any, dst_ptrs: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
         """Layer-first device slots to page-first host pages, every layer: `src_ptrs` holds one
@@ -125,7 +136,7 @@ def patch_hicache_for_cpu() -> None:
                 dst = dst_ptrs[part * layers + layer]
                 dst[tokens] = src[pages, layer_id + layer].reshape(len(tokens), *dst.shape[1:]).to(dst.device)
 
-    for module in (host_mha, host_mamba):
+    for module in (host_mha, host_mamba, *_importable("mla", "dsa")):  # every pool with a direct path
         module.transfer_kv_direct = transfer_kv_direct
         module.transfer_kv_all_layer_direct_lf_pf = lf_to_pf
         module.transfer_kv_per_layer_direct_pf_lf = pf_to_lf
@@ -136,4 +147,10 @@ def patch_hicache_for_cpu() -> None:
         return allocate(self)
 
     host_base.HostKVCache._allocate_host_buffer = allocate_unpinned
+    mamba_init = host_mamba.MambaPoolHost.__init__
+
+    def mamba_unpinned(self: Any, *args: Any, **kwargs: Any) -> None:  # its own buffers, not the base's
+        mamba_init(self, *args, **{**kwargs, "pin_memory": False})
+
+    host_mamba.MambaPoolHost.__init__ = mamba_unpinned
     _hicache_patched = True

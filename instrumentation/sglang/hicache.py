@@ -20,6 +20,10 @@ about storage):
   tokens, continuing the chain from the node it hangs under when that node is the root or a
   page this process stored (else it is counted in `unnamed_pages`, not reported); prefetches
   started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
+- a sliding window's or Mamba's state travels with its pages both ways: a storage write carries
+  it (`extra_pools`, the trailing pages' state, reported once the whole write is acknowledged),
+  and a landed prefetch's `tree_core.commit_hicache_transfers(..., PREFETCH, ...)` stages it on
+  host under the keys of the trailing pages it landed, less the slots that commit frees again;
 - invalidate: `clear_storage_backend()` empties the disk tier.
 Evictions from host come through the shim's component `free_host_values` hooks.
 """
@@ -73,7 +77,9 @@ class HiCacheHooks:
         # ack id -> [(group, device slots, host slots, t0)]; ack id -> ([(group, keys)], t0)
         self._writes: dict[int, list[tuple[int, np.ndarray, np.ndarray, int]]] = {}
         self._loads: dict[int, tuple[list[tuple[int, np.ndarray]], int]] = {}
-        self._storage: dict[int, tuple[list[str], np.ndarray, int]] = {}  # op id -> (names, host slots, t0)
+        # op id -> (names, host slots, t0, [(group, host slots)] of the states written with them)
+        self._storage: dict[int, tuple[list[str], np.ndarray, int, list[tuple[int, np.ndarray]]]] = {}
+        self._landed = np.zeros(0, dtype=np.uint64)  # keys of the pages the last prefetch landed
         self.names = StorageNames()
         self.unnamed_pages = 0
         self.prefetches_started = 0
@@ -99,6 +105,7 @@ class HiCacheHooks:
         self._wrap_storage_acks()
         s._wrap_plain(cc, "attach_storage_backend", self._after_attach_storage)
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
+        s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
         s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
         s._wrap_plain(c, "revoke_pending_prefetch", self._after_prefetch_revoke)
         s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
@@ -197,29 +204,39 @@ class HiCacheHooks:
 
     # -- host -> disk ------------------------------------------------------------------------------
     def _after_write_storage(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None,
-                             *args: Any, **kwargs: Any) -> None:
+                             *args: Any, extra_pools: Any = None, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
         # Named at the acknowledgement: the write is submitted inside the host backup's own
         # acknowledgement, before the host ledger holds the pages.
         names = list(hash_value)
+        states = [(group, self.shim._page_slots(group, hst)) for group, _, hst in self._extra(extra_pools)
+                  if hst is not None]
         self._storage[int(op_id)] = (names, self.shim._page_slots(self.full, host_indices)[: len(names)],
-                                     self.clock())
+                                     self.clock(), states)
 
     def _after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
         pending = self._storage.pop(int(getattr(op, "id", -1)), None)
         if pending is None:
             return
-        names, slots, t0 = pending
+        names, slots, t0, states = pending
         done = int(getattr(op, "completed_tokens", len(slots) * self.page)) // self.page
+        whole = done >= len(slots)
         names, slots = names[:done], slots[:done]  # a batch stops at its first failed page
-        book = self.shim.ledger.get((self.full, Tier.HOST))
+        now = self.clock()
+        self._offload_to_disk(self.full, slots, now - t0, names)
+        if whole:  # a window's or Mamba's state: the trailing pages, written with the last of the KV
+            for group, host in states:
+                self._offload_to_disk(group, host, now - t0)
+
+    def _offload_to_disk(self, group: int, slots: np.ndarray, duration_ns: int, names: list[str] | None = None) -> None:
+        book = self.shim.ledger.get((group, Tier.HOST))
         keys = book.peek(slots) if book is not None else np.zeros(0, dtype=np.uint64)
-        self.names.learn(names, keys)
+        if names is not None:
+            self.names.learn(names, keys)
         keys = keys[keys != 0]
         if len(keys):
-            self.shim._emit_transfer(EventKind.OFFLOAD, self.full, Tier.HOST, Tier.DISK, keys,
-                                     self.clock() - t0)
+            self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.HOST, Tier.DISK, keys, duration_ns)
 
     # -- disk -> host ------------------------------------------------------------------------------
     def _after_prefetch_start(self, *args: Any, **kwargs: Any) -> None:
@@ -247,6 +264,7 @@ class HiCacheHooks:
             if chain is not None:
                 made = chain.extend(key.token_ids, self.page)[: len(keys)]
                 keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
+        self._landed = keys  # the states that came with them end with these pages (`prefetched`)
         slots = self.shim._page_slots(self.full, host_value)[start:]
         keys = keys[start:]
         n = min(len(slots), len(keys))
@@ -256,6 +274,43 @@ class HiCacheHooks:
         if known.any():
             self.shim.install_slots(self.full, Tier.HOST, slots[known], keys[known], report=False)
             self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[known], 0)
+
+    def _after_commit_transfers(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
+                                cache_actions: Any = (), **kwargs: Any) -> None:
+        """A landed prefetch's component transfers committed onto the tree: the window's or
+        Mamba's state staged on host with the pages, less what the commit gives back."""
+        if getattr(phase, "name", phase) != "PREFETCH":
+            return
+        staged, released = [], []
+        for ct, xfers in (comp_xfers or {}).items():
+            group = self.shim.group_of.get(ct)
+            if group is None or group == self.full or not xfers or xfers[0].host_indices is None:
+                continue
+            staged.append((group, self.shim._page_slots(group, xfers[0].host_indices)))
+        for action in cache_actions or ():
+            if type(action).__name__ == "FreeComponentHostSlot":
+                group = self.shim.group_of.get(action.component_type)
+                if group is not None:
+                    released.append((group, self.shim._page_slots(group, action.host_indices)))
+        self.prefetched(staged, released)
+
+    def prefetched(self, staged: list[tuple[int, np.ndarray]], released: list[tuple[int, np.ndarray]]) -> None:
+        """States a prefetch staged on host (`staged`: group, its slots) for the trailing pages
+        of the pages it landed; `released`: slots the commit frees again (a state the tree
+        already had, or a window that did not arrive whole), which never held a page."""
+        keys, self._landed = self._landed, np.zeros(0, dtype=np.uint64)
+        for group, slots in staged:
+            n = len(slots)
+            if not n or n > len(keys):
+                continue
+            named = keys[len(keys) - n :]
+            keep = named != 0
+            gone = [s for g, s in released if g == group]
+            if gone:
+                keep &= ~np.isin(slots, np.concatenate(gone))
+            if keep.any():
+                self.shim.install_slots(group, Tier.HOST, slots[keep], named[keep], report=False)
+                self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, named[keep], 0)
 
     def _chain_under(self, root: bool, parent: str | None, key: Any) -> Chain | None:
         """The chain of pages that hang under a tree node: from the namespace's seed under the

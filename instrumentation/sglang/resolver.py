@@ -255,8 +255,11 @@ class Replayer:
                 _, top, _, _ = self.frames.pop()
                 shim.end_call("loading_check", top, self._hicache()._after_loading_check, None, set(before), (), {})
         elif kind == Rec.STORE:
-            op_id, self.now, names = _META.decode(blobs[0])
-            self._hicache()._after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names)
+            op_id, self.now, names, states = _META.decode(blobs[0])
+            pools = [SimpleNamespace(name=name, host_indices=_slots(raw, self._step(name)))
+                     for name, raw in zip(states, blobs[2:], strict=True)]
+            self._hicache()._after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names,
+                                                 extra_pools=pools)
         elif kind == Rec.STORED:
             op_id, done, self.now = _META.decode(blobs[0])
             op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
@@ -266,6 +269,12 @@ class Replayer:
             tokens = _tokens(blobs[1])
             self._hicache().landed(prefix_len, names, _Key(tokens, extra, salt, len(tokens)),
                                    _slots(blobs[2], self._step(None)), root, parent)
+        elif kind == Rec.STAGED:
+            staged, released = _META.decode(blobs[0])
+            groups = [self.shim._group_named(name) for name in staged + released]
+            moved = [(g, self.shim._page_slots(g, _slots(raw, self._step(name))))
+                     for g, name, raw in zip(groups, staged + released, blobs[1:], strict=True)]
+            self._hicache().prefetched(moved[: len(staged)], moved[len(staged):])
         elif kind == Rec.CLEARED:
             self._hicache()._after_clear_storage(True)
         elif kind == Rec.ADMIT:

@@ -250,26 +250,95 @@ def test_pages_fetched_under_a_host_node_continue_its_chain(core: str, tmp_path:
     assert rig.emitter.shutdown() and rig.shim.errors == 0
 
 
-def test_the_page_first_stand_ins_move_what_the_kernels_would() -> None:
-    """The CPU stand-ins for SGLang's page-first-direct copies keep its layout: host page
-    `index // page`, layer, offset in the page, holding the device slots' rows; K and V apart."""
+@pytest.mark.parametrize(("mix", "page"), [(Mix.MAMBA, 1), (Mix.SWA_MAMBA, 1), (Mix.SWA, PAGE)])
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_a_state_stored_with_its_pages_comes_back_from_storage(core: str, mix: Mix, page: int,
+                                                                  tmp_path: Path) -> None:
+    """A window's or Mamba's state is written to storage with the KV, under the names of its
+    trailing pages, and a prefetch stages it on host again. Without following it, a resume
+    from storage would look like KV with no state at its boundary, and its reuse as unsafe."""
+    config = DriverConfig(mix=mix, tree_core=core, page_size=page, window=8, kv_tokens=512, mamba_states=8)
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
+    enable_hicache(cache, str(tmp_path))
+    driver = Driver(cache, allocator, pool, config, shim)
+    prompt = list(range(100, 140))
+    driver.serve("first", prompt)
+    deadline = time.monotonic() + 20
+    while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
+        cache.check_hicache_events()
+        time.sleep(0.01)
+    cache.evict(EvictParams(num_tokens=512, swa_num_tokens=512, mamba_num=8))
+    assert cache.evict_host(512) == 40  # only storage has the prefix now
+    probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt))))
+    handle = CacheRequestHandle("fetch", 0)
+    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", prompt),
+                                cache.get_last_hash_value(probe.last_host_node))
+    while not cache.check_prefetch_progress(handle) and time.monotonic() < deadline:
+        cache.check_hicache_events()
+        time.sleep(0.01)
+    assert cache.pop_prefetch_loaded_span(handle)[0] == 40
+    again = driver.serve("again", prompt + [1])  # resumes at 40, where the state is
+    assert again.host_hit == 40 and again.loaded == 40
+    assert emitter.shutdown() and shim.errors == 0 and shim.hicache.unnamed_pages == 0
+
+    def moved(component: str, src: Tier, dst: Tier) -> int:
+        return sum(len(_keys(e)) for e in sink.events if e.kind in (EventKind.OFFLOAD, EventKind.LOAD)
+                   and e.component.value == component and (e.src_tier, e.dst_tier) == (src, dst))
+
+    for component, kept in (("mamba", 1), ("sliding_window", 8 // page)):
+        if component in {e.component.value for e in sink.events}:
+            assert moved(component, Tier.HOST, Tier.DISK) >= kept
+            assert moved(component, Tier.DISK, Tier.HOST) == kept == moved(component, Tier.HOST, Tier.DEVICE)
+    result = next(r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.request_id == "again")
+    assert result.recoverable_hit_tokens == 40 == result.adopted_tokens and not result.unsafe_reuse
+    assert result.verdict is Verdict.PARTIAL
+
+
+def _page_first_reference(host: list[Any], layers: list[Any], host_slots: list[int], device_slots: list[int],
+                          page: int, first_layer: int, to_host: bool) -> None:
+    """SGLang's page-first-direct kernels, page by page as its C++ loop goes: host buffer h
+    (pages, layers, page, ...) of each part, per-layer device tensors (part 0's layers first)."""
+    per_part = len(layers) // len(host)
+    for i in range(0, len(host_slots), page):
+        host_page, device_start = host_slots[i] // page, device_slots[i]
+        for part, buffer in enumerate(host):
+            for j in range(per_part):
+                device = layers[part * per_part + j]
+                if to_host:
+                    buffer[host_page, first_layer + j] = device[device_start : device_start + page]
+                else:
+                    device[device_start : device_start + page] = buffer[host_page, first_layer + j]
+
+
+@pytest.mark.parametrize(("shape", "parts", "page"), [((2, 5), 2, 4), ((3,), 1, 8), ((1, 4, 2), 1, 1)],
+                         ids=["mha-kv", "mla", "mamba-state"])
+def test_the_page_first_stand_ins_move_what_the_kernels_would(shape: tuple[int, ...], parts: int, page: int) -> None:
+    """The CPU stand-ins for SGLang's page-first-direct copies against a page-by-page rendering
+    of its kernels: K and V apart (MHA), one latent buffer (MLA), Mamba's state layout; device
+    slots that start off a page boundary; every byte of both sides compared."""
     import torch
 
     from sglang.srt.mem_cache.pool_host import mha
 
     patch_hicache_for_cpu()  # what `enable_hicache` installs
-    page, layers = 4, 3
-    k, v = ([torch.randn(64, 2, 5) for _ in range(layers)] for _ in range(2))
-    host_k, host_v = torch.zeros(10, layers, page, 2, 5), torch.zeros(10, layers, page, 2, 5)
-    device, host = torch.tensor([8, 9, 10, 11, 40, 41, 42, 43]), torch.tensor([12, 13, 14, 15, 4, 5, 6, 7])
-    mha.transfer_kv_all_layer_direct_lf_pf(k + v, [host_k, host_v], device, host, page)
-    assert torch.equal(host_k[3, 1], k[1][8:12]) and torch.equal(host_v[1, 2], v[2][40:44])
-    assert not host_k[0].any() and not host_v[2].any()  # pages not named stay untouched
-    k2, v2 = [torch.zeros_like(t) for t in k], [torch.zeros_like(t) for t in v]
-    mha.transfer_kv_per_layer_direct_pf_lf([host_k, host_v], [k2[2], v2[2]], host,
-                                           torch.tensor([20, 21, 22, 23, 0, 1, 2, 3]), 2, page)
-    assert torch.equal(k2[2][20:24], k[2][8:12]) and torch.equal(v2[2][0:4], v[2][40:44])
-    assert not k2[1].any() and not v2[0].any()  # one layer only
+    torch.manual_seed(0)
+    layers, pages = 3, 10
+    device = [torch.randn(64, *shape) for _ in range(layers * parts)]
+    host_slots = [s for p in (3, 1, 7) for s in range(p * page, p * page + page)]
+    device_slots = [s for start in (9, 40, 21) for s in range(start, start + page)]
+    ours, theirs = ([torch.zeros(pages, layers, page, *shape) for _ in range(parts)] for _ in range(2))
+    mha.transfer_kv_all_layer_direct_lf_pf(device, ours, torch.tensor(device_slots), torch.tensor(host_slots), page)
+    _page_first_reference(theirs, device, host_slots, device_slots, page, 0, to_host=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)) and ours[0].any()
+    back_ours, back_theirs = ([torch.zeros(64, *shape) for _ in range(parts)] for _ in range(2))
+    mha.transfer_kv_per_layer_direct_pf_lf(ours, back_ours, torch.tensor(host_slots), torch.tensor(device_slots),
+                                           2, page)
+    _page_first_reference(ours, back_theirs, host_slots, device_slots, page, 2, to_host=False)
+    assert all(torch.equal(a, b) for a, b in zip(back_ours, back_theirs, strict=True)) and back_ours[0].any()
+    assert torch.equal(back_ours[0][9 : 9 + page], device[2][9 : 9 + page])  # layer 2 went there and back
 
 
 def test_a_storage_tier_attached_at_run_time_is_followed(tmp_path: Path) -> None:
@@ -286,9 +355,9 @@ def test_a_storage_tier_attached_at_run_time_is_followed(tmp_path: Path) -> None
     emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
     shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
     enable_hicache(cache)  # the host tier only
-    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-    envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path)).__enter__()
-    ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": PAGE}))
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)  # as the engine has it
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path)):  # read when attached
+        ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": PAGE}))
     assert ok, why
     driver = Driver(cache, allocator, pool, config, shim)
     driver.serve("r1", PROMPT)

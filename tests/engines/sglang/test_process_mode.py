@@ -430,6 +430,46 @@ def test_hicaches_storage_tier_is_followed_alike_in_both_modes(spool: Path, tmp_
     assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
 
 
+@pytest.mark.parametrize(("mix", "page"), [(Mix.MAMBA, 1), (Mix.SWA_MAMBA, 1), (Mix.SWA, 4)])
+def test_states_stored_with_their_pages_are_followed_alike_in_both_modes(mix: Mix, page: int, spool: Path,
+                                                                          tmp_path: Path) -> None:
+    """A window's or Mamba's state written to storage with its pages and staged on host again by
+    a prefetch: the capture records the states a write carries and those a prefetch's commit
+    stages (less what it frees again) where the in-process hooks read them."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    config = DriverConfig(mix=mix, page_size=page, window=8, kv_tokens=512, mamba_states=8)
+    cache, allocator, pool = built = build_cache(config)
+    enable_hicache(cache, str(tmp_path))
+    prompt = list(range(100, 140))
+
+    def replay(driver: Driver) -> None:
+        driver.serve("first", prompt)
+        _settle(cache)
+        cache.evict(EvictParams(num_tokens=512, swa_num_tokens=512, mamba_num=8))
+        assert cache.evict_host(512) == 40
+        probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt))))
+        handle = CacheRequestHandle("fetch", 0)
+        cache.prefetch_from_storage(handle, probe.last_host_node, array("q", prompt),
+                                    cache.get_last_hash_value(probe.last_host_node))
+        deadline = time.monotonic() + 20
+        while not cache.check_prefetch_progress(handle) and time.monotonic() < deadline:
+            cache.check_hicache_events()
+            time.sleep(0.01)
+        assert cache.pop_prefetch_loaded_span(handle)[0] == 40
+        assert driver.serve("again", prompt + [1]).loaded == 40
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours, theirs = sink.events, spooled(spool)
+    states = {(e.kind, e.src_tier, e.dst_tier) for e in ours if e.component is not ComponentKind.FULL_ATTENTION}
+    assert {(EventKind.OFFLOAD, Tier.HOST, Tier.DISK), (EventKind.LOAD, Tier.DISK, Tier.HOST)} <= states
+    assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
+
+
 @pytest.mark.parametrize("how", ["attached at run time", "added with the host tier"])
 def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path: Path) -> None:
     """SGLang can attach a storage tier at run time (with a new acknowledgement queue), or the
@@ -449,8 +489,8 @@ def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path:
             driver.serve(rid, tokens)
         if how == "attached at run time":  # what the scheduler's process has set up by then
             get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-            envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")).__enter__()
-            ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
+            with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")):  # read when attached
+                ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
             assert ok, why
         else:
             enable_hicache(cache, str(tmp_path / "l3"))
