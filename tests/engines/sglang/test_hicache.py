@@ -37,26 +37,37 @@ PROMPT = list(range(100, 117))  # four full pages and one token
 KEYS = new_chain(None, None).extend(array("q", PROMPT[:16]), PAGE).tolist()
 
 
+def shimmed(config: DriverConfig,
+            storage: Path | None = None) -> tuple[Any, Driver, MemorySink, BatchEmitter, RadixCacheShim]:
+    """A cache with the shim, then HiCache's tiers (host, and storage under `storage`): the
+    shim follows tiers added after it, as SGLang adds them."""
+    cache, allocator, pool = build_cache(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0", model="tiny")).install()
+    enable_hicache(cache, None if storage is None else str(storage))
+    return cache, Driver(cache, allocator, pool, config, shim), sink, emitter, shim
+
+
+def settle(cache: Any) -> None:
+    """Run the scheduler's per-step HiCache poll until backups and storage writes are acked."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        cache.check_hicache_events()
+        if not cache.ongoing_write_through and not cache.ongoing_backup:
+            return
+        time.sleep(0.01)
+    raise AssertionError("HiCache never acknowledged its writes")
+
+
 class Rig:
     def __init__(self, core: str, storage: Path) -> None:
         self.config = DriverConfig(mix=Mix.FULL, tree_core=core, page_size=PAGE, kv_tokens=256)
-        self.cache, allocator, pool = build_cache(self.config)
-        self.sink = MemorySink()
-        self.emitter = BatchEmitter(self.sink, BatchConfig(), register_atexit=False)
-        self.shim = RadixCacheShim(self.cache, self.emitter, Identity(instance="sglang-0", model="tiny")).install()
-        enable_hicache(self.cache, str(storage))  # tiers added after the shim: it follows them
-        self.driver = Driver(self.cache, allocator, pool, self.config, self.shim)
+        self.cache, self.driver, self.sink, self.emitter, self.shim = shimmed(self.config, storage)
         self.seen = 0
 
     def settle(self) -> None:
-        """Run the scheduler's per-step HiCache poll until backups and storage writes are acked."""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            self.cache.check_hicache_events()
-            if not self.cache.ongoing_write_through and not self.cache.ongoing_backup:
-                return
-            time.sleep(0.01)
-        raise AssertionError("HiCache never acknowledged its writes")
+        settle(self.cache)
 
     def prefetch(self, rid: str, node: Any, tokens: list[int]) -> int:
         """Fetch `tokens` from storage under a host node, as the scheduler does; the tokens it loaded."""
@@ -146,20 +157,11 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
 def test_a_sliding_window_travels_with_its_pages(core: str) -> None:
     """Full attention + sliding window: the window's state is backed up and loaded back beside
     the KV (SGLang's component transfers); without it the reload would look like unsafe reuse."""
-    config = DriverConfig(mix=Mix.SWA, tree_core=core, page_size=PAGE, window=8, kv_tokens=256)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    enable_hicache(cache)
-    driver = Driver(cache, allocator, pool, config, shim)
+    cache, driver, sink, emitter, shim = shimmed(DriverConfig(mix=Mix.SWA, tree_core=core, page_size=PAGE,
+                                                              window=8, kv_tokens=256))
     prompt = list(range(100, 133))
     driver.serve("r1", prompt)
-    for _ in range(200):
-        cache.check_hicache_events()
-        if not cache.ongoing_write_through:
-            break
-        time.sleep(0.01)
+    settle(cache)
     cache.evict(EvictParams(num_tokens=256, swa_num_tokens=256))
     again = driver.serve("r2", prompt)
     assert again.host_hit == 32 and again.loaded == 32
@@ -183,20 +185,11 @@ def test_a_mamba_state_travels_with_its_pages(core: str, mix: Mix) -> None:
     the request using it, not a second load. A request that stops one token short finds the
     KV on host but no state at its boundary: a logical hit with nothing recoverable, as SGLang
     says."""
-    config = DriverConfig(mix=mix, tree_core=core, page_size=1, window=8, kv_tokens=512, mamba_states=8)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    enable_hicache(cache)
-    driver = Driver(cache, allocator, pool, config, shim)
+    cache, driver, sink, emitter, shim = shimmed(DriverConfig(mix=mix, tree_core=core, page_size=1, window=8,
+                                                              kv_tokens=512, mamba_states=8))
     prompt = list(range(100, 233))
     driver.serve("r1", prompt)
-    for _ in range(200):
-        cache.check_hicache_events()
-        if not cache.ongoing_write_through:
-            break
-        time.sleep(0.01)
+    settle(cache)
     evict = EvictParams(num_tokens=512, swa_num_tokens=512, mamba_num=8)
     cache.evict(evict)
     longer = driver.serve("longer", prompt + list(range(900, 920)))
@@ -257,19 +250,12 @@ def test_a_state_stored_with_its_pages_comes_back_from_storage(core: str, mix: M
     """A window's or Mamba's state is written to storage with the KV, under the names of its
     trailing pages, and a prefetch stages it on host again. Without following it, a resume
     from storage would look like KV with no state at its boundary, and its reuse as unsafe."""
-    config = DriverConfig(mix=mix, tree_core=core, page_size=page, window=8, kv_tokens=512, mamba_states=8)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    enable_hicache(cache, str(tmp_path))
-    driver = Driver(cache, allocator, pool, config, shim)
+    cache, driver, sink, emitter, shim = shimmed(DriverConfig(mix=mix, tree_core=core, page_size=page, window=8,
+                                                              kv_tokens=512, mamba_states=8), tmp_path)
     prompt = list(range(100, 140))
     driver.serve("first", prompt)
+    settle(cache)
     deadline = time.monotonic() + 20
-    while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
-        cache.check_hicache_events()
-        time.sleep(0.01)
     cache.evict(EvictParams(num_tokens=512, swa_num_tokens=512, mamba_num=8))
     assert cache.evict_host(512) == 40  # only storage has the prefix now
     probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt))))
@@ -349,22 +335,13 @@ def test_a_storage_tier_attached_at_run_time_is_followed(tmp_path: Path) -> None
     from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_parallel
 
-    config = DriverConfig(mix=Mix.FULL, page_size=PAGE, kv_tokens=256)
-    cache, allocator, pool = build_cache(config)
-    sink = MemorySink()
-    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
-    shim = RadixCacheShim(cache, emitter, Identity(instance="sglang-0")).install()
-    enable_hicache(cache)  # the host tier only
+    cache, driver, sink, emitter, shim = shimmed(DriverConfig(mix=Mix.FULL, page_size=PAGE, kv_tokens=256))
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)  # as the engine has it
     with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path)):  # read when attached
         ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": PAGE}))
     assert ok, why
-    driver = Driver(cache, allocator, pool, config, shim)
     driver.serve("r1", PROMPT)
-    deadline = time.monotonic() + 20
-    while (cache.ongoing_write_through or cache.ongoing_backup) and time.monotonic() < deadline:
-        cache.check_hicache_events()
-        time.sleep(0.01)
+    settle(cache)
     assert emitter.shutdown() and shim.errors == 0
     offloads = [(e.src_tier, e.dst_tier, _keys(e)) for e in sink.events if e.kind is EventKind.OFFLOAD]
     assert offloads == [(Tier.DEVICE, Tier.HOST, KEYS), (Tier.HOST, Tier.DISK, KEYS)]
