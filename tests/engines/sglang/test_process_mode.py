@@ -470,10 +470,11 @@ def test_states_stored_with_their_pages_are_followed_alike_in_both_modes(mix: Mi
     assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
 
 
-@pytest.mark.parametrize("how", ["attached at run time", "added with the host tier"])
+@pytest.mark.parametrize("how", ["attached at run time", "detached and attached again", "added with the host tier"])
 def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path: Path) -> None:
-    """SGLang can attach a storage tier at run time (with a new acknowledgement queue), or the
-    tiers may come after the capture started: either way the capture follows the storage tier."""
+    """SGLang can attach a storage tier at run time, and detach and attach one again, each time
+    with a new acknowledgement queue; or the tiers may come after the capture started. Either
+    way both modes follow the storage tier, to the last writes."""
     import json
 
     from sglang.srt.environ import envs
@@ -481,27 +482,40 @@ def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path:
 
     config = DriverConfig(kv_tokens=1 << 15)
     cache, allocator, pool = built = build_cache(config)
-    if how == "attached at run time":
+    at_run_time = how != "added with the host tier"
+    if at_run_time:
         enable_hicache(cache)  # the host tier first, followed
+    requests = prompts(9)
+
+    def attach() -> None:  # what the scheduler's process has set up by then
+        get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")):  # read when attached
+            ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
+        assert ok, why
 
     def replay(driver: Driver) -> None:
-        for rid, tokens in prompts(3):
+        for rid, tokens in requests[:3]:
             driver.serve(rid, tokens)
-        if how == "attached at run time":  # what the scheduler's process has set up by then
-            get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-            with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(tmp_path / "l3")):  # read when attached
-                ok, why = cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": 16}))
-            assert ok, why
+        if at_run_time:
+            attach()
         else:
             enable_hicache(cache, str(tmp_path / "l3"))
-        for rid, tokens in prompts(6)[3:]:
+        for rid, tokens in requests[3:6]:
+            driver.serve(rid, tokens)
+        _settle(cache)
+        if how == "detached and attached again":
+            ok, why = cache.detach_storage_backend()
+            assert ok, why
+            attach()
+        for rid, tokens in requests[6:]:
             driver.serve(rid, tokens)
         _settle(cache)
 
     sink, stats = both_modes(config, built, replay)
     assert stats.lost_resets == 0 and stats.resolver_errors == 0 and stats.errors == 0
     ours, theirs = sink.events, spooled(spool)
-    assert any(e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK for e in ours)
+    last = next(i for i, e in enumerate(ours) if e.kind is EventKind.LOOKUP and e.request_id == requests[6][0])
+    assert any(e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK for e in ours[last:])
     assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
 
 
