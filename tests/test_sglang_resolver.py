@@ -175,3 +175,41 @@ def test_host_loads_are_reported_when_loading_check_retires_them_one_by_one() ->
     assert moves == [(EventKind.OFFLOAD, names, 3 * ms), (EventKind.LOAD, names[:2], 5 * ms),
                      (EventKind.LOAD, names[2:], 9 * ms)]
     assert not replayer.frames
+
+
+def test_a_storage_write_reports_what_its_acknowledgement_completed() -> None:
+    """A storage write acknowledged short of its end reports the pages it completed, and not the
+    Mamba state that goes with the last page; a whole one reports both, on the capture's clock."""
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    spec = ResolverSpec(ring="unused", page_size=PAGE, components=("FULL", "MAMBA"), page_bytes=(1, 1),
+                        identity=Identity(instance="r"), usage_interval_s=0)
+    replayer = Replayer(spec, emitter)
+    tokens = np.arange(5000, 5000 + 4 * PAGE, dtype=np.int64)
+    device, host = np.arange(4, dtype=np.int64) * PAGE, np.arange(4, dtype=np.int64) * PAGE + 1024
+    state, state_host = np.array([3], dtype=np.int64), np.array([9], dtype=np.int64)
+    storage_names = [f"{i:016x}" + "0" * 48 for i in range(1, 5)]
+    ms = 1_000_000
+
+    def store(op: int, at: int) -> tuple:
+        return Rec.STORE, 0, [META.encode((op, at, storage_names, ["MAMBA"])), host.tobytes(), state_host.tobytes()]
+
+    records = [
+        (Rec.INSERT, 1 | 2, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), device.tobytes(),
+                             state.tobytes()]),
+        (Rec.INSERTED, 0, []),  # the tree kept the state at the key's end
+        (Rec.BACKUP, 0, [META.encode((7, 10 * ms, ["MAMBA"])), device.tobytes(), host.tobytes(), state.tobytes(),
+                         state_host.tobytes()]),
+        (Rec.BACKED, 0, [META.encode((7, 12 * ms))]),
+        store(5, 20 * ms),
+        (Rec.STORED, 0, [META.encode((5, 2 * PAGE, 24 * ms))]),  # two pages of four made it
+        store(6, 30 * ms),
+        (Rec.STORED, 0, [META.encode((6, None, 35 * ms))]),
+    ]
+    for kind, value, blobs in records:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown() and replayer.errors == 0 and replayer.shim.errors == 0
+    names = page_keys(tokens, PAGE).tolist()
+    to_disk = [(e.group_id, [e.block_key, *e.more_keys], e.duration_ns) for e in sink.events
+               if e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK]
+    assert to_disk == [(0, names[:2], 4 * ms), (0, names, 5 * ms), (1, names[-1:], 5 * ms)]
