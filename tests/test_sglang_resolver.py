@@ -213,3 +213,30 @@ def test_a_storage_write_reports_what_its_acknowledgement_completed() -> None:
     to_disk = [(e.group_id, [e.block_key, *e.more_keys], e.duration_ns) for e in sink.events
                if e.kind is EventKind.OFFLOAD and e.dst_tier is Tier.DISK]
     assert to_disk == [(0, names[:2], 4 * ms), (0, names, 5 * ms), (1, names[-1:], 5 * ms)]
+
+
+def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
+    """A prefetch lands one page, and the window staged with it reaches one page further back,
+    onto the node it hangs under, whose slot the commit frees again: the staged window slot of
+    the landed page gets that page's key, the freed one none."""
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    spec = ResolverSpec(ring="unused", page_size=PAGE, components=("FULL", "SWA"), page_bytes=(1, 1),
+                        identity=Identity(instance="r"), usage_interval_s=0)
+    replayer = Replayer(spec, emitter)
+    tokens = np.arange(7000, 7000 + PAGE, dtype=np.int64)
+    host, window = np.array([64 * PAGE], dtype=np.int64), np.array([5 * PAGE, 6 * PAGE], dtype=np.int64)
+    storage_names = ["ab" * 32]
+    records = [
+        # under the root, with a name this resolver never learned: keyed from its tokens
+        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None)), tokens.tobytes(),
+                          host.tobytes()]),
+        (Rec.STAGED, 0, [META.encode((["SWA"], ["SWA"])), window.tobytes(), window[:1].tobytes()]),
+    ]
+    for kind, value, blobs in records:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown() and replayer.errors == 0 and replayer.shim.errors == 0
+    key = page_keys(tokens, PAGE).tolist()
+    loads = [(e.group_id, [e.block_key, *e.more_keys]) for e in sink.events if e.kind is EventKind.LOAD]
+    assert loads == [(0, key), (1, key)]
+    assert replayer.shim.ledger[(1, Tier.HOST)].peek(np.array([5, 6])).tolist() == [0, key[0]]

@@ -301,9 +301,13 @@ class HiCacheHooks:
         keys, self._landed = self._landed, np.zeros(0, dtype=np.uint64)
         for group, slots in staged:
             n = len(slots)
-            if not n or n > len(keys):
+            if not n:
                 continue
-            named = keys[len(keys) - n :]
+            # The trailing pages, aligned from the end: a window reaching back past the landed
+            # pages covers pages the host already had there, which the commit frees again.
+            named = np.zeros(n, dtype=np.uint64)
+            m = min(n, len(keys))
+            named[n - m :] = keys[len(keys) - m :]
             keep = named != 0
             gone = [s for g, s in released if g == group]
             if gone:
