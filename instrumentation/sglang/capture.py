@@ -15,7 +15,8 @@ resolver, told of the loss, starts its ledger afresh and reports the device tier
 (an honest "unknown" instead of evictions it can no longer name). Covered: full attention,
 sliding-window and Mamba components, in any mix, on the unified tree, and HiCache's host and
 storage tiers (their copies are recorded where `HiCacheHooks` reads them, with the scheduler
-thread's times). The older single-component trees stay in-process (`unsupported` says why).
+thread's times), and streaming sessions (the rows they keep and give back). The older
+single-component trees stay in-process (`unsupported` says why).
 HiCache's counters (`HiCacheHooks.prefetches_started`, `_revoked`, `unnamed_pages`) are not
 events: in this mode only the resolver has the last one, and the first two are not kept.
 """
@@ -45,7 +46,7 @@ from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
-                                                usage_counters)
+                                                row_pages, usage_counters)
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -106,13 +107,16 @@ class Rec(IntEnum):
     # storage names, whether it hangs under the root, the storage name of the node it hangs
     # under (`hicache.hung_under`), extra key, cache salt; then the key's tokens, the host page starts
     CLEARED = 21  # `clear_storage_backend` emptied the storage tier
+    KEPT = 23  # `claim_kv_row` returned True: a streaming session keeps the request's KV row; meta:
+    # request id, cache salt, extra key; then the request's tokens and the row's page starts, as
+    # far as both reach its committed length (`RadixCacheShim._after_claim` reads the same)
     STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
     # the component names of the states staged on host, and of those the commit frees again; then
     # the host page starts of each, in that order
 
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
-         "loading_check", "check_hicache_events", "init_load_back")
+         "loading_check", "check_hicache_events", "init_load_back", "release_session")
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
 WINDOW_ACTIONS = {"SWARebuild": "source_value", "RecoverSWAWithLockedFull": "kept_full",
                   "RecoverEvictedSWA": "kept_full"}  # the shim's `after_action`: the field each names slots in
@@ -222,6 +226,7 @@ class CaptureShim:
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
         self._acks: Any = None  # the storage acknowledgement queue wrapped
+        self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
         self._loading_call = CALLS.index("loading_check")
 
     # -- the ring ----------------------------------------------------------------------------------
@@ -314,6 +319,9 @@ class CaptureShim:
 
         self._saved.append((c, "_apply_cache_action", original))
         c._apply_cache_action = _apply_cache_action
+        if getattr(c, "session", None) is not None:  # streaming sessions, as the shim follows them
+            self._wrap_after(c, "claim_kv_row", self._kept)
+            self._wrap(c, "release_session", None, None, optional=True)
         for component_type, component in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(component, component_type)
         if getattr(c, "cache_controller", None) is not None:
@@ -583,7 +591,7 @@ class CaptureShim:
         component = getattr(action, "component_type", None)
         known = self._frees.get((name, component))
         if known is None:
-            group = self.group_names.index(component_name(component)) if component is not None else 0
+            group = self.group_names.index(component_name(component)) if component is not None else self._full
             # The shim translates a KV free's pages, and the window's own, into window slots.
             window = self._swa is not None and (name == "FreeDeviceKV" or
                                                  (name == "FreeComponentDeviceSlot" and group == self._swa))
@@ -713,6 +721,44 @@ class CaptureShim:
                     blobs.append(page_starts(action.host_indices, self._step(self.group_names.index(name))))
         if staged:
             self._put(Rec.STAGED, 0, (META.encode((staged, released)), *blobs))
+
+    # -- streaming sessions -------------------------------------------------------------------
+    def _kept(self, kept: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+        if kept is not True:
+            return
+        slot = self.cache.session.slots.get(getattr(getattr(req, "session", None), "session_id", None))
+        if slot is None:
+            return
+        kv, ids, out = slot.kv, req.origin_input_ids, getattr(req, "output_ids", None)
+        tokens = _words(tokens_blob(ids)) if not out else np.concatenate([_words(tokens_blob(ids)),
+                                                                          _words(tokens_blob(out))])
+        pages = min(int(kv.kv_committed_len), len(tokens)) // self.page
+        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * self.page]
+        meta = META.encode((str(getattr(req, "rid", "")), _text(getattr(req, "cache_salt", None)),
+                            _text(getattr(req, "extra_key", None))))
+        self._put(Rec.KEPT, 0, (meta, tokens[: pages * self.page], page_starts(row, self._step(-1))))
+        if not self._session_rows:  # from now on a row's frees may drop pages a session kept
+            self._session_rows = True
+            self._wrap_row_frees()
+
+    def _wrap_row_frees(self) -> None:
+        """`free_kv_row(kv, ranges)`: recorded as the full-attention free the shim reads it as
+        (`RadixCacheShim._before_free_row`), before it runs."""
+        c = self.cache
+        original = c.free_kv_row
+        capture = self
+
+        def free_kv_row(kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                row = c.req_to_token_pool.req_to_token[kv.req_pool_idx]
+                capture._action("FreeDeviceKVFullOnly", SimpleNamespace(component_type=None,
+                                                                       indices=row_pages(row, ranges, capture.page)))
+            except Exception:  # noqa: BLE001
+                capture._failed("free_kv_row")
+            return original(kv, ranges, *args, **kwargs)
+
+        self._saved.append((c, "free_kv_row", original))
+        c.free_kv_row = free_kv_row
 
     def _cleared(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:

@@ -149,6 +149,7 @@ class Driver:
     def __init__(self, cache: Any, allocator: Any, req_pool: Any, config: DriverConfig, shim: Any = None) -> None:
         self.cache, self.allocator, self.req_pool, self.config = cache, allocator, req_pool, config
         self.shim = shim  # told what each request reused, as the engine's scheduler would
+        self.sessions: dict[str, Any] = {}  # streaming sessions by id (`serve_turn`)
         self.page = int(cache.page_size)
         comps = COMPONENTS[config.mix]
         self.has_swa = ComponentType.SWA in comps
@@ -254,35 +255,65 @@ class Driver:
             self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
 
-    def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None) -> Served:
-        """One request through the scheduler's own request-level steps (full attention)."""
+    def serve_turn(self, session_id: str, request_id: str, tokens: Sequence[int]) -> Served:
+        """One turn of a streaming session (scheduler route, full attention): the session keeps
+        the turn's KV row outside the tree, and the next turn, whose tokens extend this one's,
+        resumes from it. `close_session` gives the row back."""
+        if self.config.route is not Route.SCHEDULER:
+            raise ValueError("streaming sessions take the scheduler route")
+        from sglang.srt.session.session_controller import Session
+
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(1 << 30, session_id, streaming=True)
+        return self._serve_scheduled(request_id, tokens, None, session)
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+        self.cache.release_session(session_id)
+
+    def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None,
+                         session: Any = None) -> Served:
+        """One request through the scheduler's own request-level steps (full attention); a
+        streaming session's turn runs on the row the session lends it."""
         cache = self.cache
         prompt = array("q", tokens)
         req = Req(rid=request_id, origin_input_text="", origin_input_ids=prompt, cache_salt=cache_salt,
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1), session=session)
         req.init_next_round_input(cache)  # match_kv_cache: the match, adopted as the request's prefix
         device, full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
-        req.lock = cache.lock(req.last_node)
+        borrowed = session is not None and cache.session.borrowed_slot(req) is not None
+        if not borrowed:
+            req.lock = cache.lock(req.last_node)
         fresh = None
         try:
-            prefix = cache.path_device_indices(req.last_node)[:device] if device else None
             fresh = self._alloc(len(prompt) - device)
-            row = torch.cat([prefix, fresh]) if prefix is not None else fresh
-            self.req_pool.alloc([req])
-            self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
+            if borrowed:  # the session's row holds [0, device) already
+                row = fresh
+                self.req_pool.write((req.kv.req_pool_idx, slice(device, device + len(row))), row)
+            else:
+                prefix = cache.path_device_indices(req.last_node)[:device] if device else None
+                row = torch.cat([prefix, fresh]) if prefix is not None else fresh
+                self.req_pool.alloc([req])
+                self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
         except BaseException:  # the replay stops; the cache is left as it was
             if fresh is not None:
                 self.allocator.free(fresh)
-            cache.unlock(req.lock)
+            if not borrowed:
+                cache.unlock(req.lock)
             raise
         req.kv.kv_committed_len = req.kv.kv_allocated_len = len(prompt)
-        req.kv.cache_protected_len = device
+        if not borrowed:
+            req.kv.cache_protected_len = device
+        if session is not None:
+            cache.maybe_hand_to_session(req)  # at its first row, as the scheduler's allocation does
         req.finished_reason = FINISH_LENGTH(length=0)  # prefill only: the one output token is not kept
-        release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock
-        if len(row) > len(prompt):
+        release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock; or the session keeps it
+        end = len(prompt) - (device if borrowed else 0)
+        if len(row) > end:
             # `_alloc` took whole pages; the row's KV ends at the prompt. The test kit's allocator
             # frees slot by slot, so the padding past it is still ours to give back.
-            self.allocator.free(row[len(prompt):])
+            self.allocator.free(row[end:])
         if self.shim is not None:
             self.shim.record_admission(request_id, len(prompt), device=device, host=0, tenant=cache_salt)
         return Served(request_id, len(prompt), device, 0, full, 0, device)

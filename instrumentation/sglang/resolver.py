@@ -27,6 +27,7 @@ import numpy as np
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
+from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, scatter, slot_step
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason, Tier
@@ -159,7 +160,8 @@ class Replayer:
         self.handled += 1
         shim = self.shim
         if kind == Rec.BEGIN:
-            self._open(CALLS[value])
+            call = CALLS[value]
+            self._open(call, shim._before_release_session if call == "release_session" else None)
         elif kind == Rec.END:
             self._end(CALLS[value])
         elif kind == Rec.ABORT:
@@ -277,6 +279,14 @@ class Replayer:
             self._hicache().prefetched(moved[: len(staged)], moved[len(staged):])
         elif kind == Rec.CLEARED:
             self._hicache()._after_clear_storage(True)
+        elif kind == Rec.KEPT:
+            rid, salt, extra = _META.decode(blobs[0])
+            top, _ = shim.begin_call("claim_kv_row", None, (), {})
+            try:
+                shim.session_kept(new_chain(extra, salt), _tokens(blobs[1]), _slots(blobs[2], self._step(None)).slots,
+                                  salt, extra)
+            finally:
+                shim.end_call("claim_kv_row", top, None, None, None, (), {})
         elif kind == Rec.ADMIT:
             prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
             shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)

@@ -20,7 +20,11 @@ filled from the values the cache hands around and emptied by the frees it perfor
   the request's key chain and SGLang's hits: full-attention KV on device or host, and the
   boundary every component agrees on;
 - adopt: `record_admission`, called where the engine settles what it reused per tier;
-- invalidate: `reset`.
+- invalidate: `reset`;
+- streaming sessions: a session keeps a finished turn's KV row outside the tree for its next
+  turn (`claim_kv_row` returns True), so its full pages are committed where it keeps them,
+  and the frees of a session's row (`free_kv_row`: a rewound tail, `release_session`) evict
+  them. A session's window and Mamba state are not followed.
 
 Keys are kvtrace's prefix-chained page keys (see `keys`), made once per request from its
 tokens and namespace; HiCache's storage names are translated to them.
@@ -121,6 +125,8 @@ class RadixCacheShim:
         self.hicache: Any = None
         self._recent: OrderedDict[int, tuple[Any, Chain]] = OrderedDict()  # chains of recent lookups
         self._looked_up: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> (device, host) reported
+        self._session_rows = False  # whether frees of streaming sessions' rows are followed
+        self._session_keys: set[int] = set()  # pages a session committed: they may be held twice
         self.page_bytes = self._page_bytes()
         self.usage_interval_ns = int(usage_interval_s * 1e9)
         self._usage_due_ns = 0
@@ -163,6 +169,9 @@ class RadixCacheShim:
         self._wrap_scoped(c, "evict_host", None, optional=True)
         self._wrap_scoped(c, "reset", self._after_reset)
         self._wrap_action(c)
+        if getattr(c, "session", None) is not None:  # the unified tree's streaming sessions
+            self._wrap_plain(c, "claim_kv_row", self._after_claim)
+            self._wrap_scoped(c, "release_session", None, before=self._before_release_session, optional=True)
         for ct, comp in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(comp, ct)
         if getattr(c, "cache_controller", None) is not None:
@@ -333,6 +342,10 @@ class RadixCacheShim:
         keys = book.take(slots)
         if not len(keys):
             return
+        if self._session_keys and group == self._full and tier is Tier.DEVICE:
+            keys = self._gone_everywhere(book, keys)
+            if not len(keys):
+                return
         if self._scope is None:  # a free outside every wrapped call: reported at once
             self._emit_run(EventKind.EVICT, group, tier, keys, reason=Reason.CAPACITY)
         else:
@@ -612,6 +625,69 @@ class RadixCacheShim:
             self.install_slots(self._mamba, Tier.DEVICE, self._page_slots(self._mamba, mamba_value)[:1],
                                keys[pages - 1 : pages])
 
+    # -- streaming sessions ------------------------------------------------------------------------
+    def _after_claim(self, kept: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+        """`claim_kv_row(req)`: True when the request's streaming session took its KV row."""
+        if kept is not True:
+            return
+        slot = getattr(self.cache, "session").slots.get(getattr(getattr(req, "session", None), "session_id", None))
+        if slot is None:
+            return
+        kv, tokens = slot.kv, self._request_tokens(None, req)
+        pages = min(int(kv.kv_committed_len), len(tokens)) // self.page
+        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * self.page]
+        chain = getattr(req, "_kvtrace_chain", None) or new_chain(getattr(req, "extra_key", None),
+                                                                  getattr(req, "cache_salt", None))
+        top, _ = self.begin_call("claim_kv_row", None, (), {})
+        try:
+            self.session_kept(chain, tokens, self._page_slots(self._full, row), getattr(req, "cache_salt", None),
+                              getattr(req, "extra_key", None))
+        finally:
+            self.end_call("claim_kv_row", top, None, None, None, (), {})
+
+    def session_kept(self, chain: Chain, tokens: Any, slots: np.ndarray, tenant: str | None, adapter: Any) -> None:
+        """A streaming session keeps the request's pages in `slots` (its row, by page): the ones
+        not held there already are committed, in the request's namespace. From the first one on,
+        the frees of session rows are followed (`_before_free_row`)."""
+        if not len(slots):
+            return
+        keys = chain.extend(tokens, self.page)[: len(slots)]
+        slots = slots[: len(keys)]
+        book = self.ledger.get((self._full, Tier.DEVICE))
+        new = (book.peek(slots) != keys) if book is not None else np.ones(len(keys), dtype=bool)
+        if self._scope is not None:
+            self._scope.tenant = tenant or self.identity.default_tenant
+            self._scope.adapter = str(adapter or "")
+        if new.any():
+            self.install_slots(self._full, Tier.DEVICE, slots[new], keys[new])
+            self._session_keys.update(keys[new].tolist())
+        if not self._session_rows:
+            self._session_rows = True
+            self._wrap_scoped(self.cache, "free_kv_row", None, before=self._before_free_row, optional=True)
+
+    def _before_free_row(self, kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> None:
+        """`free_kv_row(kv, ranges)` gives back the whole pages of a row's position ranges: a
+        session's (a rewound tail, a closed session, an aborted turn's), or a request's own,
+        where nothing was committed and the ledger finds nothing to take."""
+        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        self._free(self._full, Tier.DEVICE, self._page_slots(self._full, row_pages(row, ranges, self.page)))
+
+    def _gone_everywhere(self, book: SlotBook, keys: np.ndarray) -> np.ndarray:
+        """Of freed keys, those no slot holds any more. A page a streaming session kept can also
+        be in the tree (a request outside the session with the same tokens): freeing one copy
+        leaves the page resident."""
+        shared = [k for k in keys.tolist() if k in self._session_keys]
+        if not shared:
+            return keys
+        candidates = np.array(shared, dtype=np.uint64)
+        held = candidates[np.isin(candidates, book.resident())]
+        self._session_keys.difference_update(candidates[~np.isin(candidates, held)].tolist())
+        return keys[~np.isin(keys, held)] if len(held) else keys
+
+    def _before_release_session(self, *args: Any, **kwargs: Any) -> None:
+        if self._scope is not None:  # a session closed: what it kept goes by request
+            self._scope.reason = Reason.EXPLICIT
+
     # -- reset and usage ---------------------------------------------------------------------------
     def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
         tiers = {tier for (_, tier) in self.ledger} or {Tier.DEVICE}
@@ -638,6 +714,20 @@ class RadixCacheShim:
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
                                   component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def row_pages(row: Any, ranges: Any, page: int) -> Any:
+    """The slots of the whole pages inside a request-pool row's position ranges, in order (a
+    range starting mid-page gives back that page only with the range before it)."""
+    parts = []
+    for start, end in ranges:
+        start = -(-int(start) // page) * page
+        end = int(end) // page * page
+        if end > start:
+            parts.append(row[start:end])
+    if len(parts) == 1:
+        return parts[0]
+    return parts
 
 
 def host_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -519,6 +519,32 @@ def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path:
     assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_streaming_sessions_are_followed_alike_in_both_modes(page: int, spool: Path) -> None:
+    """A streaming session keeps each turn's KV row for the next turn, outside the tree; a
+    request outside the session with the same tokens puts them in the tree too; closing the
+    session gives its row back. Both modes commit the session's pages where it keeps them, and
+    evict them when it closes, but not the tree's copies."""
+    config = DriverConfig(page_size=page, kv_tokens=1 << 12, route=Route.SCHEDULER)
+    cache, allocator, pool = built = build_cache(config)
+    tokens = [t for _, prompt in prompts(1, cut=21) for t in prompt]
+
+    def replay(driver: Driver) -> None:
+        nonlocal tokens
+        for turn in range(3):
+            assert driver.serve_turn("s", f"turn-{turn}", tokens).device_hit == (0 if turn == 0 else len(tokens) - 9)
+            tokens = tokens + list(range(500 + 10 * turn, 509 + 10 * turn))
+        driver.serve("outside", tokens[:30])
+        driver.close_session("s")
+        assert driver.serve("after", tokens[:30]).device_hit == 29 // page * page  # the tree's copy, whole pages
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours, theirs = sink.events, spooled(spool)
+    assert any(e.kind is EventKind.EVICT and e.reason is Reason.EXPLICIT for e in ours)
+    assert [comparable(e) for e in theirs] == [comparable(e) for e in ours]
+
+
 def test_caches_it_does_not_cover_are_refused_by_name() -> None:
     cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15, tree="pure_swa"))
     assert "PureSWARadixCache" in (unsupported(cache) or "")

@@ -321,3 +321,32 @@ def test_lookups_are_reported_once_per_answer() -> None:
     assert emitter.shutdown()
     lookups = [e for e in sink.events if e.kind is EventKind.LOOKUP]
     assert [e.reported_hit_tokens for e in lookups] == [0, 36]
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_a_streaming_sessions_turns_resume_from_the_kv_it_kept(core: str) -> None:
+    """A streaming session keeps each turn's KV row outside the tree, and its next turn resumes
+    there: SGLang reports a device hit the tree never held, and kvtrace, which commits the
+    session's pages where it keeps them, finds the same hit recoverable. Closing the session
+    evicts its pages (explicitly), but not the tree's copies of the same pages that a request
+    outside the session made. One-token pages, SGLang's default: with larger pages a turn also
+    reuses the partial page it kept, which kvtrace, naming whole pages, cannot vouch for."""
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(page_size=1, kv_tokens=1 << 12, tree_core=core,
+                                                              route=Route.SCHEDULER))
+    tokens = list(range(100, 121))
+    for turn in range(3):
+        driver.serve_turn("s", f"turn-{turn}", tokens)
+        tokens = tokens + list(range(500 + 10 * turn, 509 + 10 * turn))
+    assert driver.serve("outside", tokens[:30]).device_hit == 0  # the session's KV is its own
+    driver.close_session("s")
+    assert driver.serve("after", tokens[:30]).device_hit == 29  # the tree's copy, from "outside"
+    assert emitter.shutdown() and shim.errors == 0
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
+    for rid, hit in (("turn-1", 21), ("turn-2", 30), ("after", 29)):
+        assert results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens, rid
+        assert not results[rid].unsafe_reuse
+    closed = [e for e in sink.events if e.kind is EventKind.EVICT]
+    assert [e.reason.value for e in closed] == ["explicit"] and len(closed[0].more_keys) + 1 == 39 - 30  # not the tree's 30
+    # A limit: kvtrace cannot tell a session's pages from the tree's, so "outside" looks like a
+    # missed hit (recoverable, not reused) though SGLang never shares a session's KV.
+    assert results["outside"].recoverable_hit_tokens == 29 and results["outside"].adopted_tokens == 0
