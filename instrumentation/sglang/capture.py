@@ -46,7 +46,7 @@ from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
-                                                row_pages, usage_counters)
+                                                kept_row, row_pages, usage_counters)
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -726,17 +726,15 @@ class CaptureShim:
     def _kept(self, kept: Any, req: Any, *args: Any, **kwargs: Any) -> None:
         if kept is not True:
             return
-        slot = self.cache.session.slots.get(getattr(getattr(req, "session", None), "session_id", None))
-        if slot is None:
-            return
-        kv, ids, out = slot.kv, req.origin_input_ids, getattr(req, "output_ids", None)
+        ids, out = req.origin_input_ids, getattr(req, "output_ids", None)
         tokens = _words(tokens_blob(ids)) if not out else np.concatenate([_words(tokens_blob(ids)),
                                                                           _words(tokens_blob(out))])
-        pages = min(int(kv.kv_committed_len), len(tokens)) // self.page
-        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * self.page]
+        row = kept_row(self.cache, req, len(tokens), self.page)
+        if row is None:
+            return
         meta = META.encode((str(getattr(req, "rid", "")), _text(getattr(req, "cache_salt", None)),
                             _text(getattr(req, "extra_key", None))))
-        self._put(Rec.KEPT, 0, (meta, tokens[: pages * self.page], page_starts(row, self._step(-1))))
+        self._put(Rec.KEPT, 0, (meta, tokens[: len(row)], page_starts(row, self._step(-1))))
         if not self._session_rows:  # from now on a row's frees may drop pages a session kept
             self._session_rows = True
             self._wrap_row_frees()

@@ -630,12 +630,10 @@ class RadixCacheShim:
         """`claim_kv_row(req)`: True when the request's streaming session took its KV row."""
         if kept is not True:
             return
-        slot = getattr(self.cache, "session").slots.get(getattr(getattr(req, "session", None), "session_id", None))
-        if slot is None:
+        tokens = self._request_tokens(None, req)
+        row = kept_row(self.cache, req, len(tokens), self.page)
+        if row is None:
             return
-        kv, tokens = slot.kv, self._request_tokens(None, req)
-        pages = min(int(kv.kv_committed_len), len(tokens)) // self.page
-        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * self.page]
         chain = getattr(req, "_kvtrace_chain", None) or new_chain(getattr(req, "extra_key", None),
                                                                   getattr(req, "cache_salt", None))
         top, _ = self.begin_call("claim_kv_row", None, (), {})
@@ -714,6 +712,17 @@ class RadixCacheShim:
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
                                   component=self.components[self._full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
+
+
+def kept_row(cache: Any, req: Any, tokens: int, page: int) -> Any:
+    """The KV row a streaming session keeps for `req`, as far as its committed whole pages and
+    `tokens` reach (the request-pool row's slots), or None when no session keeps one."""
+    slot = cache.session.slots.get(getattr(getattr(req, "session", None), "session_id", None))
+    if slot is None:
+        return None
+    kv = slot.kv
+    pages = min(int(kv.kv_committed_len), tokens) // page
+    return cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * page]
 
 
 def row_pages(row: Any, ranges: Any, page: int) -> Any:
