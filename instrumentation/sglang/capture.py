@@ -227,6 +227,8 @@ class CaptureShim:
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
         self._acks: Any = None  # the storage acknowledgement queue wrapped
         self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
+        self._session_row_ids: set[int] = set()  # request-pool rows a session kept, as the shim's
+        self._closing: Any = None  # the row of the session `release_session` is closing
         self._loading_call = CALLS.index("loading_check")
 
     # -- the ring ----------------------------------------------------------------------------------
@@ -321,7 +323,7 @@ class CaptureShim:
         c._apply_cache_action = _apply_cache_action
         if getattr(c, "session", None) is not None:  # streaming sessions, as the shim follows them
             self._wrap_after(c, "claim_kv_row", self._kept)
-            self._wrap(c, "release_session", None, None, optional=True)
+            self._wrap(c, "release_session", self._releasing, self._released, optional=True, opens=False)
         for component_type, component in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(component, component_type)
         if getattr(c, "cache_controller", None) is not None:
@@ -732,12 +734,22 @@ class CaptureShim:
         row = kept_row(self.cache, req, len(tokens), self.page)
         if row is None:
             return
+        self._session_row_ids.add(int(self.cache.session.slots[req.session.session_id].kv.req_pool_idx))
         meta = META.encode((str(getattr(req, "rid", "")), _text(getattr(req, "cache_salt", None)),
                             _text(getattr(req, "extra_key", None))))
         self._put(Rec.KEPT, 0, (meta, tokens[: len(row)], page_starts(row, self._step(-1))))
         if not self._session_rows:  # from now on a row's frees may drop pages a session kept
             self._session_rows = True
             self._wrap_row_frees()
+
+    def _releasing(self, session_id: Any = None, *args: Any, **kwargs: Any) -> None:
+        slot = self.cache.session.slots.get(session_id)
+        self._closing = None if slot is None else slot.kv.req_pool_idx
+
+    def _released(self, _result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
+        self._session_row_ids.discard(self._closing)
+        if opened:
+            self._put(Rec.END, CALLS.index("release_session"))
 
     def _wrap_row_frees(self) -> None:
         """`free_kv_row(kv, ranges)`: recorded as the full-attention free the shim reads it as
@@ -748,9 +760,10 @@ class CaptureShim:
 
         def free_kv_row(kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                row = c.req_to_token_pool.req_to_token[kv.req_pool_idx]
-                capture._action("FreeDeviceKVFullOnly", SimpleNamespace(component_type=None,
-                                                                       indices=row_pages(row, ranges, capture.page)))
+                if kv.req_pool_idx in capture._session_row_ids:  # a request's own row: nothing to name
+                    pages = row_pages(c.req_to_token_pool.req_to_token[kv.req_pool_idx], ranges, capture.page)
+                    if len(pages):
+                        capture._action("FreeDeviceKVFullOnly", SimpleNamespace(component_type=None, indices=pages))
             except Exception:  # noqa: BLE001
                 capture._failed("free_kv_row")
             return original(kv, ranges, *args, **kwargs)

@@ -259,8 +259,10 @@ class Driver:
         """One turn of a streaming session (scheduler route, full attention): the session keeps
         the turn's KV row outside the tree, and the next turn, whose tokens extend this one's,
         resumes from it. `close_session` gives the row back."""
-        if self.config.route is not Route.SCHEDULER:
-            raise ValueError("streaming sessions take the scheduler route")
+        if self.config.route is not Route.SCHEDULER or self.page != 1:
+            # With larger pages SGLang continues a turn in the partial page the session kept;
+            # the driver allocates whole fresh pages and would lay the row out as SGLang never does.
+            raise ValueError("streaming sessions take the scheduler route, on one-token pages")
         from sglang.srt.session.session_controller import Session
 
         session = self.sessions.get(session_id)

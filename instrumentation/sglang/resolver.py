@@ -350,6 +350,7 @@ class Replayer:
         if self.hooks is not None:  # copies under way name pages of the ledger about to be dropped
             self.hooks._after_reset()
         self._drop_ledger()
+        shim.forget_sessions()
 
     def _drop_ledger(self) -> None:
         """Report every tier the ledger holds invalidated and empty it: what it says can no

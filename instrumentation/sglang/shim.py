@@ -127,6 +127,8 @@ class RadixCacheShim:
         self._looked_up: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> (device, host) reported
         self._session_rows = False  # whether frees of streaming sessions' rows are followed
         self._session_keys: set[int] = set()  # pages a session committed: they may be held twice
+        self._session_sorted = np.zeros(0, dtype=np.uint64)  # the same, sorted, for vectorized checks
+        self._session_row_ids: set[int] = set()  # request-pool rows a session kept
         self.page_bytes = self._page_bytes()
         self.usage_interval_ns = int(usage_interval_s * 1e9)
         self._usage_due_ns = 0
@@ -171,7 +173,8 @@ class RadixCacheShim:
         self._wrap_action(c)
         if getattr(c, "session", None) is not None:  # the unified tree's streaming sessions
             self._wrap_plain(c, "claim_kv_row", self._after_claim)
-            self._wrap_scoped(c, "release_session", None, before=self._before_release_session, optional=True)
+            self._wrap_scoped(c, "release_session", self._after_release_session, before=self._before_release_session,
+                              optional=True)
         for ct, comp in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(comp, ct)
         if getattr(c, "cache_controller", None) is not None:
@@ -634,6 +637,7 @@ class RadixCacheShim:
         row = kept_row(self.cache, req, len(tokens), self.page)
         if row is None:
             return
+        self._session_row_ids.add(int(self.cache.session.slots[req.session.session_id].kv.req_pool_idx))
         chain = getattr(req, "_kvtrace_chain", None) or new_chain(getattr(req, "extra_key", None),
                                                                   getattr(req, "cache_salt", None))
         top, _ = self.begin_call("claim_kv_row", None, (), {})
@@ -653,12 +657,13 @@ class RadixCacheShim:
         slots = slots[: len(keys)]
         book = self.ledger.get((self._full, Tier.DEVICE))
         new = (book.peek(slots) != keys) if book is not None else np.ones(len(keys), dtype=bool)
-        if self._scope is not None:
+        if self._scope is not None and not self._scope.tenant:  # its own scope (`_after_claim`)
             self._scope.tenant = tenant or self.identity.default_tenant
             self._scope.adapter = str(adapter or "")
         if new.any():
             self.install_slots(self._full, Tier.DEVICE, slots[new], keys[new])
             self._session_keys.update(keys[new].tolist())
+            self._session_sorted = np.sort(np.fromiter(self._session_keys, dtype=np.uint64))
         if not self._session_rows:
             self._session_rows = True
             self._wrap_scoped(self.cache, "free_kv_row", None, before=self._before_free_row, optional=True)
@@ -667,29 +672,49 @@ class RadixCacheShim:
         """`free_kv_row(kv, ranges)` gives back the whole pages of a row's position ranges: a
         session's (a rewound tail, a closed session, an aborted turn's), or a request's own,
         where nothing was committed and the ledger finds nothing to take."""
-        row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        self._free(self._full, Tier.DEVICE, self._page_slots(self._full, row_pages(row, ranges, self.page)))
+        if kv.req_pool_idx not in self._session_row_ids:
+            return  # a request's own row: nothing there was committed
+        pages = row_pages(self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx], ranges, self.page)
+        if len(pages):
+            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, pages))
 
     def _gone_everywhere(self, book: SlotBook, keys: np.ndarray) -> np.ndarray:
         """Of freed keys, those no slot holds any more. A page a streaming session kept can also
         be in the tree (a request outside the session with the same tokens): freeing one copy
         leaves the page resident."""
-        shared = [k for k in keys.tolist() if k in self._session_keys]
-        if not shared:
+        known = self._session_sorted
+        at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+        candidates = keys[known[at] == keys]
+        if not len(candidates):
             return keys
-        candidates = np.array(shared, dtype=np.uint64)
         held = candidates[np.isin(candidates, book.resident())]
-        self._session_keys.difference_update(candidates[~np.isin(candidates, held)].tolist())
+        gone = candidates[~np.isin(candidates, held)]
+        if len(gone):
+            self._session_keys.difference_update(gone.tolist())
+            self._session_sorted = np.sort(np.fromiter(self._session_keys, dtype=np.uint64))
         return keys[~np.isin(keys, held)] if len(held) else keys
 
-    def _before_release_session(self, *args: Any, **kwargs: Any) -> None:
-        if self._scope is not None:  # a session closed: what it kept goes by request
+    def _before_release_session(self, *args: Any, **kwargs: Any) -> Any:
+        """A session closing: what it kept goes by request. Returns its row, whose frees are
+        followed until then."""
+        if self._scope is not None:
             self._scope.reason = Reason.EXPLICIT
+        slot = self.cache.session.slots.get(args[0]) if args and hasattr(self.cache, "session") else None
+        return None if slot is None else slot.kv.req_pool_idx
+
+    def _after_release_session(self, _result: Any, row: Any, *args: Any, **kwargs: Any) -> None:
+        self._session_row_ids.discard(row)
+
+    def forget_sessions(self) -> None:
+        """After a reset or a loss: no page is held twice any more."""
+        self._session_keys.clear()
+        self._session_sorted = np.zeros(0, dtype=np.uint64)
 
     # -- reset and usage ---------------------------------------------------------------------------
     def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
         tiers = {tier for (_, tier) in self.ledger} or {Tier.DEVICE}
         self.ledger.clear()
+        self.forget_sessions()
         if self._scope is not None:
             self._scope.freed.clear()
             self._scope.installed.clear()

@@ -327,10 +327,11 @@ def test_lookups_are_reported_once_per_answer() -> None:
 def test_a_streaming_sessions_turns_resume_from_the_kv_it_kept(core: str) -> None:
     """A streaming session keeps each turn's KV row outside the tree, and its next turn resumes
     there: SGLang reports a device hit the tree never held, and kvtrace, which commits the
-    session's pages where it keeps them, finds the same hit recoverable. Closing the session
-    evicts its pages (explicitly), but not the tree's copies of the same pages that a request
-    outside the session made. One-token pages, SGLang's default: with larger pages a turn also
-    reuses the partial page it kept, which kvtrace, naming whole pages, cannot vouch for."""
+    session's pages where it keeps them, finds the same hit recoverable. Closing a session
+    evicts its pages (explicitly), but not copies of the same pages that the tree holds (a
+    request outside the session made them) or that another session keeps. One-token pages,
+    SGLang's default: with larger pages a turn also reuses the partial page it kept, which
+    kvtrace, naming whole pages, cannot vouch for."""
     cache, sink, emitter, shim, driver = shimmed(DriverConfig(page_size=1, kv_tokens=1 << 12, tree_core=core,
                                                               route=Route.SCHEDULER))
     tokens = list(range(100, 121))
@@ -338,15 +339,20 @@ def test_a_streaming_sessions_turns_resume_from_the_kv_it_kept(core: str) -> Non
         driver.serve_turn("s", f"turn-{turn}", tokens)
         tokens = tokens + list(range(500 + 10 * turn, 509 + 10 * turn))
     assert driver.serve("outside", tokens[:30]).device_hit == 0  # the session's KV is its own
-    driver.close_session("s")
-    assert driver.serve("after", tokens[:30]).device_hit == 29  # the tree's copy, from "outside"
+    assert driver.serve_turn("s2", "other-0", tokens[:35]).device_hit == 30  # the tree's, from "outside"
+    driver.close_session("s")  # 39 pages: 30 in the tree, 5 more kept by "s2"
+    assert driver.serve("after", tokens[:30]).device_hit == 29
+    assert driver.serve_turn("s2", "other-1", tokens[:36]).device_hit == 35
+    driver.close_session("s2")
     assert emitter.shutdown() and shim.errors == 0
     results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
-    for rid, hit in (("turn-1", 21), ("turn-2", 30), ("after", 29)):
+    for rid, hit in (("turn-1", 21), ("turn-2", 30), ("after", 29), ("other-1", 35)):
         assert results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens, rid
         assert not results[rid].unsafe_reuse
-    closed = [e for e in sink.events if e.kind is EventKind.EVICT]
-    assert [e.reason.value for e in closed] == ["explicit"] and len(closed[0].more_keys) + 1 == 39 - 30  # not the tree's 30
-    # A limit: kvtrace cannot tell a session's pages from the tree's, so "outside" looks like a
-    # missed hit (recoverable, not reused) though SGLang never shares a session's KV.
+    closed = [e for e in sink.events if e.kind is EventKind.EVICT]  # ordinary requests' releases: none
+    assert [(e.reason.value, len(e.more_keys) + 1) for e in closed] == [("explicit", 39 - 30 - 5), ("explicit", 6)]
+    # A limit: kvtrace cannot tell a session's pages from the tree's, so a request outside the
+    # session, or another session's first turn, looks like a missed hit on the pages "s" kept,
+    # though SGLang never shares a session's KV.
     assert results["outside"].recoverable_hit_tokens == 29 and results["outside"].adopted_tokens == 0
+    assert results["other-0"].recoverable_hit_tokens == 34 and results["other-0"].adopted_tokens == 30
