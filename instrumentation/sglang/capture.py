@@ -43,7 +43,7 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name
+from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
@@ -708,19 +708,18 @@ class CaptureShim:
         on host, and the host slots the commit frees again."""
         if getattr(phase, "name", phase) != "PREFETCH":
             return
+        states, frees = prefetch_states(comp_xfers, cache_actions)
         staged, released, blobs = [], [], []
-        for ct, xfers in (comp_xfers or {}).items():
+        for ct, host in states:
             name = component_name(ct)
-            if (name in self.group_names and self.group_names.index(name) != self._full and xfers
-                    and xfers[0].host_indices is not None):
+            if name in self.group_names and self.group_names.index(name) != self._full:
                 staged.append(name)
-                blobs.append(page_starts(xfers[0].host_indices, self._step(self.group_names.index(name))))
-        for action in cache_actions or ():
-            if type(action).__name__ == "FreeComponentHostSlot":
-                name = component_name(action.component_type)
-                if name in staged:  # what the hook reads of them
-                    released.append(name)
-                    blobs.append(page_starts(action.host_indices, self._step(self.group_names.index(name))))
+                blobs.append(page_starts(host, self._step(self.group_names.index(name))))
+        for ct, host in frees:
+            name = component_name(ct)
+            if name in staged:  # what the hook reads of them
+                released.append(name)
+                blobs.append(page_starts(host, self._step(self.group_names.index(name))))
         if staged:
             self._put(Rec.STAGED, 0, (META.encode((staged, released)), *blobs))
 

@@ -65,6 +65,17 @@ def hung_under(cache: Any, node_id: Any) -> tuple[bool, str | None]:
     return False, cache.get_last_hash_value(node_id) or None
 
 
+def prefetch_states(comp_xfers: Any, cache_actions: Any) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+    """What a landed prefetch's commit (`commit_hicache_transfers(..., PREFETCH, ...)`) stages on
+    host: (component type, host indices) of each component's transfer, and of each host slot
+    the commit frees again (`FreeComponentHostSlot`)."""
+    staged = [(ct, xfers[0].host_indices) for ct, xfers in (comp_xfers or {}).items()
+              if xfers and xfers[0].host_indices is not None]
+    released = [(action.component_type, action.host_indices) for action in cache_actions or ()
+                if type(action).__name__ == "FreeComponentHostSlot"]
+    return staged, released
+
+
 class HiCacheHooks:
     """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`."""
 
@@ -281,18 +292,11 @@ class HiCacheHooks:
         Mamba's state staged on host with the pages, less what the commit gives back."""
         if getattr(phase, "name", phase) != "PREFETCH":
             return
-        staged, released = [], []
-        for ct, xfers in (comp_xfers or {}).items():
-            group = self.shim.group_of.get(ct)
-            if group is None or group == self.full or not xfers or xfers[0].host_indices is None:
-                continue
-            staged.append((group, self.shim._page_slots(group, xfers[0].host_indices)))
-        for action in cache_actions or ():
-            if type(action).__name__ == "FreeComponentHostSlot":
-                group = self.shim.group_of.get(action.component_type)
-                if group is not None:
-                    released.append((group, self.shim._page_slots(group, action.host_indices)))
-        self.prefetched(staged, released)
+        staged, released = prefetch_states(comp_xfers, cache_actions)
+        group_of, page = self.shim.group_of, self.shim._page_slots
+        self.prefetched([(group_of[ct], page(group_of[ct], host)) for ct, host in staged
+                         if group_of.get(ct, self.full) != self.full],
+                        [(group_of[ct], page(group_of[ct], host)) for ct, host in released if ct in group_of])
 
     def prefetched(self, staged: list[tuple[int, np.ndarray]], released: list[tuple[int, np.ndarray]]) -> None:
         """States a prefetch staged on host (`staged`: group, its slots) for the trailing pages
