@@ -730,10 +730,11 @@ class CaptureShim:
         ids, out = req.origin_input_ids, getattr(req, "output_ids", None)
         tokens = _words(tokens_blob(ids)) if not out else np.concatenate([_words(tokens_blob(ids)),
                                                                           _words(tokens_blob(out))])
-        row = kept_row(self.cache, req, len(tokens), self.page)
-        if row is None:
+        kept = kept_row(self.cache, req, len(tokens), self.page)
+        if kept is None:
             return
-        self._session_row_ids.add(int(self.cache.session.slots[req.session.session_id].kv.req_pool_idx))
+        row_id, row = kept
+        self._session_row_ids.add(row_id)
         meta = META.encode((str(getattr(req, "rid", "")), _text(getattr(req, "cache_salt", None)),
                             _text(getattr(req, "extra_key", None))))
         self._put(Rec.KEPT, 0, (meta, tokens[: len(row)], page_starts(row, self._step(-1))))

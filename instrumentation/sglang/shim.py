@@ -634,10 +634,11 @@ class RadixCacheShim:
         if kept is not True:
             return
         tokens = self._request_tokens(None, req)
-        row = kept_row(self.cache, req, len(tokens), self.page)
-        if row is None:
+        kept = kept_row(self.cache, req, len(tokens), self.page)
+        if kept is None:
             return
-        self._session_row_ids.add(int(self.cache.session.slots[req.session.session_id].kv.req_pool_idx))
+        row_id, row = kept
+        self._session_row_ids.add(row_id)
         chain = getattr(req, "_kvtrace_chain", None) or new_chain(getattr(req, "extra_key", None),
                                                                   getattr(req, "cache_salt", None))
         top, _ = self.begin_call("claim_kv_row", None, (), {})
@@ -739,20 +740,20 @@ class RadixCacheShim:
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
 
 
-def kept_row(cache: Any, req: Any, tokens: int, page: int) -> Any:
-    """The KV row a streaming session keeps for `req`, as far as its committed whole pages and
-    `tokens` reach (the request-pool row's slots), or None when no session keeps one."""
+def kept_row(cache: Any, req: Any, tokens: int, page: int) -> tuple[int, Any] | None:
+    """The KV row a streaming session keeps for `req`: its request-pool row number and the slots
+    of its committed whole pages, as far as `tokens` reach; None when no session keeps one."""
     slot = cache.session.slots.get(getattr(getattr(req, "session", None), "session_id", None))
     if slot is None:
         return None
     kv = slot.kv
     pages = min(int(kv.kv_committed_len), tokens) // page
-    return cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * page]
+    return int(kv.req_pool_idx), cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : pages * page]
 
 
 def row_pages(row: Any, ranges: Any, page: int) -> Any:
-    """The slots of the whole pages inside a request-pool row's position ranges, in order (a
-    range starting mid-page gives back that page only with the range before it)."""
+    """The slots of the whole pages inside a request-pool row's position ranges, in order. A page
+    a range covers only in part is not among them: SGLang's paged free keeps it."""
     parts = []
     for start, end in ranges:
         start = -(-int(start) // page) * page
