@@ -107,12 +107,12 @@ class Rec(IntEnum):
     # storage names, whether it hangs under the root, the storage name of the node it hangs
     # under (`hicache.hung_under`), extra key, cache salt; then the key's tokens, the host page starts
     CLEARED = 21  # `clear_storage_backend` emptied the storage tier
-    KEPT = 23  # `claim_kv_row` returned True: a streaming session keeps the request's KV row; meta:
-    # request id, cache salt, extra key; then the request's tokens and the row's page starts, as
-    # far as both reach its committed length (`RadixCacheShim._after_claim` reads the same)
     STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
     # the component names of the states staged on host, and of those the commit frees again; then
     # the host page starts of each, in that order
+    KEPT = 23  # `claim_kv_row` returned True: a streaming session keeps the request's KV row; meta:
+    # request id, cache salt, extra key; then the request's tokens and the row's page starts, as
+    # far as both reach its committed length (`RadixCacheShim._after_claim` reads the same)
 
 
 CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
