@@ -40,7 +40,7 @@ os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 import sglang.test.kits.unified_radix_cache.fixtures as kit  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
@@ -255,10 +255,11 @@ class Driver:
             self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
 
-    def serve_turn(self, session_id: str, request_id: str, tokens: Sequence[int]) -> Served:
+    def serve_turn(self, session_id: str, request_id: str, tokens: Sequence[int], aborted: bool = False) -> Served:
         """One turn of a streaming session (scheduler route, full attention): the session keeps
         the turn's KV row outside the tree, and the next turn, whose tokens extend this one's,
-        resumes from it. `close_session` gives the row back."""
+        resumes from it. `close_session` gives the row back. An `aborted` turn hands the row
+        back instead, and is released like any request (its prompt checkpointed into the tree)."""
         if self.config.route is not Route.SCHEDULER or self.page != 1:
             # With larger pages SGLang continues a turn in the partial page the session kept;
             # the driver allocates whole fresh pages and would lay the row out as SGLang never does.
@@ -268,14 +269,14 @@ class Driver:
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(1 << 30, session_id, streaming=True)
-        return self._serve_scheduled(request_id, tokens, None, session)
+        return self._serve_scheduled(request_id, tokens, None, session, aborted)
 
     def close_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
         self.cache.release_session(session_id)
 
     def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None,
-                         session: Any = None) -> Served:
+                         session: Any = None, aborted: bool = False) -> Served:
         """One request through the scheduler's own request-level steps (full attention); a
         streaming session's turn runs on the row the session lends it."""
         cache = self.cache
@@ -309,7 +310,8 @@ class Driver:
             req.kv.cache_protected_len = device
         if session is not None:
             cache.maybe_hand_to_session(req)  # at its first row, as the scheduler's allocation does
-        req.finished_reason = FINISH_LENGTH(length=0)  # prefill only: the one output token is not kept
+        # prefill only: the one output token is not kept
+        req.finished_reason = FINISH_ABORT() if aborted else FINISH_LENGTH(length=0)
         release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock; or the session keeps it
         end = len(prompt) - (device if borrowed else 0)
         if len(row) > end:

@@ -522,7 +522,8 @@ def test_a_storage_tier_added_later_is_followed(how: str, spool: Path, tmp_path:
 def test_streaming_sessions_are_followed_alike_in_both_modes(spool: Path) -> None:
     """A streaming session keeps each turn's KV row for the next turn, outside the tree; a
     request outside the session with the same tokens puts them in the tree too, and a second
-    session keeps some of them too; closing a session gives its row back. Both modes commit the
+    session keeps some of them too, until a turn of it is aborted and hands its row to the tree;
+    closing a session gives its row back. Both modes commit the
     session's pages where it keeps them, and evict them when it closes, but not the copies the
     tree or the other session holds."""
     config = DriverConfig(page_size=1, kv_tokens=1 << 12, route=Route.SCHEDULER)
@@ -539,6 +540,8 @@ def test_streaming_sessions_are_followed_alike_in_both_modes(spool: Path) -> Non
         driver.close_session("s")
         assert driver.serve("after", tokens[:30]).device_hit == 29  # the tree's copy
         assert driver.serve_turn("s2", "other-1", tokens[:36]).device_hit == 35
+        driver.serve_turn("s2", "other-2", tokens[:38], aborted=True)  # the row goes to the tree
+        driver.serve_turn("s2", "other-3", tokens[:39])
         driver.close_session("s2")
 
     sink, stats = both_modes(config, built, replay)

@@ -19,7 +19,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
-from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.instrumentation.sglang.shim import RadixCacheShim, resident_keys
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.schema import ComponentKind, EventKind
@@ -356,3 +356,26 @@ def test_a_streaming_sessions_turns_resume_from_the_kv_it_kept(core: str) -> Non
     # though SGLang never shares a session's KV.
     assert results["outside"].recoverable_hit_tokens == 29 and results["outside"].adopted_tokens == 0
     assert results["other-0"].recoverable_hit_tokens == 34 and results["other-0"].adopted_tokens == 30
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_an_aborted_session_turn_hands_its_row_to_the_tree(core: str) -> None:
+    """An aborted turn takes its row back from the session and is released like any request:
+    its prompt goes into the tree, on the same slots. Nothing is evicted then, the next turn
+    starts a new row on the tree's pages, and closing the session evicts only what that turn
+    added."""
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(page_size=1, kv_tokens=1 << 12, tree_core=core,
+                                                              route=Route.SCHEDULER))
+    tokens = list(range(100, 121))
+    driver.serve_turn("s", "turn-0", tokens)
+    assert driver.serve_turn("s", "aborted", tokens + list(range(500, 509)), aborted=True).device_hit == 21
+    assert not cache.session.slots  # the session lets the row go
+    assert driver.serve_turn("s", "turn-2", tokens + list(range(500, 509)) + [7, 8]).device_hit == 30
+    driver.close_session("s")
+    assert emitter.shutdown() and shim.errors == 0
+    assert len(resident_keys(shim)) == 30 == cache.full_evictable_size()  # the tree's pages, nothing else
+    evicted = [(e.reason.value, len(e.more_keys) + 1) for e in sink.events if e.kind is EventKind.EVICT]
+    assert evicted == [("explicit", 2)]
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
+    for rid, hit in (("aborted", 21), ("turn-2", 30)):
+        assert results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens and not results[rid].unsafe_reuse
