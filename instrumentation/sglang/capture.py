@@ -111,7 +111,7 @@ class Rec(IntEnum):
     # the component names of the states staged on host, and of those the commit frees again; then
     # the host page starts of each, in that order
     KEPT = 23  # `claim_kv_row` returned True: a streaming session keeps the request's KV row; meta:
-    # request id, cache salt, extra key; then the request's tokens and the row's page starts, as
+    # cache salt, extra key; then the request's tokens and the row's page starts, as
     # far as both reach its committed length (`RadixCacheShim._after_claim` reads the same)
 
 
@@ -625,18 +625,18 @@ class CaptureShim:
         return gather(mapping, starts) if len(starts) else starts
 
     # -- HiCache's host tier --------------------------------------------------------------------
-    def _pools(self, extra_pools: Any, first: str, second: str) -> tuple[list[str], list[Any]]:
+    def _pools(self, extra_pools: Any, sides: tuple[str, ...], load: bool = False) -> tuple[list[str], list[Any]]:
         """The component transfers that travel with a copy (a window's or Mamba's state), as
-        `HiCacheHooks._extra` takes them: their names, and their slots' page starts, `first`
-        then `second` side of each."""
+        `HiCacheHooks._extra` takes them (`load`: a load-back's): their names, and the page starts
+        of each one's `sides`, in that order."""
         names, blobs = [], []
         for transfer in extra_pools or ():
-            name = pool_name(transfer, load=first == "host_indices")
-            one, two = getattr(transfer, first, None), getattr(transfer, second, None)
-            if name in self.group_names and one is not None and two is not None:
+            name = pool_name(transfer, load)
+            values = [getattr(transfer, side, None) for side in sides]
+            if name in self.group_names and all(v is not None for v in values):
                 step = self._step(self.group_names.index(name))
                 names.append(name)
-                blobs += [page_starts(one, step), page_starts(two, step)]
+                blobs += [page_starts(v, step) for v in values]
         return names, blobs
 
     def _backup(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
@@ -654,7 +654,7 @@ class CaptureShim:
         if target is None:
             return
         now, step = time.monotonic_ns(), self._step(-1)
-        names, extra = self._pools(extra_pools, *sides)
+        names, extra = self._pools(extra_pools, sides, load=kind == Rec.RESTORE)
         self._put(kind, 0, (META.encode((int(node_id), now, names)), page_starts(source, step),
                             page_starts(target, step), *extra))
 
@@ -679,12 +679,7 @@ class CaptureShim:
                extra_pools: Any = None, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
-        names, states = [], []
-        for transfer in extra_pools or ():
-            name, host = pool_name(transfer), getattr(transfer, "host_indices", None)
-            if name in self.group_names and host is not None:
-                names.append(name)
-                states.append(page_starts(host, self._step(self.group_names.index(name))))
+        names, states = self._pools(extra_pools, ("host_indices",))
         self._put(Rec.STORE, 0, (META.encode((int(op_id), time.monotonic_ns(), list(hash_value), names)),
                                  page_starts(host_indices, self._step(-1)), *states))
 
@@ -735,8 +730,7 @@ class CaptureShim:
             return
         row_id, row = kept
         self._session_row_ids.add(row_id)
-        meta = META.encode((str(getattr(req, "rid", "")), _text(getattr(req, "cache_salt", None)),
-                            _text(getattr(req, "extra_key", None))))
+        meta = META.encode((_text(getattr(req, "cache_salt", None)), _text(getattr(req, "extra_key", None))))
         self._put(Rec.KEPT, 0, (meta, tokens[: len(row)], page_starts(row, self._step(-1))))
         if not self._session_rows:  # from now on a row's frees may drop pages a session kept
             self._session_rows = True

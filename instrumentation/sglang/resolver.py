@@ -243,7 +243,7 @@ class Replayer:
             sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
             (hooks._after_write if backup else hooks._after_load)(
                 _slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
-                extra_pools=self._pools(names, blobs[3:], *sides, node_id))
+                extra_pools=self._pools(names, blobs[3:], sides, node_id))
         elif kind == Rec.BACKED:
             ack_id, self.now = _META.decode(blobs[0])
             self._hicache()._after_write_ack(None, ack_id)
@@ -258,10 +258,8 @@ class Replayer:
                 shim.end_call("loading_check", top, self._hicache()._after_loading_check, None, set(before), (), {})
         elif kind == Rec.STORE:
             op_id, self.now, names, states = _META.decode(blobs[0])
-            pools = [SimpleNamespace(name=name, host_indices=_slots(raw, self._step(name)))
-                     for name, raw in zip(states, blobs[2:], strict=True)]
             self._hicache()._after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names,
-                                                 extra_pools=pools)
+                                                 extra_pools=self._pools(states, blobs[2:], ("host_indices",)))
         elif kind == Rec.STORED:
             op_id, done, self.now = _META.decode(blobs[0])
             op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
@@ -280,7 +278,7 @@ class Replayer:
         elif kind == Rec.CLEARED:
             self._hicache()._after_clear_storage(True)
         elif kind == Rec.KEPT:
-            rid, salt, extra = _META.decode(blobs[0])
+            salt, extra = _META.decode(blobs[0])
             top, _ = shim.begin_call("claim_kv_row", None, (), {})
             try:
                 shim.session_kept(new_chain(extra, salt), _tokens(blobs[1]), _slots(blobs[2], self._step(None)).slots,
@@ -312,16 +310,15 @@ class Replayer:
         """Slots per ledger entry for a component's pool, by the shim's rule (`slot_step`)."""
         return slot_step(self.page, component == "MAMBA")
 
-    def _pools(self, names: list[str], blobs: list[Any], first: str, second: str,
-               node_id: int) -> list[SimpleNamespace]:
-        """The extra pools of a HiCache copy, as `HiCacheHooks._extra` reads them. The capture
-        sent only those it follows, so each is taken as restoring the copy's node."""
-        out = []
-        for i, name in enumerate(names):
-            step = self._step(name)
-            out.append(SimpleNamespace(name=name, nodes_to_load=(node_id,),
-                                       **{first: _slots(blobs[2 * i], step), second: _slots(blobs[2 * i + 1], step)}))
-        return out
+    def _pools(self, names: list[str], blobs: list[Any], sides: tuple[str, ...],
+               node_id: int = -1) -> list[SimpleNamespace]:
+        """The extra pools of a HiCache copy or storage write, as `HiCacheHooks._extra` reads
+        them: each one's `sides`, from consecutive blobs. The capture sent only those it
+        follows, so each is taken as restoring the copy's node."""
+        n = len(sides)
+        return [SimpleNamespace(name=name, nodes_to_load=(node_id,),
+                                **{side: _slots(blobs[n * i + j], self._step(name)) for j, side in enumerate(sides)})
+                for i, name in enumerate(names)]
 
     def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:
         self._open("checkpoint", self.shim._before_checkpoint, (self._request(rid or "", fresh),))
