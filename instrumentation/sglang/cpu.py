@@ -112,11 +112,15 @@ def patch_hicache_for_cpu() -> None:
     def page_starts(indices: Any, page_size: int) -> Any:
         return indices.to(torch.long).reshape(-1, page_size)[:, 0]
 
+    def page_tokens(indices: Any, page_size: int) -> Any:
+        """Every slot of the pages whose first slots `indices` give, page by page."""
+        return (page_starts(indices, page_size)[:, None] + torch.arange(page_size)).reshape(-1)
+
     def lf_to_pf(src_ptrs: Any, dst_ptrs: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
         """Layer-first device slots to page-first host pages, every layer: `src_ptrs` holds one
         tensor per layer (K layers then V layers, or one latent/state layer set), `dst_ptrs` one
         (pages, layers, page, ...) buffer per set."""
-        tokens = (page_starts(src_indices, page_size)[:, None] + torch.arange(page_size)).reshape(-1)
+        tokens = page_tokens(src_indices, page_size)
         pages = page_starts(dst_indices, page_size) // page_size
         layers = len(src_ptrs) // len(dst_ptrs)
         for part, dst in enumerate(dst_ptrs):
@@ -129,7 +133,7 @@ def patch_hicache_for_cpu() -> None:
         """Page-first host pages to layer-first device slots, one layer (or `len(dst_ptrs) /
         len(src_ptrs)` consecutive ones from `layer_id`)."""
         pages = page_starts(src_indices, page_size) // page_size
-        tokens = (page_starts(dst_indices, page_size)[:, None] + torch.arange(page_size)).reshape(-1)
+        tokens = page_tokens(dst_indices, page_size)
         layers = len(dst_ptrs) // len(src_ptrs)
         for part, src in enumerate(src_ptrs):
             for layer in range(layers):
