@@ -41,7 +41,7 @@ os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 import sglang.test.kits.unified_radix_cache.fixtures as kit  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
-from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
     InitLoadBackParams,
@@ -90,6 +90,20 @@ class DriverConfig:
     tree_core: str = "rust"  # SGLang's default; "python" is its reference core
     tree: str = "unified"  # or SGLang's older single-component trees: "radix", "pure_swa"
     route: Route = Route.CACHE
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    """A request on the scheduler route between its steps (`Driver.admit`, `prefill`, `finish`)."""
+
+    req: Req
+    outputs: array  # the tokens it generates after its prompt
+    cache_salt: str | None
+    device: int = 0  # SGLang's device hit at its (last) admission: what it reuses
+    full: int = 0  # the full-attention match at that admission
+    borrowed: bool = False  # a streaming session lent it the row holding [0, device)
+    filled: int = 0  # tokens whose KV slots are in its row
+    spare: list = dataclasses.field(default_factory=list)  # page padding `_alloc` took, freed at release
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,51 +291,119 @@ class Driver:
 
     def _serve_scheduled(self, request_id: str, tokens: Sequence[int], cache_salt: str | None,
                          session: Any = None, aborted: bool = False) -> Served:
-        """One request through the scheduler's own request-level steps (full attention); a
-        streaming session's turn runs on the row the session lends it."""
-        cache = self.cache
+        """One request through the scheduler's own request-level steps, all at once."""
+        run = self.admit(request_id, tokens, cache_salt, session=session)
+        self.prefill(run)
+        return self.finish(run, aborted)
+
+    # -- the scheduler route, step by step (requests can interleave, as in a batch) ---------------
+    def admit(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None,
+              outputs: Sequence[int] = (), session: Any = None) -> Running:
+        """Match a request and give it a request-pool row holding its device hit, as the
+        scheduler does when it takes a request into a prefill batch. `outputs` are the tokens it
+        will generate: its KV then runs on past the prompt (`prefill` decodes them)."""
+        if self.config.route is not Route.SCHEDULER or getattr(self.cache, "cache_controller", None) is not None:
+            raise ValueError("step-by-step requests take the scheduler route, without HiCache (whose load-back "
+                             "the driver does not drive)")
         prompt = array("q", tokens)
         req = Req(rid=request_id, origin_input_text="", origin_input_ids=prompt, cache_salt=cache_salt,
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1), session=session)
-        req.init_next_round_input(cache)  # match_kv_cache: the match, adopted as the request's prefix
-        device, full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
-        borrowed = session is not None and cache.session.borrowed_slot(req) is not None
-        if not borrowed:
-            req.lock = cache.lock(req.last_node)
-        fresh = None
-        try:
-            fresh = self._alloc(len(prompt) - device)
-            if borrowed:  # the session's row holds [0, device) already
-                row = fresh
-                self.req_pool.write((req.kv.req_pool_idx, slice(device, device + len(row))), row)
-            else:
-                prefix = cache.path_device_indices(req.last_node)[:device] if device else None
-                row = torch.cat([prefix, fresh]) if prefix is not None else fresh
-                self.req_pool.alloc([req])
-                self.req_pool.write((req.kv.req_pool_idx, slice(0, len(row))), row)
-        except BaseException:  # the replay stops; the cache is left as it was
-            if fresh is not None:
-                self.allocator.free(fresh)
-            if not borrowed:
-                cache.unlock(req.lock)
-            raise
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(prompt)
-        if not borrowed:
-            req.kv.cache_protected_len = device
-        if session is not None:
-            cache.maybe_hand_to_session(req)  # at its first row, as the scheduler's allocation does
-        # prefill only: the one output token is not kept
-        req.finished_reason = FINISH_ABORT() if aborted else FINISH_LENGTH(length=0)
-        release_kv_cache(req, cache, checkpoint=True)  # checkpoint (insert), free the row, unlock; or the session keeps it
-        end = len(prompt) - (device if borrowed else 0)
-        if len(row) > end:
-            # `_alloc` took whole pages; the row's KV ends at the prompt. The test kit's allocator
-            # frees slot by slot, so the padding past it is still ours to give back.
-            self.allocator.free(row[end:])
-        if self.shim is not None:
-            self.shim.record_admission(request_id, len(prompt), device=device, host=0, tenant=cache_salt)
-        return Served(request_id, len(prompt), device, 0, full, 0, device)
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=max(len(outputs), 1)),
+                  session=session)
+        run = Running(req, array("q", outputs), cache_salt)
+        self._match(run)
+        return run
 
+    def _match(self, run: Running) -> None:
+        """match_kv_cache, adopted as the request's prefix; lock it and write it into the row."""
+        req, cache = run.req, self.cache
+        req.init_next_round_input(cache)
+        run.device, run.full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
+        run.borrowed = req.session is not None and cache.session.borrowed_slot(req) is not None
+        run.filled = run.device
+        if run.borrowed:  # the session's row holds [0, device) already
+            return
+        req.lock = cache.lock(req.last_node)
+        try:
+            self.req_pool.alloc([req])
+            if run.device:
+                prefix = cache.path_device_indices(req.last_node)[: run.device]
+                self.req_pool.write((req.kv.req_pool_idx, slice(0, run.device)), prefix)
+        except BaseException:  # the replay stops; the cache is left as it was
+            cache.unlock(req.lock)
+            raise
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = run.device
+        req.kv.cache_protected_len = run.device
+        if req.session is not None:
+            cache.maybe_hand_to_session(req)  # at its first row, as the scheduler's allocation does
+
+    def _extend(self, run: Running, end: int) -> None:
+        """KV slots for the request's tokens [filled, end), written into its row."""
+        req, start = run.req, run.filled
+        if end > start:
+            self._write_fresh(run, start, end)
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = max(end, start)
+
+    def _write_fresh(self, run: Running, start: int, end: int) -> None:
+        fresh = self._alloc(end - start)
+        try:
+            self.req_pool.write((run.req.kv.req_pool_idx, slice(start, end)), fresh[: end - start])
+        except BaseException:
+            self.allocator.free(fresh)
+            raise
+        if len(fresh) > end - start:
+            # `_alloc` takes whole pages. The test kit's allocator frees slot by slot, so the
+            # padding past the request's KV is ours to give back once the row is released.
+            run.spare.append(fresh[end - start :])
+        run.filled = end
+
+    def prefill(self, run: Running, until: int | None = None) -> bool:
+        """Compute the request's KV up to `until` tokens of its prompt (a chunk; the rest of the
+        prompt when None), then, once the prompt is done, decode its outputs. A chunk that stops
+        inside the prompt is checkpointed into the tree, as SGLang stashes a chunked request.
+        Returns whether the request has more to prefill."""
+        req, prompt = run.req, len(run.req.origin_input_ids)
+        end = prompt if until is None else min(int(until), prompt)
+        if end < prompt:
+            if end % self.page:
+                raise ValueError(f"a chunk ends on a page boundary (page {self.page}), not at {end}")
+            self._extend(run, end)
+            req.extend_end = end
+            checkpoint_kv_cache(req, self.cache)  # insert [protected, end), move the lock, prefix_len = end
+            return True
+        # The last chunk, then decode: each output token's KV is written when the next is made,
+        # so the last one has none.
+        self._extend(run, prompt + max(len(run.outputs) - 1, 0))
+        req.output_ids.extend(run.outputs)
+        return False
+
+    def finish(self, run: Running, aborted: bool = False) -> Served:
+        """The request finishes (or is `aborted`): the tree checkpoints its prompt and outputs,
+        its row is freed and its lock dropped; or a streaming session keeps the row."""
+        req = run.req
+        req.finished_reason = FINISH_ABORT() if aborted else FINISH_LENGTH(length=len(run.outputs))
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self._give_back(run)
+        if self.shim is not None:
+            self.shim.record_admission(req.rid, len(req.origin_input_ids), device=run.device, host=0,
+                                       tenant=run.cache_salt)
+        return Served(req.rid, len(req.origin_input_ids), run.device, 0, run.full, 0, run.device)
+
+    def retract(self, run: Running) -> None:
+        """Preempt a running request, as the scheduler does when decode runs out of KV: its row
+        is freed without a checkpoint (what its chunks put into the tree stays there) and it
+        waits to be admitted again (`readmit`), with the outputs it has made."""
+        release_kv_cache(run.req, self.cache, checkpoint=False)
+        self._give_back(run)
+        run.req.reset_for_retract()
+
+    def readmit(self, run: Running) -> None:
+        """A retracted request is matched again: its prompt and outputs so far."""
+        self._match(run)
+
+    def _give_back(self, run: Running) -> None:
+        for spare in run.spare:
+            self.allocator.free(spare)
+        run.spare.clear()
 
 def enable_hicache(cache: Any, storage_dir: str | None = None, write_policy: str = "write_through",
                    host_ratio: float = 2.0) -> Any:

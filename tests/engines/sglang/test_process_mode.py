@@ -551,6 +551,42 @@ def test_streaming_sessions_are_followed_alike_in_both_modes(spool: Path) -> Non
     assert [comparable(e) for e in theirs] == [comparable(e) for e in ours]
 
 
+@pytest.mark.parametrize("page", [16, 1])
+def test_chunked_prefill_decode_and_retraction_are_followed_alike_in_both_modes(page: int, spool: Path) -> None:
+    """Requests prefilled in chunks side by side (the second's shared chunks are duplicates the
+    tree frees), decoding outputs into the tree, a next turn over them, and a request preempted
+    after a chunk, its chunk evicted while it waits, admitted again with its outputs."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    config = DriverConfig(page_size=page, kv_tokens=1 << 12, route=Route.SCHEDULER)
+    cache, allocator, pool = built = build_cache(config)
+    doc = [t for _, prompt in prompts(1, cut=200) for t in prompt]
+
+    def replay(driver: Driver) -> None:
+        a, b = doc + list(range(1, 40)), doc + list(range(50, 90))
+        runs = [driver.admit("a", a, outputs=range(7000, 7030)), driver.admit("b", b, outputs=[9, 9, 9])]
+        for end in range(64, 257, 64):
+            for run in runs:
+                driver.prefill(run, end)
+        for run in runs:
+            driver.finish(run)
+        assert driver.serve("a-turn-2", a + list(range(7000, 7030)) + [3] * 20).device_hit > len(a)
+        c = driver.admit("c", doc + list(range(400, 500)), outputs=[5] * 20)
+        driver.prefill(c, 256)
+        driver.prefill(c)
+        driver.retract(c)
+        cache.evict(EvictParams(num_tokens=1 << 12))
+        driver.readmit(c)
+        driver.prefill(c)
+        driver.finish(c)
+
+    sink, stats = both_modes(config, built, replay)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    ours, theirs = sink.events, spooled(spool)
+    assert {EventKind.COMMIT, EventKind.EVICT} <= {e.kind for e in ours}
+    assert [comparable(e) for e in theirs] == [comparable(e) for e in ours]
+
+
 def test_caches_it_does_not_cover_are_refused_by_name() -> None:
     cache, _, _ = build_cache(DriverConfig(kv_tokens=1 << 15, tree="pure_swa"))
     assert "PureSWARadixCache" in (unsupported(cache) or "")

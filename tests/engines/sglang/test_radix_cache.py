@@ -379,3 +379,56 @@ def test_an_aborted_session_turn_hands_its_row_to_the_tree(core: str) -> None:
     results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
     for rid, hit in (("aborted", 21), ("turn-2", 30)):
         assert results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens and not results[rid].unsafe_reuse
+
+
+@pytest.mark.parametrize("page", [16, 1])
+@pytest.mark.parametrize("core", CORES)
+def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(core: str, page: int) -> None:
+    """The scheduler's other steps. Two requests sharing a document both miss it and are
+    prefilled in chunks side by side, as in one batch: each chunk is checkpointed into the tree,
+    and the second request's copy of every shared chunk is a duplicate the tree frees. They
+    decode, and finish with their outputs in the tree, which the next turn of the conversation
+    reuses. A third request is preempted after its first chunk and its decode: its row is
+    freed without a checkpoint, what its chunk put into the tree is evicted while it waits, and
+    it is admitted again with its outputs. Every page committed is one SGLang's tree holds, and
+    each request's reuse is what kvtrace finds recoverable."""
+    cache, sink, emitter, shim, driver = shimmed(DriverConfig(page_size=page, kv_tokens=1 << 12, tree_core=core,
+                                                              route=Route.SCHEDULER))
+    doc = list(range(1000, 1200))
+    a, b, out_a = doc + list(range(1, 40)), doc + list(range(50, 90)), list(range(7000, 7030))
+    run_a, run_b = driver.admit("a", a, outputs=out_a), driver.admit("b", b, outputs=[9, 9, 9])
+    end, more = 0, True
+    while more:
+        end += 64
+        more = driver.prefill(run_a, end) | driver.prefill(run_b, end)
+    assert (driver.finish(run_a).device_hit, driver.finish(run_b).device_hit) == (0, 0)
+    kept = (len(a) + len(out_a) - 1) // page * page  # the last output token has no KV
+    assert driver.serve("a-turn-2", a + out_a + list(range(300, 320))).device_hit == kept
+    c = doc + list(range(400, 500))
+    run_c = driver.admit("c", c, outputs=[5] * 20)
+    assert run_c.device == len(doc) // page * page
+    driver.prefill(run_c, 256)
+    driver.prefill(run_c)
+    driver.retract(run_c)
+    evicted = cache.evict(EvictParams(num_tokens=1 << 12)).num_tokens_evicted
+    driver.readmit(run_c)
+    assert run_c.device == 0 and evicted > 0
+    driver.prefill(run_c)
+    driver.finish(run_c)
+    assert emitter.shutdown() and shim.errors == 0
+    assert len(resident_keys(shim)) * page == cache.full_evictable_size() > 0  # ledger and tree agree
+    committed = sum(len(e.more_keys) + 1 for e in sink.events if e.kind is EventKind.COMMIT)
+    gone = sum(len(e.more_keys) + 1 for e in sink.events if e.kind is EventKind.EVICT)
+    assert (committed - gone) * page == cache.full_evictable_size() and gone * page == evicted
+    # a's pages once: b's copies of the shared chunks were duplicates, never committed
+    def pages(tokens: int) -> int:
+        return tokens // page
+
+    shared = pages(len(doc))
+    assert committed == (pages(kept) + pages(len(b) + 2) - shared + pages(len(a) + len(out_a) + 20) - pages(kept)
+                         + pages(256) - shared + pages(len(c) + 19))
+    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
+    for rid, hit in (("a", 0), ("b", 0), ("a-turn-2", kept), ("c", 0)):
+        r = results[rid]
+        assert r.group_logical_tokens[0] == r.recoverable_hit_tokens == hit == r.adopted_tokens, rid
+        assert not r.unsafe_reuse, rid
