@@ -229,14 +229,16 @@ def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
     storage_names = ["ab" * 32]
     records = [
         # under the root, with a name this resolver never learned: keyed from its tokens
-        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None)), tokens.tobytes(),
-                          host.tobytes()]),
+        # for request r9, which waited 3 ms for it
+        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None, "r9", 3_000_000)),
+                          tokens.tobytes(), host.tobytes()]),
         (Rec.STAGED, 0, [META.encode((["SWA"], ["SWA"])), window.tobytes(), window[:1].tobytes()]),
     ]
     for kind, value, blobs in records:
         replayer.handle(kind, value, blobs)
     assert emitter.shutdown() and replayer.errors == 0 and replayer.shim.errors == 0
     key = page_keys(tokens, PAGE).tolist()
-    loads = [(e.group_id, [e.block_key, *e.more_keys]) for e in sink.events if e.kind is EventKind.LOAD]
-    assert loads == [(0, key), (1, key)]
+    loads = [(e.group_id, [e.block_key, *e.more_keys], e.request_id, e.duration_ns)
+             for e in sink.events if e.kind is EventKind.LOAD]
+    assert loads == [(0, key, "r9", 3_000_000), (1, key, "r9", 3_000_000)]  # the state with the pages, for their request
     assert replayer.shim.ledger[(1, Tier.HOST)].peek(np.array([5, 6])).tolist() == [0, key[0]]

@@ -41,9 +41,9 @@ import numpy as np
 
 from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
-from kvtrace.instrumentation.hooks import wrap_after
+from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_states
+from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_of, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
@@ -105,7 +105,8 @@ class Rec(IntEnum):
     # tokens it completed (nil: all), time
     FETCHED = 20  # `tree_core.insert_host` put a landed prefetch on host; meta: prefix length,
     # storage names, whether it hangs under the root, the storage name of the node it hangs
-    # under (`hicache.hung_under`), extra key, cache salt; then the key's tokens, the host page starts
+    # under (`hicache.hung_under`), extra key, cache salt, the request the prefetch was for and
+    # how long since SGLang started it (ns); then the key's tokens, the host page starts
     CLEARED = 21  # `clear_storage_backend` emptied the storage tier
     STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
     # the component names of the states staged on host, and of those the commit frees again; then
@@ -226,6 +227,7 @@ class CaptureShim:
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
         self._acks: Any = None  # the storage acknowledgement queue wrapped
+        self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
         self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
         self._session_row_ids: set[int] = set()  # request-pool rows a session kept, as the shim's
         self._closing: Any = None  # the row of the session `release_session` is closing
@@ -346,6 +348,7 @@ class CaptureShim:
         self._wrap_after(cc, "write_storage", self._store)
         self._wrap_storage_acks()
         self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
+        wrap_before(c, "_handle_prefetch_result", self._fetching, self._failed, self._saved, log, "SGLang")
         self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
         self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
         self._wrap_after(c, "clear_storage_backend", self._cleared)
@@ -688,13 +691,18 @@ class CaptureShim:
         self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
                                                time.monotonic_ns())),))
 
+    def _fetching(self, operation: Any, *args: Any, **kwargs: Any) -> None:
+        self._fetch = prefetch_of(operation)
+
     def _fetched(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any, *args: Any,
                  **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
+        rid, started = self._fetch
         meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
-                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None))))
+                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)), rid,
+                            time.monotonic_ns() - started if started else 0))
         self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
 
     def _staged(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,

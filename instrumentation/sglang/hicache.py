@@ -18,8 +18,11 @@ about storage):
 - load disk -> host: a finished prefetch lands through `tree_core.insert_host(...)` under
   SGLang's storage names, translated back; a page another process stored is keyed from its
   tokens, continuing the chain from the node it hangs under when that node is the root or a
-  page this process stored (else it is counted in `unnamed_pages`, not reported); prefetches
-  started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
+  page this process stored (else it is counted in `unnamed_pages`, not reported). The load
+  names the request the prefetch was for, and takes as its duration the time since SGLang
+  started the prefetch (`PrefetchOperation.start_time`, read as `_handle_prefetch_result`
+  begins): what the request waited for storage, the cost a fetch from this tier is measured
+  by. Prefetches started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
 - a sliding window's or Mamba's state travels with its pages both ways: a storage write carries
   it (`extra_pools`, the trailing pages' state, reported once the whole write is acknowledged),
   and a landed prefetch's `tree_core.commit_hicache_transfers(..., PREFETCH, ...)` stages it on
@@ -65,6 +68,13 @@ def hung_under(cache: Any, node_id: Any) -> tuple[bool, str | None]:
     return False, cache.get_last_hash_value(node_id) or None
 
 
+def prefetch_of(operation: Any) -> tuple[str, int]:
+    """A prefetch operation's request and when SGLang started it (its `time.monotonic()`, as
+    nanoseconds on the same clock as `time.monotonic_ns()`)."""
+    started = getattr(operation, "start_time", None)
+    return str(getattr(operation, "request_id", "") or ""), int(started * 1e9) if started else 0
+
+
 def prefetch_states(comp_xfers: Any, cache_actions: Any) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
     """What a landed prefetch's commit (`commit_hicache_transfers(..., PREFETCH, ...)`) stages on
     host: (component type, host indices) of each component's transfer, and of each host slot
@@ -91,6 +101,8 @@ class HiCacheHooks:
         # op id -> (names, host slots, t0, [(group, host slots)] of the states written with them)
         self._storage: dict[int, tuple[list[str], np.ndarray, int, list[tuple[int, np.ndarray]]]] = {}
         self._landed = np.zeros(0, dtype=np.uint64)  # keys of the pages the last prefetch landed
+        self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
+        self._landed_for: tuple[str, int] = ("", 0)  # the last landing's request and wait, for the states with it
         self.names = StorageNames()
         self.unnamed_pages = 0
         self.prefetches_started = 0
@@ -115,6 +127,7 @@ class HiCacheHooks:
         s._wrap_plain(cc, "write_storage", self._after_write_storage)
         self._wrap_storage_acks()
         s._wrap_plain(cc, "attach_storage_backend", self._after_attach_storage)
+        s._wrap_before(c, "_handle_prefetch_result", self._before_prefetch_result)
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
         s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
         s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
@@ -256,18 +269,24 @@ class HiCacheHooks:
     def _after_prefetch_revoke(self, *args: Any, **kwargs: Any) -> None:
         self.prefetches_revoked += 1
 
+    def _before_prefetch_result(self, operation: Any, *args: Any, **kwargs: Any) -> None:
+        self._fetch = prefetch_of(operation)
+
     def _after_insert_host(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any,
                            *args: Any, **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent)
+        rid, started = self._fetch
+        self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent, rid,
+                    self.clock() - started if started else 0)
 
     def landed(self, prefix_len: int, names: list[str], key: Any, host_value: Any, root: bool,
-               parent: str | None) -> None:
+               parent: str | None, request_id: str = "", waited_ns: int = 0) -> None:
         """A prefetch landed on host: `names` (SGLang's storage names) for the key's pages in
         `host_value`, the first `prefix_len` tokens already on host, under the root or under
-        the node whose last page SGLang names `parent`."""
+        the node whose last page SGLang names `parent`; for `request_id`, which waited
+        `waited_ns` for it."""
         start = prefix_len // self.page
         keys = np.array([self.names.get(n) for n in names], dtype=np.uint64)
         if not keys.all():
@@ -276,6 +295,7 @@ class HiCacheHooks:
                 made = chain.extend(key.token_ids, self.page)[: len(keys)]
                 keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
         self._landed = keys  # the states that came with them end with these pages (`prefetched`)
+        self._landed_for = (request_id, waited_ns)
         slots = self.shim._page_slots(self.full, host_value)[start:]
         keys = keys[start:]
         n = min(len(slots), len(keys))
@@ -284,7 +304,14 @@ class HiCacheHooks:
         self.unnamed_pages += int(n - known.sum())
         if known.any():
             self.shim.install_slots(self.full, Tier.HOST, slots[known], keys[known], report=False)
-            self.shim._emit_transfer(EventKind.LOAD, self.full, Tier.DISK, Tier.HOST, keys[known], 0)
+            self._emit_landed(self.full, keys[known])
+
+    def _emit_landed(self, group: int, keys: np.ndarray) -> None:
+        """Disk to host, for the request that waited for it (SGLang holds a request back while
+        its prefetch runs)."""
+        rid, waited = self._landed_for
+        self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, keys, waited, request_id=rid,
+                                 in_flight=bool(rid))
 
     def _after_commit_transfers(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
                                 cache_actions: Any = (), **kwargs: Any) -> None:
@@ -318,7 +345,7 @@ class HiCacheHooks:
                 keep &= ~np.isin(slots, np.concatenate(gone))
             if keep.any():
                 self.shim.install_slots(group, Tier.HOST, slots[keep], named[keep], report=False)
-                self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, named[keep], 0)
+                self._emit_landed(group, named[keep])
 
     def _chain_under(self, root: bool, parent: str | None, key: Any) -> Chain | None:
         """The chain of pages that hang under a tree node: from the namespace's seed under the

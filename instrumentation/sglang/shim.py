@@ -45,7 +45,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
-from kvtrace.instrumentation.hooks import wrap_after
+from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
@@ -264,6 +264,9 @@ class RadixCacheShim:
         """Wrap a method whose result (and arguments) `after` reads; no scope of its own."""
         wrap_after(obj, name, after, self._failed, self._saved, log, "SGLang")
 
+    def _wrap_before(self, obj: Any, name: str, before: Callable[..., None]) -> None:
+        wrap_before(obj, name, before, self._failed, self._saved, log, "SGLang")
+
     def _wrap_action(self, cache: Any) -> None:
         original = getattr(cache, "_apply_cache_action", None)
         if original is None:
@@ -470,11 +473,11 @@ class RadixCacheShim:
                                self.identity.default_tenant, adapter=scope.adapter)
 
     def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any,
-                       duration_ns: int) -> None:
+                       duration_ns: int, **fields: Any) -> None:
         keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
         self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group,
                                   src_tier=src, dst_tier=dst, nbytes=self.page_bytes[group], block_key=keys[0],
-                                  more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0)))
+                                  more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0), **fields))
 
     def _emit_invalidate(self, tier: Tier, reason: Reason) -> None:
         """A whole tier, for every tenant and adapter (empty is the analysis's wildcard)."""

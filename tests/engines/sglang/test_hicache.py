@@ -14,10 +14,12 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 
 from kvtrace.instrumentation.sglang.cpu import patch_hicache_for_cpu
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache, enable_hicache
+from kvtrace.instrumentation.sglang.driver import COMPONENTS, Driver, DriverConfig, Mix, build_cache, enable_hicache
+from kvtrace.analysis.costs import transfer_samples
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
@@ -26,6 +28,7 @@ from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind
+from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.kinds import Reason, Tier
 from kvtrace.schema.verdicts import GapReason, Verdict
 
@@ -128,6 +131,10 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     assert rig.prefetch("r3", probe.last_host_node, PROMPT[:16]) == 16
     prefetch = next(e for e in rig.new() if e.kind is EventKind.LOAD)
     assert (prefetch.src_tier, prefetch.dst_tier, _keys(prefetch)) == (Tier.DISK, Tier.HOST, KEYS)
+    # for the request that waited for it, timed from SGLang's start of the prefetch: the cost of
+    # a fetch from storage, which the load-versus-recompute analysis fits
+    assert prefetch.request_id == "r3" and prefetch.in_flight and prefetch.duration_ns > 0
+    assert transfer_samples(pl.from_arrow(to_arrow([prefetch])))[["src_tier", "dst_tier"]].rows() == [("disk", "host")]
 
     third = rig.driver.serve("r3", PROMPT)
     assert third.loaded == 16
@@ -278,6 +285,9 @@ def test_a_state_stored_with_its_pages_comes_back_from_storage(core: str, mix: M
         if component in {e.component.value for e in sink.events}:
             assert moved(component, Tier.HOST, Tier.DISK) >= kept
             assert moved(component, Tier.DISK, Tier.HOST) == kept == moved(component, Tier.HOST, Tier.DEVICE)
+    fetched = [e for e in sink.events if e.kind is EventKind.LOAD and e.src_tier is Tier.DISK]
+    assert len({e.component for e in fetched}) == len(COMPONENTS[mix])  # the KV and each state with it
+    assert all(e.request_id == "fetch" and e.in_flight and e.duration_ns > 0 for e in fetched)
     result = next(r for r in reconstruct(sink.events, recipe_from_cache(cache)) if r.request_id == "again")
     assert result.recoverable_hit_tokens == 40 == result.adopted_tokens and not result.unsafe_reuse
     assert result.verdict is Verdict.PARTIAL
