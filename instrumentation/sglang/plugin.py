@@ -14,10 +14,13 @@ settings). It registers two hooks through SGLang's own hook registry:
 
 If SGLang lacks the registry or a target, it logs once and the engine runs untraced.
 
-`KVTRACE_SGLANG_MODE=process` moves the shim's work off the scheduler thread: the thread only
-copies what the shim reads into shared memory and a resolver process does the rest (see
-`capture`). A cache that mode does not cover (the older single-component trees) is traced
-in-process, with a log line saying why.
+By default the shim's work runs off the scheduler thread (`KVTRACE_SGLANG_MODE=process`): the
+thread only copies what the shim reads into shared memory and a resolver process does the rest
+(see `capture`). That is what costs the scheduler least, and a GPU host has cores to spare for
+the resolver. A cache the mode does not cover (the older single-component trees), or a host
+without room for the ring, is traced in-process, with a log line saying why.
+`KVTRACE_SGLANG_MODE=inline` keeps everything on the scheduler thread: no second process, and
+nothing is dropped when the engine outruns the resolver, at the scheduler's expense.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from enum import StrEnum
 from typing import Any
 
 log = logging.getLogger("kvtrace.sglang")
@@ -32,6 +36,25 @@ CACHE_TARGET = "sglang.srt.mem_cache.registry.create_tree_cache"
 ADMIT_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 _installed = False
 _settings: Any = None
+
+
+class Mode(StrEnum):
+    """Where the shim's work runs (`KVTRACE_SGLANG_MODE`)."""
+
+    PROCESS = "process"  # a resolver process; the scheduler thread only copies (the default)
+    INLINE = "inline"  # all of it on the scheduler thread
+
+
+def mode_from_env(env: Any = None) -> Mode:
+    """`KVTRACE_SGLANG_MODE`, unset or empty meaning the default; a wrong value is an error
+    that names it (the plugin then leaves tracing off, as for any wrong setting)."""
+    raw = (os.environ if env is None else env).get("KVTRACE_SGLANG_MODE", "").strip().lower()
+    try:
+        return Mode(raw or Mode.PROCESS)
+    except ValueError:
+        from kvtrace.instrumentation.config import ConfigError
+
+        raise ConfigError(f"KVTRACE_SGLANG_MODE={raw!r}: expected one of {', '.join(Mode)}") from None
 
 
 def register() -> None:
@@ -42,8 +65,15 @@ def register() -> None:
     try:
         from kvtrace.instrumentation.config import enabled_settings
 
+        from kvtrace.instrumentation.config import ConfigError
+
         settings = enabled_settings(log)
         if settings is None:
+            return
+        try:
+            mode_from_env()
+        except ConfigError as exc:
+            log.error("kvtrace: %s; tracing is off", exc)
             return
         try:
             from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -81,8 +111,9 @@ def first_rank_of_replica(ctx: Any) -> bool:
     return tp_rank % max(tp_size // max(dp, 1), 1) == 0
 
 
-def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
-    """Instrument one radix cache; returns the shim (also kept on the cache)."""
+def attach(cache: Any, ctx: Any = None, settings: Any = None, mode: Mode | None = None) -> Any:
+    """Instrument one radix cache (in `mode`, else as `KVTRACE_SGLANG_MODE` says); returns the
+    shim, a `ProcessShim` or a `RadixCacheShim` (also kept on the cache)."""
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.config import EmitterSettings, configure, engine_instance
     from kvtrace.instrumentation.identity import Identity
@@ -100,7 +131,7 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None) -> Any:
         version = str(getattr(sglang, "__version__", ""))
     except ImportError:
         version = ""
-    if os.environ.get("KVTRACE_SGLANG_MODE", "").strip().lower() == "process":
+    if (mode or mode_from_env()) is Mode.PROCESS:
         from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
 
         why = unsupported(cache)

@@ -44,13 +44,21 @@ def test_sglang_loads_the_plugin_and_applies_its_hooks(tmp_path) -> None:  # noq
     off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin"}, timeout=300)
     assert off.returncode == 0 and "create_tree_cache" not in off.stdout.splitlines()[0]
+    # a wrong mode is named at start-up, and tracing stays off; the engine starts all the same
+    wrong = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env={**env, "KVTRACE_SGLANG_MODE": "sideways"}, timeout=300)
+    assert wrong.returncode == 0 and "create_tree_cache" not in wrong.stdout.splitlines()[0]
+    assert "KVTRACE_SGLANG_MODE='sideways': expected one of process, inline" in wrong.stderr
 
 
-def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
+def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> None:  # noqa: ANN001
+    """In-process (`KVTRACE_SGLANG_MODE=inline`): the shim on the scheduler thread, sending to
+    the process's emitter."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
     from array import array
 
+    monkeypatch.setenv("KVTRACE_SGLANG_MODE", "inline")
     sink = MemorySink()
     emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
     previous = set_emitter(emitter)
@@ -86,9 +94,9 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions() -> None:
 
 
 def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
-    """`KVTRACE_SGLANG_MODE=process`: the plugin starts a resolver for a cache the mode covers
-    (admissions reach the sink from there) and keeps the in-process shim, saying why, for one
-    it does not (an older single-component tree)."""
+    """By default (`KVTRACE_SGLANG_MODE` unset: `process`) the plugin starts a resolver for a
+    cache the mode covers (admissions reach the sink from there) and keeps the in-process shim,
+    saying why, for one it does not (an older single-component tree)."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import Req
@@ -100,9 +108,9 @@ def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_pat
     import msgspec
     from kvtrace.schema.events import Event
 
-    for name, value in {"KVTRACE_SGLANG_MODE": "process", "KVTRACE_SINK": "spool", "KVTRACE_SPOOL_DIR": str(tmp_path),
-                        "KVTRACE_ENABLED": "1"}.items():
+    for name, value in {"KVTRACE_SINK": "spool", "KVTRACE_SPOOL_DIR": str(tmp_path), "KVTRACE_ENABLED": "1"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("KVTRACE_SGLANG_MODE", raising=False)
     args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny")
     cache, _, _ = build_cache(DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=1024))
     process = plugin.attach(cache, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
