@@ -18,7 +18,8 @@ storage tiers (their copies are recorded where `HiCacheHooks` reads them, with t
 thread's times), and streaming sessions (the rows they keep and give back). The older
 single-component trees stay in-process (`unsupported` says why).
 HiCache's counters (`HiCacheHooks.prefetches_started`, `_revoked`, `unnamed_pages`) are not
-events: in this mode only the resolver has the last one, and the first two are not kept.
+events: in this mode `ProcessShim.stats()` has them (the first two counted here, the last by
+the resolver).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_of, prefetch_states
+from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_of, prefetch_states, revoking
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
@@ -190,6 +191,10 @@ class CaptureStats:
     resolver_errors: int = 0
     lost_resets: int = 0  # times the resolver started afresh after drops
     skipped: int = 0  # repeated asks of a request the resolver no longer knew: no lookup for them
+    # HiCache's storage prefetches, as `HiCacheHooks` counts them in-process
+    prefetches_started: int = 0
+    prefetches_revoked: int = 0
+    unnamed_pages: int = 0  # landed pages another process stored that could not be keyed (the resolver's)
 
 
 class CaptureShim:
@@ -228,6 +233,7 @@ class CaptureShim:
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
         self._acks: Any = None  # the storage acknowledgement queue wrapped
         self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
+        self.prefetches_started = self.prefetches_revoked = 0  # counted here: they change no state
         self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
         self._session_row_ids: set[int] = set()  # request-pool rows a session kept, as the shim's
         self._closing: Any = None  # the row of the session `release_session` is closing
@@ -349,6 +355,8 @@ class CaptureShim:
         self._wrap_storage_acks()
         self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
         wrap_before(c, "_handle_prefetch_result", self._fetching, self._failed, self._saved, log, "SGLang")
+        self._wrap_after(c, "prefetch_from_storage", self._prefetch_started)
+        wrap_before(c, "revoke_pending_prefetch", self._prefetch_revoked, self._failed, self._saved, log, "SGLang")
         self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
         self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
         self._wrap_after(c, "clear_storage_backend", self._cleared)
@@ -691,6 +699,12 @@ class CaptureShim:
         self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
                                                time.monotonic_ns())),))
 
+    def _prefetch_started(self, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_started += 1
+
+    def _prefetch_revoked(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_revoked += revoking(self.cache, request)
+
     def _fetching(self, operation: Any, *args: Any, **kwargs: Any) -> None:
         self._fetch = prefetch_of(operation)
 
@@ -850,7 +864,8 @@ class ProcessShim:
         return CaptureStats(records=r.written, dropped=r.dropped, errors=self.capture.errors,
                             resolved=r.consumer_counter(0), events=r.consumer_counter(1),
                             resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3),
-                            skipped=r.consumer_counter(4))
+                            skipped=r.consumer_counter(4), prefetches_started=self.capture.prefetches_started,
+                            prefetches_revoked=self.capture.prefetches_revoked, unnamed_pages=r.consumer_counter(5))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Unwrap the cache, let the resolver finish what is on the ring, and free the ring.

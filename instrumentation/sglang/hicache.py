@@ -68,6 +68,12 @@ def hung_under(cache: Any, node_id: Any) -> tuple[bool, str | None]:
     return False, cache.get_last_hash_value(node_id) or None
 
 
+def revoking(cache: Any, request: Any) -> int:
+    """1 when `revoke_pending_prefetch(request)` is about to drop a prefetch in flight (SGLang
+    also calls it, to be sure, for requests that have none)."""
+    return int(request in (getattr(cache, "ongoing_prefetch", None) or {}))
+
+
 def prefetch_of(operation: Any) -> tuple[str, int]:
     """A prefetch operation's request and when SGLang started it (its `time.monotonic()`, as
     nanoseconds on the same clock as `time.monotonic_ns()`)."""
@@ -131,7 +137,7 @@ class HiCacheHooks:
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
         s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
         s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
-        s._wrap_plain(c, "revoke_pending_prefetch", self._after_prefetch_revoke)
+        s._wrap_before(c, "revoke_pending_prefetch", self._before_prefetch_revoke)
         s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
         s._wrap_plain(c, "reset", self._after_reset)
         return self
@@ -266,8 +272,8 @@ class HiCacheHooks:
     def _after_prefetch_start(self, *args: Any, **kwargs: Any) -> None:
         self.prefetches_started += 1
 
-    def _after_prefetch_revoke(self, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_revoked += 1
+    def _before_prefetch_revoke(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_revoked += revoking(self.cache, request)
 
     def _before_prefetch_result(self, operation: Any, *args: Any, **kwargs: Any) -> None:
         self._fetch = prefetch_of(operation)

@@ -431,8 +431,9 @@ def _running(pid: int) -> bool:
 
 def _publish(ring: Ring, replayer: Replayer, emitter: Any) -> None:
     stats = emitter.stats()
+    hicache = replayer.hooks
     for i, n in enumerate((replayer.handled, stats.emitted, replayer.errors + replayer.shim.errors, replayer.lost,
-                           replayer.skipped)):
+                           replayer.skipped, hicache.unnamed_pages if hicache is not None else 0)):
         ring.set_counter(i, n)
 
 

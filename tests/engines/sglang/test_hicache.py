@@ -136,6 +136,11 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     assert prefetch.request_id == "r3" and prefetch.in_flight and prefetch.duration_ns > 0
     assert transfer_samples(pl.from_arrow(to_arrow([prefetch])))[["src_tier", "dst_tier"]].rows() == [("disk", "host")]
 
+    assert rig.prefetch("r-miss", probe.last_host_node, list(range(5000, 5016))) == 0  # nobody stored it
+    cache.revoke_pending_prefetch(CacheRequestHandle("r-none", 0))  # SGLang's release path: nothing in flight
+    assert (rig.shim.hicache.prefetches_started, rig.shim.hicache.prefetches_revoked) == (2, 1)
+    assert not [e for e in rig.new() if e.kind is EventKind.LOAD]  # a revoked prefetch lands nothing
+
     third = rig.driver.serve("r3", PROMPT)
     assert third.loaded == 16
     assert cache.clear_storage_backend()
@@ -147,7 +152,6 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     assert {Tier.DISK, Tier.DEVICE, Tier.HOST} <= invalidated
     assert all(e.reason is Reason.RESET for e in events if e.kind is EventKind.INVALIDATE)
     assert rig.emitter.shutdown() and rig.shim.errors == 0
-    assert rig.shim.hicache.prefetches_started == 1
 
     results = {r.request_id: r for r in reconstruct(rig.sink.events, recipe_from_cache(cache))}
     assert results["r2"].verdict is Verdict.PARTIAL and results["r2"].restore_host_bytes > 0

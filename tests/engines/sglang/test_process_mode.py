@@ -408,6 +408,7 @@ def test_hicaches_storage_tier_is_followed_alike_in_both_modes(spool: Path, tmp_
         cache.evict(EvictParams(num_tokens=256))
         assert prefetch("p1", theirs_only[:16]) == 16  # under the root, stored by the other engine
         assert prefetch("p2", whole[:16]) == 8  # under "a"'s node, whose pages are on host
+        assert prefetch("p3", list(range(5000, 5016))) == 0  # nobody stored these: revoked
         driver.serve("b", whole)  # loaded back from host
         _settle(cache)
         assert cache.clear_storage_backend()
@@ -415,7 +416,9 @@ def test_hicaches_storage_tier_is_followed_alike_in_both_modes(spool: Path, tmp_
 
     sink, stats = both_modes(config, built, replay)
     assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0 and stats.lost_resets == 0
+    assert (stats.prefetches_started, stats.prefetches_revoked, stats.unnamed_pages) == (3, 1, 0)
     ours, theirs = sink.events, spooled(spool)
+
     def keys(e: Event) -> list[int]:
         return [e.block_key, *e.more_keys]
 
