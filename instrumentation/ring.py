@@ -46,7 +46,6 @@ CONSUMER_COUNTERS = 96  # the consumer's own counters: 8 u64 from here
 _HEAD = struct.Struct("<IHHq")
 # x86 (total store order) keeps the data's stores ahead of the position's, and loads in order.
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-_U64 = struct.Struct("<Q")
 _I64 = np.dtype(np.int64)
 
 
@@ -56,6 +55,12 @@ PAD = 0  # a record kind no caller uses: the rest of the buffer is padding
 
 def _align(n: int) -> int:
     return (n + 7) & ~7
+
+
+class RingCorrupt(RuntimeError):
+    """The consumer found no record where one must start: the stream cannot be followed past
+    it (its memory was written by something other than the producer's protocol). The consumer
+    must stop rather than guess; nothing it read before is affected."""
 
 
 def _view(blob: Any) -> memoryview:
@@ -137,7 +142,11 @@ class Ring:
         if not _ORDERED:
             with self._fence:  # what the position covers is written before it
                 pass
-        _U64.pack_into(self.buf, at, value)
+        # One aligned 8-byte store. `struct.pack_into` would zero the 8 bytes first and then
+        # write them (byte by byte for "<Q"): the other side could read a position of 0 or half
+        # written, and a consumer that takes such a write position reads past the records into
+        # the last lap's stale bytes and never finds its place again.
+        self.words[at >> 3] = value
 
     # -- producer ----------------------------------------------------------------------------------
     def offer(self, kind: int, value: int = 0, blobs: Sequence[Any] = ()) -> bool:
@@ -271,12 +280,21 @@ class Ring:
                 return None
             at = read % self.size
             length, kind, count, value = _HEAD.unpack_from(self.memory.buf, HEADER_BYTES + at)
+            # Every record is whole, 16-aligned and ends by the write position: anything else
+            # would send the reader into the middle of a record (or round the same spot forever).
+            if (length < 16 or length & 15 or at + length > self.size or read + length > write or read & 15
+                    or count >= len(_LENGTHS)):
+                raise RingCorrupt(f"ring {self.name}: no record at position {read} (head length {length}, "
+                                  f"kind {kind}; written up to {write})")
             if kind != PAD:
                 break
             read += length
             self._store(_READ, read)
         base = HEADER_BYTES + at
         sizes = _LENGTHS[count].unpack_from(self.memory.buf, base + _HEAD.size) if count else ()
+        if count and _align(_HEAD.size + 4 * count) + sum(map(_align, sizes)) > length:
+            raise RingCorrupt(f"ring {self.name}: the record at position {read} claims more blob bytes than "
+                              f"its length ({length})")
         pos = base + _align(_HEAD.size + 4 * count)
         views = []
         for n in sizes:

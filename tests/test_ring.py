@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtrace.instrumentation.ring import Ring
+from kvtrace.instrumentation.ring import Ring, RingCorrupt
 
 
 def _drain(ring: Ring) -> list[tuple[int, int, list[bytes]]]:
@@ -34,6 +34,29 @@ def test_records_round_trip_across_the_wrap() -> None:
         got += _drain(ring)
         assert got == sent
         assert ring.dropped == 0
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("where", ["misaligned", "overwritten"])
+def test_a_reader_off_the_record_stream_stops_instead_of_spinning(where: str) -> None:
+    """A read position inside a record (seen once in an orphaned resolver, which then read the
+    same zero-length 'record' forever at full CPU), or a head overwritten with garbage: the
+    consumer raises rather than guessing or going round the same spot."""
+    ring = Ring.create(4096)
+    try:
+        for i in range(3):
+            assert ring.offer(1, i, [np.arange(8, dtype=np.int64)])
+        kind, value, views, end = ring.poll()
+        for v in views:
+            v.release()
+        if where == "misaligned":
+            ring.release(end + 4)
+        else:
+            ring.release(end)
+            ring.buf[256 + end : 256 + end + 16] = b"\x00" * 16  # the next head: length 0
+        with pytest.raises(RingCorrupt, match="no record at position"):
+            ring.poll()
     finally:
         ring.close()
 

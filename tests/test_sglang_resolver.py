@@ -242,3 +242,32 @@ def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
              for e in sink.events if e.kind is EventKind.LOAD]
     assert loads == [(0, key, "r9", 3_000_000), (1, key, "r9", 3_000_000)]  # the state with the pages, for their request
     assert replayer.shim.ledger[(1, Tier.HOST)].peek(np.array([5, 6])).tolist() == [0, key[0]]
+
+
+def test_the_resolver_stops_at_a_ring_it_cannot_follow() -> None:
+    """A resolver whose ring holds no record where one must start exits (the engine's side then
+    sees it gone and stops recording) instead of reading the same spot at full CPU forever. The
+    records before that point are handled and their counters published."""
+    import os
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from kvtrace.instrumentation.ring import Ring
+
+    ring = Ring.create(1 << 16)
+    try:
+        assert ring.offer(Rec.FLUSH, 1)  # a record it can handle
+        position = ring.position
+        assert ring.offer(Rec.FLUSH, 2)
+        ring.buf[256 + position : 256 + position + 16] = b"\x00" * 16  # then its head is gone
+        spec = ResolverSpec(ring=ring.name, page_size=PAGE, components=("FULL",), page_bytes=(1,),
+                            identity=Identity(instance="r"), usage_interval_s=0, engine_pid=os.getpid(),
+                            sink="kvtrace.instrumentation.sinks.memory:MemorySink")
+        done = subprocess.run([sys.executable, "-m", "kvtrace.instrumentation.sglang.resolver",
+                               msgspec.json.encode(spec).decode()], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "cannot read its ring any further" in done.stderr
+        assert ring.consumer_counter(0) == 1 and ring.acknowledged() == 1  # what came before the break
+    finally:
+        ring.close()

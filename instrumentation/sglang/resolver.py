@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvtrace.instrumentation.ring import Ring
+from kvtrace.instrumentation.ring import Ring, RingCorrupt
 from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import new_chain
@@ -385,7 +385,13 @@ def main(spec: ResolverSpec) -> None:
     idle = 0
     try:
         while True:
-            got = ring.poll()
+            try:
+                got = ring.poll()
+            except RingCorrupt:
+                # Nothing after this point can be followed: stop, and the engine's side, seeing
+                # this process gone, stops recording and says so.
+                log.exception("kvtrace: the SGLang resolver cannot read its ring any further; it stops")
+                break
             if got is None:
                 idle += 1
                 if idle % 500 == 0 and not _running(parent):
