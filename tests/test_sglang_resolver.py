@@ -230,7 +230,7 @@ def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
     records = [
         # under the root, with a name this resolver never learned: keyed from its tokens
         # for request r9, which waited 3 ms for it
-        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None, "r9", 3_000_000)),
+        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None, "r9", 3_000_000, True)),
                           tokens.tobytes(), host.tobytes()]),
         (Rec.STAGED, 0, [META.encode((["SWA"], ["SWA"])), window.tobytes(), window[:1].tobytes()]),
     ]
@@ -238,9 +238,10 @@ def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
         replayer.handle(kind, value, blobs)
     assert emitter.shutdown() and replayer.errors == 0 and replayer.shim.errors == 0
     key = page_keys(tokens, PAGE).tolist()
-    loads = [(e.group_id, [e.block_key, *e.more_keys], e.request_id, e.duration_ns)
+    loads = [(e.group_id, [e.block_key, *e.more_keys], e.request_id, e.duration_ns, e.in_flight)
              for e in sink.events if e.kind is EventKind.LOAD]
-    assert loads == [(0, key, "r9", 3_000_000), (1, key, "r9", 3_000_000)]  # the state with the pages, for their request
+    # the state with the pages, for their request; the wait counted once, with the pages
+    assert loads == [(0, key, "r9", 3_000_000, True), (1, key, "r9", 0, False)]
     assert replayer.shim.ledger[(1, Tier.HOST)].peek(np.array([5, 6])).tolist() == [0, key[0]]
 
 

@@ -44,7 +44,8 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import hung_under, pool_name, prefetch_of, prefetch_states, revoking
+from kvtrace.instrumentation.sglang.hicache import (holds_requests, hung_under, in_flight, pool_name, prefetch_of,
+                                                   prefetch_states)
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
@@ -106,8 +107,9 @@ class Rec(IntEnum):
     # tokens it completed (nil: all), time
     FETCHED = 20  # `tree_core.insert_host` put a landed prefetch on host; meta: prefix length,
     # storage names, whether it hangs under the root, the storage name of the node it hangs
-    # under (`hicache.hung_under`), extra key, cache salt, the request the prefetch was for and
-    # how long since SGLang started it (ns); then the key's tokens, the host page starts
+    # under (`hicache.hung_under`), extra key, cache salt, the request the prefetch was for, how
+    # long since SGLang started it (ns) and whether the request waits for it
+    # (`hicache.holds_requests`); then the key's tokens, the host page starts
     CLEARED = 21  # `clear_storage_backend` emptied the storage tier
     STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
     # the component names of the states staged on host, and of those the commit frees again; then
@@ -234,6 +236,7 @@ class CaptureShim:
         self._acks: Any = None  # the storage acknowledgement queue wrapped
         self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
         self.prefetches_started = self.prefetches_revoked = 0  # counted here: they change no state
+        self._asked_in_flight = 0  # a prefetch start found one in flight already
         self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
         self._session_row_ids: set[int] = set()  # request-pool rows a session kept, as the shim's
         self._closing: Any = None  # the row of the session `release_session` is closing
@@ -356,6 +359,7 @@ class CaptureShim:
         self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
         wrap_before(c, "_handle_prefetch_result", self._fetching, self._failed, self._saved, log, "SGLang")
         self._wrap_after(c, "prefetch_from_storage", self._prefetch_started)
+        wrap_before(c, "prefetch_from_storage", self._prefetch_asked, self._failed, self._saved, log, "SGLang")
         wrap_before(c, "revoke_pending_prefetch", self._prefetch_revoked, self._failed, self._saved, log, "SGLang")
         self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
         self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
@@ -699,11 +703,14 @@ class CaptureShim:
         self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
                                                time.monotonic_ns())),))
 
-    def _prefetch_started(self, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_started += 1
+    def _prefetch_asked(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._asked_in_flight = in_flight(self.cache, request)
+
+    def _prefetch_started(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        self.prefetches_started += int(in_flight(self.cache, request) and not self._asked_in_flight)
 
     def _prefetch_revoked(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_revoked += revoking(self.cache, request)
+        self.prefetches_revoked += in_flight(self.cache, request)
 
     def _fetching(self, operation: Any, *args: Any, **kwargs: Any) -> None:
         self._fetch = prefetch_of(operation)
@@ -716,7 +723,7 @@ class CaptureShim:
         rid, started = self._fetch
         meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
                             _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)), rid,
-                            time.monotonic_ns() - started if started else 0))
+                            time.monotonic_ns() - started if started else 0, holds_requests(self.cache)))
         self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
 
     def _staged(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,

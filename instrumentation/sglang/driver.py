@@ -3,7 +3,9 @@
 This is how a trace is replayed through the real SGLang cache logic (page hashing, the radix
 tree on either core, per-component matching and reconciliation, LRU eviction, sliding-window
 tombstones, Mamba checkpoints and copy-on-write, HiCache's host tier) in seconds, on CPU pools,
-without weights or a forward pass. One request at a time, on one of two paths:
+without weights or a forward pass. One request at a time (`serve`), or on the scheduler route
+step by step, several interleaved as in a batch (`admit`, `prefill`, `decode`, `retract`,
+`readmit`, `finish`), on one of two paths:
 
 - `Route.CACHE` calls the cache's own methods: `match_prefix` (the prompt less its last
   token, as the scheduler asks) -> lock the match -> make room (`evict`) -> allocate KV slots
@@ -103,6 +105,7 @@ class Running:
     full: int = 0  # the full-attention match at that admission
     borrowed: bool = False  # a streaming session lent it the row holding [0, device)
     filled: int = 0  # tokens whose KV slots are in its row
+    made: int = 0  # outputs generated so far (the first by the prefill's forward pass)
     spare: list = dataclasses.field(default_factory=list)  # page padding `_alloc` took, freed at release
 
 
@@ -158,7 +161,7 @@ def _older_tree(config: DriverConfig, built: Any) -> Any:
 
 
 class Driver:
-    """Serves token-id requests on one cache, one at a time."""
+    """Serves token-id requests on one cache: whole (`serve`, `serve_turn`) or step by step."""
 
     def __init__(self, cache: Any, allocator: Any, req_pool: Any, config: DriverConfig, shim: Any = None) -> None:
         self.cache, self.allocator, self.req_pool, self.config = cache, allocator, req_pool, config
@@ -240,6 +243,8 @@ class Driver:
             cache.loading_check()
         reused = device + loaded
         lock = cache.inc_lock_ref(node)
+        if self.shim is not None:  # admitted: the scheduler reports its reuse as it prepares the batch
+            self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         try:
             prefix = cache.path_device_indices(node)[:reused] if reused else None
             fresh = self._alloc(len(prompt) - reused)
@@ -265,8 +270,6 @@ class Driver:
                 self.req_pool.free(req)
         finally:
             cache.dec_lock_ref(node, lock.to_dec_params())
-        if self.shim is not None:
-            self.shim.record_admission(request_id, len(prompt), device=device, host=loaded, tenant=cache_salt)
         return Served(request_id, len(prompt), device, host, int(match.full_kv_hit_length), loaded, reused)
 
     def serve_turn(self, session_id: str, request_id: str, tokens: Sequence[int], aborted: bool = False) -> Served:
@@ -294,17 +297,19 @@ class Driver:
         """One request through the scheduler's own request-level steps, all at once."""
         run = self.admit(request_id, tokens, cache_salt, session=session)
         self.prefill(run)
+        self.decode(run)
         return self.finish(run, aborted)
 
     # -- the scheduler route, step by step (requests can interleave, as in a batch) ---------------
     def admit(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None,
               outputs: Sequence[int] = (), session: Any = None) -> Running:
         """Match a request and give it a request-pool row holding its device hit, as the
-        scheduler does when it takes a request into a prefill batch. `outputs` are the tokens it
-        will generate: its KV then runs on past the prompt (`prefill` decodes them)."""
+        scheduler does when it takes a request into a prefill batch, and report what it reuses.
+        `outputs` are the tokens it will generate: the prefill makes the first, `decode` the rest."""
         if self.config.route is not Route.SCHEDULER or getattr(self.cache, "cache_controller", None) is not None:
-            raise ValueError("step-by-step requests take the scheduler route, without HiCache (whose load-back "
-                             "the driver does not drive)")
+            raise ValueError("the scheduler route's steps (streaming sessions, step-by-step requests) need "
+                             "Route.SCHEDULER and no HiCache, whose load-back the driver drives on the cache "
+                             "route only")
         prompt = array("q", tokens)
         req = Req(rid=request_id, origin_input_text="", origin_input_ids=prompt, cache_salt=cache_salt,
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=max(len(outputs), 1)),
@@ -314,14 +319,23 @@ class Driver:
         return run
 
     def _match(self, run: Running) -> None:
-        """match_kv_cache, adopted as the request's prefix; lock it and write it into the row."""
+        """match_kv_cache, adopted as the request's prefix; lock it and write it into the row.
+        Then the admission is reported, as SGLang's `prepare_for_extend` hook reports it: what
+        the request reuses of its tokens so far (its prompt, and after a retraction its outputs)."""
         req, cache = run.req, self.cache
         req.init_next_round_input(cache)
         run.device, run.full = int(req.prefix_len), int(req.num_matched_prefix_tokens)
         run.borrowed = req.session is not None and cache.session.borrowed_slot(req) is not None
         run.filled = run.device
-        if run.borrowed:  # the session's row holds [0, device) already
-            return
+        if not run.borrowed:  # a session's row holds [0, device) already
+            self._row(run)
+        if self.shim is not None:
+            self.shim.record_admission(req.rid, len(req.origin_input_ids) + len(req.output_ids), device=run.device,
+                                       host=0, tenant=run.cache_salt)
+
+    def _row(self, run: Running) -> None:
+        """A request-pool row holding the matched prefix, under the tree's lock on it."""
+        req, cache = run.req, self.cache
         req.lock = cache.lock(req.last_node)
         try:
             self.req_pool.alloc([req])
@@ -357,47 +371,67 @@ class Driver:
         run.filled = end
 
     def prefill(self, run: Running, until: int | None = None) -> bool:
-        """Compute the request's KV up to `until` tokens of its prompt (a chunk; the rest of the
-        prompt when None), then, once the prompt is done, decode its outputs. A chunk that stops
-        inside the prompt is checkpointed into the tree, as SGLang stashes a chunked request.
-        Returns whether the request has more to prefill."""
-        req, prompt = run.req, len(run.req.origin_input_ids)
-        end = prompt if until is None else min(int(until), prompt)
-        if end < prompt:
+        """Compute the KV of what the request has to prefill (its prompt, and after a retraction
+        the outputs it had made) up to `until` tokens (a chunk; all of it when None). A chunk
+        that stops short is checkpointed into the tree, as SGLang stashes a chunked request. The
+        last one ends with the forward pass making the next output token. Returns whether the
+        request has more to prefill."""
+        req = run.req
+        fill = len(req.origin_input_ids) + len(req.output_ids)
+        end = fill if until is None else min(int(until), fill)
+        if end <= run.filled and end < fill:
+            raise ValueError(f"{req.rid}: a chunk ends past the {run.filled} tokens the request holds, not at {end}")
+        if end < fill:
             if end % self.page:
-                raise ValueError(f"a chunk ends on a page boundary (page {self.page}), not at {end}")
+                raise ValueError(f"{req.rid}: a chunk ends on a page boundary (page {self.page}), not at {end}")
             self._extend(run, end)
             req.extend_end = end
             checkpoint_kv_cache(req, self.cache)  # insert [protected, end), move the lock, prefix_len = end
             return True
-        # The last chunk, then decode: each output token's KV is written when the next is made,
-        # so the last one has none.
-        self._extend(run, prompt + max(len(run.outputs) - 1, 0))
-        req.output_ids.extend(run.outputs)
+        self._extend(run, fill)
+        if run.made < len(run.outputs):
+            self._made(run, 1)
         return False
+
+    def decode(self, run: Running, steps: int | None = None) -> int:
+        """Decode up to `steps` more output tokens (all that are left when None): each step
+        writes the KV of the last output and makes the next, so the last output has no KV.
+        Returns how many outputs are left."""
+        left = len(run.outputs) - run.made
+        n = left if steps is None else max(min(int(steps), left), 0)
+        if n:
+            self._extend(run, len(run.req.origin_input_ids) + run.made + n - 1)
+            self._made(run, n)
+        return left - n
+
+    @staticmethod
+    def _made(run: Running, n: int) -> None:
+        run.req.output_ids.extend(run.outputs[run.made : run.made + n])
+        run.made += n
 
     def finish(self, run: Running, aborted: bool = False) -> Served:
         """The request finishes (or is `aborted`): the tree checkpoints its prompt and outputs,
         its row is freed and its lock dropped; or a streaming session keeps the row."""
         req = run.req
-        req.finished_reason = FINISH_ABORT() if aborted else FINISH_LENGTH(length=len(run.outputs))
+        req.finished_reason = FINISH_ABORT() if aborted else FINISH_LENGTH(length=run.made)
         release_kv_cache(req, self.cache, checkpoint=True)
         self._give_back(run)
-        if self.shim is not None:
-            self.shim.record_admission(req.rid, len(req.origin_input_ids), device=run.device, host=0,
-                                       tenant=run.cache_salt)
         return Served(req.rid, len(req.origin_input_ids), run.device, 0, run.full, 0, run.device)
 
     def retract(self, run: Running) -> None:
-        """Preempt a running request, as the scheduler does when decode runs out of KV: its row
-        is freed without a checkpoint (what its chunks put into the tree stays there) and it
-        waits to be admitted again (`readmit`), with the outputs it has made."""
+        """Preempt a request in decode, as the scheduler does when decode runs out of KV: its
+        row is freed without a checkpoint (what its chunks put into the tree stays there) and
+        it waits to be admitted again (`readmit`), keeping the outputs it has made."""
+        if not 0 < run.made < len(run.outputs):
+            raise ValueError(f"{run.req.rid}: only a request in decode is retracted ({run.made} of "
+                             f"{len(run.outputs)} outputs made)")
         release_kv_cache(run.req, self.cache, checkpoint=False)
         self._give_back(run)
         run.req.reset_for_retract()
 
     def readmit(self, run: Running) -> None:
-        """A retracted request is matched again: its prompt and outputs so far."""
+        """A retracted request is matched again, on its prompt and the outputs it had made,
+        and admitted (its reuse reported again: this admission reuses what is there now)."""
         self._match(run)
 
     def _give_back(self, run: Running) -> None:

@@ -19,10 +19,13 @@ about storage):
   SGLang's storage names, translated back; a page another process stored is keyed from its
   tokens, continuing the chain from the node it hangs under when that node is the root or a
   page this process stored (else it is counted in `unnamed_pages`, not reported). The load
-  names the request the prefetch was for, and takes as its duration the time since SGLang
-  started the prefetch (`PrefetchOperation.start_time`, read as `_handle_prefetch_result`
-  begins): what the request waited for storage, the cost a fetch from this tier is measured
-  by. Prefetches started and revoked are counted (`prefetches_started`, `prefetches_revoked`);
+  names the request the prefetch was for, and its duration is the time since SGLang started
+  the prefetch (`PrefetchOperation.start_time`, read as `_handle_prefetch_result` begins): the
+  storage query, the queues and the copy, a fetch's whole cost as the engine sees it. It is
+  `in_flight` (the request waited on it) unless the cache's prefetch policy is `best_effort`,
+  under which SGLang admits a request without waiting and keeps what has landed by then. The
+  states that come with the pages name the request too, but carry no second duration. Prefetches
+  started and revoked (only those in flight) are counted (`prefetches_started`, `prefetches_revoked`);
 - a sliding window's or Mamba's state travels with its pages both ways: a storage write carries
   it (`extra_pools`, the trailing pages' state, reported once the whole write is acknowledged),
   and a landed prefetch's `tree_core.commit_hicache_transfers(..., PREFETCH, ...)` stages it on
@@ -68,10 +71,16 @@ def hung_under(cache: Any, node_id: Any) -> tuple[bool, str | None]:
     return False, cache.get_last_hash_value(node_id) or None
 
 
-def revoking(cache: Any, request: Any) -> int:
-    """1 when `revoke_pending_prefetch(request)` is about to drop a prefetch in flight (SGLang
-    also calls it, to be sure, for requests that have none)."""
+def in_flight(cache: Any, request: Any) -> int:
+    """1 when the request has a storage prefetch in flight (SGLang calls its revoke, to be
+    sure, for requests that have none, and returns early from many a start)."""
     return int(request in (getattr(cache, "ongoing_prefetch", None) or {}))
+
+
+def holds_requests(cache: Any) -> bool:
+    """Whether SGLang keeps a request waiting while its prefetch runs: every prefetch policy
+    but `best_effort`, which admits it at once with what has landed."""
+    return getattr(cache, "prefetch_stop_policy", "") != "best_effort"
 
 
 def prefetch_of(operation: Any) -> tuple[str, int]:
@@ -108,7 +117,8 @@ class HiCacheHooks:
         self._storage: dict[int, tuple[list[str], np.ndarray, int, list[tuple[int, np.ndarray]]]] = {}
         self._landed = np.zeros(0, dtype=np.uint64)  # keys of the pages the last prefetch landed
         self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
-        self._landed_for: tuple[str, int] = ("", 0)  # the last landing's request and wait, for the states with it
+        self._landed_for: tuple[str, int, bool] = ("", 0, False)  # the last landing's (`landed`), for its states
+        self._asked_in_flight = 0  # a prefetch start found one in flight already
         self.names = StorageNames()
         self.unnamed_pages = 0
         self.prefetches_started = 0
@@ -137,6 +147,7 @@ class HiCacheHooks:
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
         s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
         s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
+        s._wrap_before(c, "prefetch_from_storage", self._before_prefetch_start)
         s._wrap_before(c, "revoke_pending_prefetch", self._before_prefetch_revoke)
         s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
         s._wrap_plain(c, "reset", self._after_reset)
@@ -269,11 +280,16 @@ class HiCacheHooks:
             self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.HOST, Tier.DISK, keys, duration_ns)
 
     # -- disk -> host ------------------------------------------------------------------------------
-    def _after_prefetch_start(self, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_started += 1
+    def _before_prefetch_start(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._asked_in_flight = in_flight(self.cache, request)
+
+    def _after_prefetch_start(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        # SGLang returns early for many reasons (no storage, one already running, too little
+        # to fetch, a decision already made): only a prefetch that is now in flight counts.
+        self.prefetches_started += int(in_flight(self.cache, request) and not self._asked_in_flight)
 
     def _before_prefetch_revoke(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_revoked += revoking(self.cache, request)
+        self.prefetches_revoked += in_flight(self.cache, request)
 
     def _before_prefetch_result(self, operation: Any, *args: Any, **kwargs: Any) -> None:
         self._fetch = prefetch_of(operation)
@@ -285,14 +301,14 @@ class HiCacheHooks:
         root, parent = hung_under(self.cache, node_id)
         rid, started = self._fetch
         self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent, rid,
-                    self.clock() - started if started else 0)
+                    self.clock() - started if started else 0, holds_requests(self.cache))
 
     def landed(self, prefix_len: int, names: list[str], key: Any, host_value: Any, root: bool,
-               parent: str | None, request_id: str = "", waited_ns: int = 0) -> None:
+               parent: str | None, request_id: str = "", took_ns: int = 0, held: bool = False) -> None:
         """A prefetch landed on host: `names` (SGLang's storage names) for the key's pages in
         `host_value`, the first `prefix_len` tokens already on host, under the root or under
-        the node whose last page SGLang names `parent`; for `request_id`, which waited
-        `waited_ns` for it."""
+        the node whose last page SGLang names `parent`; fetched for `request_id` in `took_ns`
+        since it started, the request `held` back for it (`holds_requests`)."""
         start = prefix_len // self.page
         keys = np.array([self.names.get(n) for n in names], dtype=np.uint64)
         if not keys.all():
@@ -301,7 +317,7 @@ class HiCacheHooks:
                 made = chain.extend(key.token_ids, self.page)[: len(keys)]
                 keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
         self._landed = keys  # the states that came with them end with these pages (`prefetched`)
-        self._landed_for = (request_id, waited_ns)
+        self._landed_for = (request_id, took_ns, held)
         slots = self.shim._page_slots(self.full, host_value)[start:]
         keys = keys[start:]
         n = min(len(slots), len(keys))
@@ -313,11 +329,12 @@ class HiCacheHooks:
             self._emit_landed(self.full, keys[known])
 
     def _emit_landed(self, group: int, keys: np.ndarray) -> None:
-        """Disk to host, for the request that waited for it (SGLang holds a request back while
-        its prefetch runs)."""
-        rid, waited = self._landed_for
-        self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, keys, waited, request_id=rid,
-                                 in_flight=bool(rid))
+        """Disk to host, for the request it was fetched for. The fetch's time goes with the KV
+        pages only: counted once per prefetch, not again for each state that came with them."""
+        rid, took, held = self._landed_for
+        pages = group == self.full
+        self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, keys, took if pages else 0,
+                                 request_id=rid, in_flight=pages and bool(rid) and held)
 
     def _after_commit_transfers(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
                                 cache_actions: Any = (), **kwargs: Any) -> None:

@@ -161,10 +161,14 @@ def after_prepare_for_extend(result: Any, batch: Any = None, *args: Any, **kwarg
         if shim is None:
             return None
         for req in getattr(batch, "reqs", ()) or ():
-            if getattr(req, "_kvtrace_adopted", False):
+            # Once per admission: a chunked prefill's later chunks are the same admission; a
+            # retracted request's next one is new (it was matched again, and reuses anew).
+            admission = int(getattr(req, "retraction_count", 0) or 0)
+            if getattr(req, "_kvtrace_adopted", -1) >= admission:
                 continue
-            req._kvtrace_adopted = True
-            prompt = len(getattr(req, "origin_input_ids", ()) or ())
+            req._kvtrace_adopted = admission
+            # what it was matched on: its prompt, and after a retraction the outputs it had made
+            prompt = len(getattr(req, "origin_input_ids", ()) or ()) + len(getattr(req, "output_ids", ()) or ())
             shim.record_admission(str(req.rid), prompt, device=int(getattr(req, "cached_tokens_device", 0) or 0),
                                   host=int(getattr(req, "cached_tokens_host", 0) or 0),
                                   storage=int(getattr(req, "cached_tokens_storage", 0) or 0),

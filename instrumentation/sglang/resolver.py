@@ -265,10 +265,10 @@ class Replayer:
             op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
             self._hicache()._after_storage_ack(op)
         elif kind == Rec.FETCHED:
-            prefix_len, names, root, parent, extra, salt, rid, waited = _META.decode(blobs[0])
+            prefix_len, names, root, parent, extra, salt, rid, took, held = _META.decode(blobs[0])
             tokens = _tokens(blobs[1])
             self._hicache().landed(prefix_len, names, _Key(tokens, extra, salt, len(tokens)),
-                                   _slots(blobs[2], self._step(None)), root, parent, rid, waited)
+                                   _slots(blobs[2], self._step(None)), root, parent, rid, took, held)
         elif kind == Rec.STAGED:
             staged, released = _META.decode(blobs[0])
             groups = [self.shim._group_named(name) for name in staged + released]

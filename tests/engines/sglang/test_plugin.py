@@ -81,12 +81,19 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
         batch = SimpleNamespace(tree_cache=cache, reqs=[req])
         plugin.after_prepare_for_extend(None, batch)
         plugin.after_prepare_for_extend(None, batch)  # the next chunk of the same request: no second adopt
+        req.output_ids.extend([7, 8, 9])  # decoded, then retracted: admitted again, matched on 43 tokens
+        req.reset_for_retract()
+        req.cached_tokens_device, req.cached_tokens_host, req.cached_tokens_storage = 32, 0, 0
+        plugin.after_prepare_for_extend(None, batch)
+        plugin.after_prepare_for_extend(None, batch)
         assert emitter.force_flush()
     finally:
         set_emitter(previous)
         emitter.shutdown()
     adopts = [e for e in sink.events if e.kind is EventKind.ADOPT]
-    assert len(adopts) == 1
+    assert len(adopts) == 2
+    assert list(zip(adopts[1].reused_tiers, adopts[1].reused_tokens)) == [(Tier.DEVICE, 32)]
+    assert adopts[1].recomputed_tokens == 43 - 32
     a = adopts[0]
     assert a.engine == "sglang" and a.model == "tiny-llama" and a.request_id == "q1"
     assert list(zip(a.reused_tiers, a.reused_tokens)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]

@@ -431,6 +431,10 @@ def test_hicaches_storage_tier_is_followed_alike_in_both_modes(spool: Path, tmp_
     assert fetched == [chain(theirs_only[:16]), chain(whole[:16])[2:]]  # keyed from their tokens
     assert any(e.kind is EventKind.INVALIDATE and e.tier is Tier.DISK for e in ours)
     assert [_timeless(e) for e in theirs] == [_timeless(e) for e in ours]
+    # each mode timed the fetches on its own clock, from SGLang's start of each prefetch
+    waits = [(e.request_id, e.in_flight, e.duration_ns > 0) for e in theirs if e.kind is EventKind.LOAD
+             and e.src_tier is Tier.DISK]
+    assert waits == [("p1", True, True), ("p2", True, True)]
 
 
 @pytest.mark.parametrize(("mix", "page"), [(Mix.MAMBA, 1), (Mix.SWA_MAMBA, 1), (Mix.SWA, 4)])
@@ -558,7 +562,8 @@ def test_streaming_sessions_are_followed_alike_in_both_modes(spool: Path) -> Non
 def test_chunked_prefill_decode_and_retraction_are_followed_alike_in_both_modes(page: int, spool: Path) -> None:
     """Requests prefilled in chunks side by side (the second's shared chunks are duplicates the
     tree frees), decoding outputs into the tree, a next turn over them, and a request preempted
-    after a chunk, its chunk evicted while it waits, admitted again with its outputs."""
+    in decode after a chunk, its chunk evicted while it waits, admitted again with the outputs
+    it had made."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     config = DriverConfig(page_size=page, kv_tokens=1 << 12, route=Route.SCHEDULER)
@@ -572,15 +577,18 @@ def test_chunked_prefill_decode_and_retraction_are_followed_alike_in_both_modes(
             for run in runs:
                 driver.prefill(run, end)
         for run in runs:
+            driver.decode(run)
             driver.finish(run)
         assert driver.serve("a-turn-2", a + list(range(7000, 7030)) + [3] * 20).device_hit > len(a)
         c = driver.admit("c", doc + list(range(400, 500)), outputs=[5] * 20)
         driver.prefill(c, 256)
         driver.prefill(c)
+        driver.decode(c, 5)
         driver.retract(c)
         cache.evict(EvictParams(num_tokens=1 << 12))
         driver.readmit(c)
         driver.prefill(c)
+        driver.decode(c)
         driver.finish(c)
 
     sink, stats = both_modes(config, built, replay)

@@ -388,19 +388,26 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
     prefilled in chunks side by side, as in one batch: each chunk is checkpointed into the tree,
     and the second request's copy of every shared chunk is a duplicate the tree frees. They
     decode, and finish with their outputs in the tree, which the next turn of the conversation
-    reuses. A third request is preempted after its first chunk and its decode: its row is
-    freed without a checkpoint, what its chunk put into the tree is evicted while it waits, and
-    it is admitted again with its outputs. Every page committed is one SGLang's tree holds, and
-    each request's reuse is what kvtrace finds recoverable."""
+    reuses. A third request is preempted in decode, after its first chunk: its row is freed
+    without a checkpoint, what its chunk put into the tree is evicted while it waits, and it is
+    admitted again with the outputs it had made. Every page committed is one SGLang's tree
+    holds, and each admission's reuse is what kvtrace finds recoverable."""
     cache, sink, emitter, shim, driver = shimmed(DriverConfig(page_size=page, kv_tokens=1 << 12, tree_core=core,
                                                               route=Route.SCHEDULER))
     doc = list(range(1000, 1200))
     a, b, out_a = doc + list(range(1, 40)), doc + list(range(50, 90)), list(range(7000, 7030))
     run_a, run_b = driver.admit("a", a, outputs=out_a), driver.admit("b", b, outputs=[9, 9, 9])
-    end, more = 0, True
+    assert driver.prefill(run_a, 64) and driver.prefill(run_b, 64)
+    # a's chunk went into the tree; b's copy of it was a duplicate, freed, b's row now on a's slots
+    assert cache.full_evictable_size() + cache.full_protected_size() == 64
+    rows = cache.req_to_token_pool.req_to_token
+    assert run_b.req.prefix_len == run_b.req.kv.cache_protected_len == 64
+    assert rows[run_b.req.kv.req_pool_idx, :64].tolist() == rows[run_a.req.kv.req_pool_idx, :64].tolist()
+    end, more = 64, True
     while more:
         end += 64
         more = driver.prefill(run_a, end) | driver.prefill(run_b, end)
+    assert (driver.decode(run_a), driver.decode(run_b)) == (0, 0)
     assert (driver.finish(run_a).device_hit, driver.finish(run_b).device_hit) == (0, 0)
     kept = (len(a) + len(out_a) - 1) // page * page  # the last output token has no KV
     assert driver.serve("a-turn-2", a + out_a + list(range(300, 320))).device_hit == kept
@@ -409,11 +416,13 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
     assert run_c.device == len(doc) // page * page
     driver.prefill(run_c, 256)
     driver.prefill(run_c)
+    assert driver.decode(run_c, 5) == 14  # 6 of its 20 outputs made
     driver.retract(run_c)
     evicted = cache.evict(EvictParams(num_tokens=1 << 12)).num_tokens_evicted
-    driver.readmit(run_c)
+    driver.readmit(run_c)  # matched on its prompt and the 6 outputs: nothing is left
     assert run_c.device == 0 and evicted > 0
     driver.prefill(run_c)
+    driver.decode(run_c)
     driver.finish(run_c)
     assert emitter.shutdown() and shim.errors == 0
     assert len(resident_keys(shim)) * page == cache.full_evictable_size() > 0  # ledger and tree agree
@@ -427,8 +436,10 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
     shared = pages(len(doc))
     assert committed == (pages(kept) + pages(len(b) + 2) - shared + pages(len(a) + len(out_a) + 20) - pages(kept)
                          + pages(256) - shared + pages(len(c) + 19))
-    results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
-    for rid, hit in (("a", 0), ("b", 0), ("a-turn-2", kept), ("c", 0)):
-        r = results[rid]
-        assert r.group_logical_tokens[0] == r.recoverable_hit_tokens == hit == r.adopted_tokens, rid
-        assert not r.unsafe_reuse, rid
+    results = sorted(reconstruct(sink.events, recipe_from_cache(cache)), key=lambda r: r.seq)
+    want = [("a", 0), ("b", 0), ("a-turn-2", kept), ("c", len(doc) // page * page), ("c", 0)]  # c: two admissions
+    assert [(r.request_id, r.adopted_tokens) for r in results] == want
+    for r in results:
+        assert r.group_logical_tokens[0] == r.recoverable_hit_tokens == r.adopted_tokens, r.request_id
+        assert not r.unsafe_reuse, r.request_id
+    assert [r.prompt_tokens for r in results if r.request_id == "c"] == [len(c), len(c) + 6]
