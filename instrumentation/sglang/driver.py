@@ -374,7 +374,8 @@ class Driver:
         """Compute the KV of what the request has to prefill (its prompt, and after a retraction
         the outputs it had made) up to `until` tokens (a chunk; all of it when None). A chunk
         that stops short is checkpointed into the tree, as SGLang stashes a chunked request. The
-        last one ends with the forward pass making the next output token. Returns whether the
+        last one ends with the forward pass making the next output token; a request with more to
+        decode is then checkpointed too, as SGLang's prefill result does. Returns whether the
         request has more to prefill."""
         req = run.req
         fill = len(req.origin_input_ids) + len(req.output_ids)
@@ -391,6 +392,9 @@ class Driver:
         self._extend(run, fill)
         if run.made < len(run.outputs):
             self._made(run, 1)
+            if run.made < len(run.outputs):  # not finished: the prefilled tokens go into the tree now
+                req.extend_end = fill
+                checkpoint_kv_cache(req, self.cache)
         return False
 
     def decode(self, run: Running, steps: int | None = None) -> int:
@@ -420,8 +424,9 @@ class Driver:
 
     def retract(self, run: Running) -> None:
         """Preempt a request in decode, as the scheduler does when decode runs out of KV: its
-        row is freed without a checkpoint (what its chunks put into the tree stays there) and
-        it waits to be admitted again (`readmit`), keeping the outputs it has made."""
+        row is freed without a checkpoint (what its prefill put into the tree stays there, its
+        decoded tokens' KV goes) and it waits to be admitted again (`readmit`), keeping the
+        outputs it has made."""
         if not 0 < run.made < len(run.outputs):
             raise ValueError(f"{run.req.rid}: only a request in decode is retracted ({run.made} of "
                              f"{len(run.outputs)} outputs made)")

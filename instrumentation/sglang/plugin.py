@@ -154,6 +154,28 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None, mode: Mode | None 
     return shim
 
 
+def admission_split(req: Any, admission: int) -> tuple[int, int, int]:
+    """What an admission reuses per tier (device, host, storage). SGLang splits a request's
+    first admission itself (`cached_tokens_device/_host/_storage`) and never again once it has
+    been retracted (its `retracted_stain`: its metrics keep the first hit), so a readmission is
+    split here the same way, from the match it was admitted on."""
+    if not admission:
+        return (int(getattr(req, "cached_tokens_device", 0) or 0), int(getattr(req, "cached_tokens_host", 0) or 0),
+                int(getattr(req, "cached_tokens_storage", 0) or 0))
+    prefix = int(getattr(req, "prefix_len", 0) or 0)
+    try:
+        from sglang.srt.managers.schedule_batch import split_cached_prefix_by_tier
+
+        device, host, storage = split_cached_prefix_by_tier(
+            prefix_len=prefix, host_hit_len=int(req.materialized_host_hit_len()),
+            storage_hit_len=int(getattr(req, "storage_hit_length", 0) or 0),
+            storage_hit_start=getattr(req, "storage_hit_start", None),
+            host_hit_is_storage=bool(getattr(req, "host_hit_is_storage", False)))
+        return int(device), int(host), int(storage)
+    except Exception:  # noqa: BLE001 - another SGLang release: all of it as the device's
+        return prefix, 0, 0
+
+
 def after_prepare_for_extend(result: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
     """Each newly admitted request's reuse, per tier, as SGLang itself reports it."""
     try:
@@ -169,9 +191,8 @@ def after_prepare_for_extend(result: Any, batch: Any = None, *args: Any, **kwarg
             req._kvtrace_adopted = admission
             # what it was matched on: its prompt, and after a retraction the outputs it had made
             prompt = len(getattr(req, "origin_input_ids", ()) or ()) + len(getattr(req, "output_ids", ()) or ())
-            shim.record_admission(str(req.rid), prompt, device=int(getattr(req, "cached_tokens_device", 0) or 0),
-                                  host=int(getattr(req, "cached_tokens_host", 0) or 0),
-                                  storage=int(getattr(req, "cached_tokens_storage", 0) or 0),
+            device, host, storage = admission_split(req, admission)
+            shim.record_admission(str(req.rid), prompt, device=device, host=host, storage=storage,
                                   tenant=getattr(req, "cache_salt", None))
     except Exception:  # noqa: BLE001
         log.exception("kvtrace: recording SGLang admissions failed; the engine goes on")

@@ -83,7 +83,7 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
         plugin.after_prepare_for_extend(None, batch)  # the next chunk of the same request: no second adopt
         req.output_ids.extend([7, 8, 9])  # decoded, then retracted: admitted again, matched on 43 tokens
         req.reset_for_retract()
-        req.cached_tokens_device, req.cached_tokens_host, req.cached_tokens_storage = 32, 0, 0
+        req.prefix_len = 32  # its new match; SGLang leaves cached_tokens_* as the first admission set them
         plugin.after_prepare_for_extend(None, batch)
         plugin.after_prepare_for_extend(None, batch)
         assert emitter.force_flush()

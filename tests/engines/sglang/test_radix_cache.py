@@ -407,6 +407,8 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
     while more:
         end += 64
         more = driver.prefill(run_a, end) | driver.prefill(run_b, end)
+    # prefilled and decoding: a's whole prompt is in the tree already, for a request admitted now
+    assert driver.serve("peek", a + [77, 78]).device_hit == len(a) // page * page
     assert (driver.decode(run_a), driver.decode(run_b)) == (0, 0)
     assert (driver.finish(run_a).device_hit, driver.finish(run_b).device_hit) == (0, 0)
     kept = (len(a) + len(out_a) - 1) // page * page  # the last output token has no KV
@@ -434,10 +436,12 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
         return tokens // page
 
     shared = pages(len(doc))
-    assert committed == (pages(kept) + pages(len(b) + 2) - shared + pages(len(a) + len(out_a) + 20) - pages(kept)
-                         + pages(256) - shared + pages(len(c) + 19))
+    # c: its prefill (a chunk, then the rest, checkpointed before it decodes), evicted; then all again
+    assert committed == (pages(kept) + pages(len(b) + 2) - shared + pages(len(a) + 2) - pages(len(a))
+                         + pages(len(a) + len(out_a) + 20) - pages(kept) + pages(len(c)) - shared + pages(len(c) + 19))
     results = sorted(reconstruct(sink.events, recipe_from_cache(cache)), key=lambda r: r.seq)
-    want = [("a", 0), ("b", 0), ("a-turn-2", kept), ("c", len(doc) // page * page), ("c", 0)]  # c: two admissions
+    want = [("a", 0), ("b", 0), ("peek", len(a) // page * page), ("a-turn-2", kept), ("c", len(doc) // page * page),
+            ("c", 0)]  # c: two admissions
     assert [(r.request_id, r.adopted_tokens) for r in results] == want
     for r in results:
         assert r.group_logical_tokens[0] == r.recoverable_hit_tokens == r.adopted_tokens, r.request_id
