@@ -17,7 +17,7 @@ sliding-window and Mamba components, in any mix, on the unified tree, and HiCach
 storage tiers (their copies are recorded where `HiCacheHooks` reads them, with the scheduler
 thread's times), and streaming sessions (the rows they keep and give back). The older
 single-component trees stay in-process (`unsupported` says why).
-HiCache's counters (`HiCacheHooks.prefetches_started`, `_revoked`, `unnamed_pages`) are not
+HiCache's counters (`HiCacheHooks.prefetches`, `unnamed_pages`) are not
 events: in this mode `ProcessShim.stats()` has them (the first two counted here, the last by
 the resolver).
 """
@@ -44,7 +44,7 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import (holds_requests, hung_under, in_flight, pool_name, prefetch_of,
+from kvtrace.instrumentation.sglang.hicache import (PrefetchWatch, holds_requests, hung_under, pool_name,
                                                    prefetch_states)
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
@@ -234,9 +234,7 @@ class CaptureShim:
         self._frees: dict[tuple[str, Any], tuple[int, bytes, bool]] = {}  # (action, component) -> step, meta, window
         self._loads_before: list[int] = []  # HiCache's loads in progress when `loading_check` began
         self._acks: Any = None  # the storage acknowledgement queue wrapped
-        self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
-        self.prefetches_started = self.prefetches_revoked = 0  # counted here: they change no state
-        self._asked_in_flight = 0  # a prefetch start found one in flight already
+        self.prefetches = PrefetchWatch(cache)
         self._session_rows = False  # frees of request-pool rows recorded (`_wrap_row_frees`)
         self._session_row_ids: set[int] = set()  # request-pool rows a session kept, as the shim's
         self._closing: Any = None  # the row of the session `release_session` is closing
@@ -357,10 +355,9 @@ class CaptureShim:
         self._wrap_after(cc, "write_storage", self._store)
         self._wrap_storage_acks()
         self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
-        wrap_before(c, "_handle_prefetch_result", self._fetching, self._failed, self._saved, log, "SGLang")
-        self._wrap_after(c, "prefetch_from_storage", self._prefetch_started)
-        wrap_before(c, "prefetch_from_storage", self._prefetch_asked, self._failed, self._saved, log, "SGLang")
-        wrap_before(c, "revoke_pending_prefetch", self._prefetch_revoked, self._failed, self._saved, log, "SGLang")
+        self.prefetches.install(
+            lambda obj, name, hook: wrap_before(obj, name, hook, self._failed, self._saved, log, "SGLang"),
+            self._wrap_after)
         self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
         self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
         self._wrap_after(c, "clear_storage_backend", self._cleared)
@@ -703,24 +700,12 @@ class CaptureShim:
         self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
                                                time.monotonic_ns())),))
 
-    def _prefetch_asked(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self._asked_in_flight = in_flight(self.cache, request)
-
-    def _prefetch_started(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_started += int(in_flight(self.cache, request) and not self._asked_in_flight)
-
-    def _prefetch_revoked(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_revoked += in_flight(self.cache, request)
-
-    def _fetching(self, operation: Any, *args: Any, **kwargs: Any) -> None:
-        self._fetch = prefetch_of(operation)
-
     def _fetched(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any, *args: Any,
                  **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        rid, started = self._fetch
+        rid, started = self.prefetches.handling
         meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
                             _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)), rid,
                             time.monotonic_ns() - started if started else 0, holds_requests(self.cache)))
@@ -871,8 +856,8 @@ class ProcessShim:
         return CaptureStats(records=r.written, dropped=r.dropped, errors=self.capture.errors,
                             resolved=r.consumer_counter(0), events=r.consumer_counter(1),
                             resolver_errors=r.consumer_counter(2), lost_resets=r.consumer_counter(3),
-                            skipped=r.consumer_counter(4), prefetches_started=self.capture.prefetches_started,
-                            prefetches_revoked=self.capture.prefetches_revoked, unnamed_pages=r.consumer_counter(5))
+                            skipped=r.consumer_counter(4), prefetches_started=self.capture.prefetches.started,
+                            prefetches_revoked=self.capture.prefetches.revoked, unnamed_pages=r.consumer_counter(5))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Unwrap the cache, let the resolver finish what is on the ring, and free the ring.

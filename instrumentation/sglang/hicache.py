@@ -25,7 +25,7 @@ about storage):
   `in_flight` (the request waited on it) unless the cache's prefetch policy is `best_effort`,
   under which SGLang admits a request without waiting and keeps what has landed by then. The
   states that come with the pages name the request too, but carry no second duration. Prefetches
-  started and revoked (only those in flight) are counted (`prefetches_started`, `prefetches_revoked`);
+  started and revoked (only those in flight) are counted (`prefetches`, a `PrefetchWatch`);
 - a sliding window's or Mamba's state travels with its pages both ways: a storage write carries
   it (`extra_pools`, the trailing pages' state, reported once the whole write is acknowledged),
   and a landed prefetch's `tree_core.commit_hicache_transfers(..., PREFETCH, ...)` stages it on
@@ -77,6 +77,43 @@ def in_flight(cache: Any, request: Any) -> int:
     return int(request in (getattr(cache, "ongoing_prefetch", None) or {}))
 
 
+class PrefetchWatch:
+    """SGLang's storage prefetches as the calls around them show them, on the scheduler thread:
+    how many started, and how many were revoked in flight, and which one SGLang is handling the
+    result of (its request and start), which the landing after it belongs to. Both modes keep
+    one; none of it changes what the cache holds, so the out-of-process mode records none of it."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.started = 0
+        self.revoked = 0
+        self.handling: tuple[str, int] = ("", 0)  # request id, start (monotonic ns); see `prefetch_of`
+        self._asked_in_flight = 0
+
+    def install(self, before: Callable[[Any, str, Callable[..., None]], None],
+                after: Callable[[Any, str, Callable[..., None]], None]) -> None:
+        """Wrap the cache's prefetch calls with the given wrappers (each mode's own)."""
+        c = self.cache
+        before(c, "_handle_prefetch_result", self._handling)
+        after(c, "prefetch_from_storage", self._asked)
+        before(c, "prefetch_from_storage", self._asking)
+        before(c, "revoke_pending_prefetch", self._revoking)
+
+    def _asking(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._asked_in_flight = in_flight(self.cache, request)
+
+    def _asked(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        # SGLang returns early for many reasons (no storage, one already running, too little
+        # to fetch, a decision already made): only a prefetch that is now in flight counts.
+        self.started += int(in_flight(self.cache, request) and not self._asked_in_flight)
+
+    def _revoking(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self.revoked += in_flight(self.cache, request)
+
+    def _handling(self, operation: Any, *args: Any, **kwargs: Any) -> None:
+        self.handling = prefetch_of(operation)
+
+
 def holds_requests(cache: Any) -> bool:
     """Whether SGLang keeps a request waiting while its prefetch runs: every prefetch policy
     but `best_effort`, which admits it at once with what has landed."""
@@ -116,13 +153,10 @@ class HiCacheHooks:
         # op id -> (names, host slots, t0, [(group, host slots)] of the states written with them)
         self._storage: dict[int, tuple[list[str], np.ndarray, int, list[tuple[int, np.ndarray]]]] = {}
         self._landed = np.zeros(0, dtype=np.uint64)  # keys of the pages the last prefetch landed
-        self._fetch: tuple[str, int] = ("", 0)  # the prefetch whose result SGLang is handling: request, start ns
         self._landed_for: tuple[str, int, bool] = ("", 0, False)  # the last landing's (`landed`), for its states
-        self._asked_in_flight = 0  # a prefetch start found one in flight already
         self.names = StorageNames()
         self.unnamed_pages = 0
-        self.prefetches_started = 0
-        self.prefetches_revoked = 0
+        self.prefetches = PrefetchWatch(self.cache)
         self._acks: Any = None  # the storage acknowledgement queue wrapped
         # When a copy started and ended; the out-of-process resolver reads it off the records
         # instead, the times the capture took on the scheduler thread.
@@ -143,12 +177,9 @@ class HiCacheHooks:
         s._wrap_plain(cc, "write_storage", self._after_write_storage)
         self._wrap_storage_acks()
         s._wrap_plain(cc, "attach_storage_backend", self._after_attach_storage)
-        s._wrap_before(c, "_handle_prefetch_result", self._before_prefetch_result)
         s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
         s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
-        s._wrap_plain(c, "prefetch_from_storage", self._after_prefetch_start)
-        s._wrap_before(c, "prefetch_from_storage", self._before_prefetch_start)
-        s._wrap_before(c, "revoke_pending_prefetch", self._before_prefetch_revoke)
+        self.prefetches.install(s._wrap_before, s._wrap_plain)
         s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
         s._wrap_plain(c, "reset", self._after_reset)
         return self
@@ -280,26 +311,12 @@ class HiCacheHooks:
             self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.HOST, Tier.DISK, keys, duration_ns)
 
     # -- disk -> host ------------------------------------------------------------------------------
-    def _before_prefetch_start(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self._asked_in_flight = in_flight(self.cache, request)
-
-    def _after_prefetch_start(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
-        # SGLang returns early for many reasons (no storage, one already running, too little
-        # to fetch, a decision already made): only a prefetch that is now in flight counts.
-        self.prefetches_started += int(in_flight(self.cache, request) and not self._asked_in_flight)
-
-    def _before_prefetch_revoke(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        self.prefetches_revoked += in_flight(self.cache, request)
-
-    def _before_prefetch_result(self, operation: Any, *args: Any, **kwargs: Any) -> None:
-        self._fetch = prefetch_of(operation)
-
     def _after_insert_host(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any,
                            *args: Any, **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        rid, started = self._fetch
+        rid, started = self.prefetches.handling
         self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent, rid,
                     self.clock() - started if started else 0, holds_requests(self.cache))
 

@@ -140,7 +140,7 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
 
     assert rig.prefetch("r-miss", probe.last_host_node, list(range(5000, 5016))) == 0  # nobody stored it
     cache.revoke_pending_prefetch(CacheRequestHandle("r-none", 0))  # SGLang's release path: nothing in flight
-    assert (rig.shim.hicache.prefetches_started, rig.shim.hicache.prefetches_revoked) == (2, 1)
+    assert (rig.shim.hicache.prefetches.started, rig.shim.hicache.prefetches.revoked) == (2, 1)
     assert not [e for e in rig.new() if e.kind is EventKind.LOAD]  # a revoked prefetch lands nothing
 
     third = rig.driver.serve("r3", PROMPT)
