@@ -363,3 +363,35 @@ def test_a_storage_tier_attached_at_run_time_is_followed(tmp_path: Path) -> None
     assert emitter.shutdown() and shim.errors == 0
     offloads = [(e.src_tier, e.dst_tier, _keys(e)) for e in sink.events if e.kind is EventKind.OFFLOAD]
     assert offloads == [(Tier.DEVICE, Tier.HOST, KEYS), (Tier.HOST, Tier.DISK, KEYS)]
+
+
+def test_a_best_effort_prefetch_lands_without_holding_its_request(tmp_path: Path) -> None:
+    """Under SGLang's `best_effort` prefetch policy a request is admitted without waiting for
+    its prefetch, keeping what has landed by then: the landing's load is timed like any other,
+    but not marked as something the request waited on."""
+    rig = Rig("rust", tmp_path)
+    cache = rig.cache
+    rig.driver.serve("r1", PROMPT)
+    rig.settle()
+    cache.evict(EvictParams(num_tokens=256))
+    assert cache.evict_host(256) == 16
+    rig.new()
+    cache.prefetch_stop_policy = "best_effort"
+    probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", PROMPT[:-1]))))
+    handle = CacheRequestHandle("r2", 0)
+    cache.prefetch_from_storage(handle, probe.last_host_node, array("q", PROMPT[:16]),
+                                cache.get_last_hash_value(probe.last_host_node))
+    deadline = time.monotonic() + 20  # let the copy finish first: best effort keeps only what has landed
+    while time.monotonic() < deadline:
+        cache.check_hicache_events()
+        info = cache.ongoing_prefetch.get(handle)
+        if info is None or info.operation.completed_tokens >= 16:
+            break
+        time.sleep(0.01)
+    assert cache.check_prefetch_progress(handle)  # best effort: admitted at its first poll
+    assert cache.pop_prefetch_loaded_span(handle)[0] == 16
+    (load,) = [e for e in rig.new() if e.kind is EventKind.LOAD]
+    assert (load.src_tier, load.dst_tier, _keys(load)) == (Tier.DISK, Tier.HOST, KEYS)
+    assert load.request_id == "r2" and not load.in_flight and load.duration_ns > 0
+    assert rig.shim.hicache.prefetches.started == 1 and rig.shim.hicache.prefetches.revoked == 0
+    assert rig.emitter.shutdown() and rig.shim.errors == 0
