@@ -44,8 +44,7 @@ from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import wrap_after, wrap_before
 from kvtrace.instrumentation.ring import Ring
-from kvtrace.instrumentation.sglang.hicache import (PrefetchWatch, holds_requests, hung_under, pool_name,
-                                                   prefetch_states)
+from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
@@ -705,10 +704,9 @@ class CaptureShim:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        rid, started = self.prefetches.handling
         meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
-                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)), rid,
-                            time.monotonic_ns() - started if started else 0, holds_requests(self.cache)))
+                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)),
+                            *self.prefetches.landing(time.monotonic_ns())))
         self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
 
     def _staged(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,

@@ -113,6 +113,12 @@ class PrefetchWatch:
     def _handling(self, operation: Any, *args: Any, **kwargs: Any) -> None:
         self.handling = prefetch_of(operation)
 
+    def landing(self, now_ns: int) -> tuple[str, int, bool]:
+        """What a landing now under way belongs to: the request fetched for, the time since
+        its prefetch started, and whether the request waits for it (`holds_requests`)."""
+        rid, started = self.handling
+        return rid, now_ns - started if started else 0, holds_requests(self.cache)
+
 
 def holds_requests(cache: Any) -> bool:
     """Whether SGLang keeps a request waiting while its prefetch runs: every prefetch policy
@@ -316,9 +322,8 @@ class HiCacheHooks:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        rid, started = self.prefetches.handling
-        self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent, rid,
-                    self.clock() - started if started else 0, holds_requests(self.cache))
+        self.landed(int(result.prefix_len), list(hash_value), key, host_value, root, parent,
+                    *self.prefetches.landing(self.clock()))
 
     def landed(self, prefix_len: int, names: list[str], key: Any, host_value: Any, root: bool,
                parent: str | None, request_id: str = "", took_ns: int = 0, held: bool = False) -> None:
