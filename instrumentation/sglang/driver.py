@@ -96,7 +96,7 @@ class DriverConfig:
 
 @dataclass(slots=True, eq=False)
 class Running:
-    """A request on the scheduler route between its steps (`Driver.admit`, `prefill`, `finish`)."""
+    """A request on the scheduler route between its steps (`Driver.admit`, `prefill`, `decode`, ..., `finish`)."""
 
     req: Req
     outputs: array  # the tokens it generates after its prompt
@@ -381,10 +381,11 @@ class Driver:
         fill = len(req.origin_input_ids) + len(req.output_ids)
         end = fill if until is None else min(int(until), fill)
         if end <= run.filled and end < fill:
-            raise ValueError(f"{req.rid}: a chunk ends past the {run.filled} tokens the request holds, not at {end}")
+            raise ValueError(f"{req.rid}: a chunk must end past the {run.filled} tokens the request holds, "
+                             f"not at {end}")
         if end < fill:
             if end % self.page:
-                raise ValueError(f"{req.rid}: a chunk ends on a page boundary (page {self.page}), not at {end}")
+                raise ValueError(f"{req.rid}: a chunk must end on a page boundary (page {self.page}), not at {end}")
             self._extend(run, end)
             req.extend_end = end
             checkpoint_kv_cache(req, self.cache)  # insert [protected, end), move the lock, prefix_len = end
