@@ -760,22 +760,13 @@ class CaptureShim:
     def _wrap_row_frees(self) -> None:
         """`free_kv_row(kv, ranges)`: recorded as the full-attention free the shim reads it as
         (`RadixCacheShim._before_free_row`), before it runs."""
-        c = self.cache
-        original = c.free_kv_row
-        capture = self
+        wrap_before(self.cache, "free_kv_row", self._row_freeing, self._failed, self._saved, log, "SGLang")
 
-        def free_kv_row(kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                if kv.req_pool_idx in capture._session_row_ids:  # a request's own row: nothing to name
-                    pages = row_pages(c.req_to_token_pool.req_to_token[kv.req_pool_idx], ranges, capture.page)
-                    if len(pages):
-                        capture._action("FreeDeviceKVFullOnly", SimpleNamespace(component_type=None, indices=pages))
-            except Exception:  # noqa: BLE001
-                capture._failed("free_kv_row")
-            return original(kv, ranges, *args, **kwargs)
-
-        self._saved.append((c, "free_kv_row", original))
-        c.free_kv_row = free_kv_row
+    def _row_freeing(self, kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> None:
+        if kv.req_pool_idx in self._session_row_ids:  # else a request's own row: nothing to name
+            pages = row_pages(self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx], ranges, self.page)
+            if len(pages):
+                self._action("FreeDeviceKVFullOnly", SimpleNamespace(component_type=None, indices=pages))
 
     def _cleared(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:
