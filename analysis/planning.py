@@ -21,7 +21,7 @@ from kvtrace.analysis.costs import (
     restore_decisions,
     waiting_seconds,
 )
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
@@ -32,7 +32,7 @@ ORDER = ["ts_ns", "source_id", "seq"]
 def as_parquet(paths: Sequence[str | Path], workdir: str | Path) -> list[Path]:
     """The inputs as Parquet files: Parquet as given, JSONL and spool files converted (their
     valid rows) into `workdir`, so offline analysis takes what `kvtrace ingest` takes."""
-    from kvtrace.collector.ingest import FileFormat, detect_format, iter_file_events
+    from kvtrace.store.ingest import FileFormat, detect_format, iter_file_events
 
     out = []
     for i, path in enumerate(map(Path, paths)):

@@ -17,7 +17,7 @@ from kvtrace.schema.arrow import from_arrow
 from kvtrace.schema.recipes import Recipe
 
 if TYPE_CHECKING:
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
 
 
 class AnalysisPath(StrEnum):

@@ -137,8 +137,8 @@ def main() -> None:
         return
 
     os.environ["KVTRACE_HOME"] = str(args.home)
-    from kvtrace.collector.export import export_events
-    from kvtrace.collector.store import Store
+    from kvtrace.store.export import export_events
+    from kvtrace.store.client import Store
     from kvtrace.schema.recipes import BUILTIN
 
     tag = f"{args.recipe.replace('-', '_')}_{args.events}"

@@ -118,7 +118,7 @@ def raw_insert(events: list[Event], root: Path) -> dict[str, float]:
     JSON lines encoded beforehand: only the insert is timed)."""
     import msgspec
 
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
 
     store = Store(f"chdb://{root}/raw?database=raw_{int(time.time() * 1000)}")
     store.init()
@@ -157,7 +157,7 @@ def insert_formats(events: list[Event], root: Path) -> dict[str, float]:
     import msgspec
     import pyarrow.json as pj
 
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
     from kvtrace.schema.arrow import arrow_schema
 
     store = Store(f"chdb://{root}/formats?database=formats_{int(time.time() * 1000)}")

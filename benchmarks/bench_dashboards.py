@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["KVTRACE_HOME"] = str(args.home)
     from kvtrace.analysis.sql import clickhouse_results
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
     from kvtrace.dashboards.queries import PANELS, render
     from kvtrace.schema.arrow import conform
     from kvtrace.schema.recipes import BUILTIN

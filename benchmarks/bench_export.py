@@ -38,7 +38,7 @@ from importlib import metadata
 
 import msgspec
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import ExportResult
 from kvtrace.instrumentation.sinks.store import StoreSink

@@ -9,20 +9,22 @@ twice neither fails nor double-counts.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import polars as pl
-from tqdm import tqdm
 
 from kvtrace.analysis.funnel import funnel, reasons
 from kvtrace.analysis.sql import clickhouse_results
 from kvtrace.cli.experiment import PolicySpec, compare, display
-from kvtrace.collector.store import Store, data_dir, default_dsn, parse_dsn
+from kvtrace.cli.progress import bar
+from kvtrace.schema.paths import data_dir
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import default_dsn, parse_dsn
 from kvtrace.dashboards.report import write_report
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import ReplayOptions, replay
@@ -74,9 +76,9 @@ def _demo_dsn(dsn: str | None) -> str:
     return f"{base.scheme}://{auth}@{base.host}:{base.port}/{DEMO_DATABASE}"
 
 
-def _bar(total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=None)  # None: only on a terminal
+def _bar(total: int, desc: str) -> Any:
+    return bar(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True,
+               disable=None)  # None: only on a terminal
 
 
 def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = None) -> int:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 from datetime import datetime, timezone
 
-from kvtrace.collector.store import StoreError, default_dsn
+from kvtrace.cli.extras import missing_extra
+from kvtrace.store.dsn import StoreError, default_dsn
 
 EPILOG = """\
 examples:
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _store(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: `--help` stays fast
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
 
     return Store(args.dsn)
 
@@ -290,7 +291,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from kvtrace.collector.ingest import ingest_file
+    from kvtrace.store.ingest import ingest_file
     from kvtrace.schema.wire import WireError
 
     failed = False
@@ -319,7 +320,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvtrace.collector.export import EventFilter, ExportFormat, export_events
+    from kvtrace.store.export import EventFilter, ExportFormat, export_events
 
     flt = EventFilter(args.since, args.until, args.instance, args.model, args.tenant)
     with _store(args) as store:
@@ -369,9 +370,8 @@ def _trace(args: argparse.Namespace):  # noqa: ANN202
 def cmd_replay(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from tqdm import tqdm
-
     from kvtrace.cli.experiment import PolicySpec
+    from kvtrace.cli.progress import bar as progress_bar
     from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
     from kvtrace.instrumentation.replay import ReplayOptions, replay
     from kvtrace.instrumentation.simulator import CacheSimulator
@@ -393,7 +393,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
                                    instance=config.instance, engine="sim", register_atexit=False)
             sim = CacheSimulator(config, emitter)
-            with tqdm(desc="replay", unit="req", file=sys.stderr, disable=None) as bar:
+            with progress_bar(desc="replay", unit="req", disable=None) as bar:
                 report = replay(reader, sim, ReplayOptions(speed=args.speed, tenant=args.tenant),
                                 progress=lambda _: bar.update())
             emitter.force_flush(timeout_millis=600_000)
@@ -412,9 +412,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     import polars as pl
-    from tqdm import tqdm
 
     from kvtrace.cli.experiment import PolicySpec, compare, display
+    from kvtrace.cli.progress import bar as progress_bar
     from kvtrace.instrumentation.traces import TraceError
     from kvtrace.schema.recipes import RecipeError
 
@@ -423,7 +423,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         config = _sim_config(args)
         reader = _trace(args)
         trace = list(reader)
-        with tqdm(total=len(trace) * len(specs), desc="policies", unit="req", file=sys.stderr, disable=None) as bar:
+        with progress_bar(total=len(trace) * len(specs), desc="policies", unit="req", disable=None) as bar:
             table = compare(trace, config, specs, progress=lambda _s, _n: bar.update())
     except (TraceError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -696,7 +696,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_grafana(args: argparse.Namespace) -> int:
-    from kvtrace.collector.store import parse_dsn
+    from kvtrace.store.dsn import parse_dsn
     from kvtrace.dashboards.grafana import write_dashboards
 
     db = args.database or parse_dsn(args.dsn or default_dsn()).database
@@ -861,7 +861,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def cmd_collector(args: argparse.Namespace) -> int:
     from kvtrace.collector.auth import AuthConfigError, TokenTable
     from kvtrace.collector.serve import serve
-    from kvtrace.collector.service import KvEventSource, config_from_env
+    from kvtrace.collector.service import config_from_env
+    from kvtrace.collector.subscribe import KvEventSource
     from kvtrace.schema.recipes import RecipeError
 
     try:
@@ -917,6 +918,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if (line := missing_extra(exc)) is None:
+            raise
+        print(f"error: kvtrace {args.command}: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -30,8 +30,7 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
                 drain: Callable[[], None] | None = None) -> tuple[Any, Any]:
     """Serve every trace request with a shim attached to an emitter into the store; `drain` lets
     the engine finish work it runs in the background (LMCache's disk writes) before the flush."""
-    from tqdm import tqdm
-
+    from kvtrace.cli.progress import bar as progress_bar
     from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
     from kvtrace.instrumentation.sinks.store import StoreSink
 
@@ -40,7 +39,7 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
         emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
                                instance=f"{engine}-replay", engine=engine, register_atexit=False)
         shim = attach(emitter)
-        with tqdm(desc=desc, unit="req", file=sys.stderr, disable=None) as bar:
+        with progress_bar(desc=desc, unit="req", disable=None) as bar:
             for req in reader:
                 serve(req)
                 bar.update()

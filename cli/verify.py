@@ -109,10 +109,11 @@ def run_verify(args: Namespace) -> int:
 
 
 def _verify(args: Namespace, llm: Any, recipe: Any, prompts: list[list[int]], scratch: Path) -> int:
-    from kvtrace.analysis.oracle import engine_request, noise_floor, sample_by_class, verification
+    from kvtrace.analysis.oracle import engine_request, sample_by_class, verification
+    from kvtrace.schema.divergence import noise_floor
     from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.collector.ingest import iter_file_events
-    from kvtrace.collector.store import Store
+    from kvtrace.store.ingest import iter_file_events
+    from kvtrace.store.client import Store
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, noise_pairs, serve_prompt, verify_prompts
     from kvtrace.schema.arrow import to_arrow

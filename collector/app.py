@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtrace.collector.auth import Grant
 from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
-from kvtrace.collector.service import Collector, Unavailable
+from kvtrace.collector.intake import Unavailable
+from kvtrace.collector.service import Collector
 from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.clickhouse import EVENTS, VERDICTS
 from kvtrace.schema.events import WIRE_REQUIRED

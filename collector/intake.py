@@ -46,6 +46,17 @@ class IntakeError(Exception):
         self.message = message
 
 
+class Unavailable(Exception):
+    """The collector cannot take the request now (its spool is full, it is stopping); answer with
+    `status` and Retry-After. Unlike an `IntakeError`, the same request may succeed later."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(slots=True)
 class Intake:
     """What one request contributes: the batch to spool and its counts.

@@ -27,7 +27,7 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event

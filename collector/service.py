@@ -20,30 +20,27 @@ import pyarrow.compute as pc
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.auth import Grant, TokenTable
 from kvtrace.collector.drain import Drain
-from kvtrace.collector.intake import Intake, IntakeError, decompress, intake_batch, intake_events, intake_otlp
+from kvtrace.collector.intake import (
+    Intake,
+    IntakeError,
+    Unavailable,
+    decompress,
+    intake_batch,
+    intake_events,
+    intake_otlp,
+)
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.collector.subscribe import KvEventSource, Subscription
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
-from kvtrace.collector.store import Store, data_dir
+from kvtrace.schema.paths import data_dir
+from kvtrace.store.client import Store
 from kvtrace.schema.arrow_wire import write_stream
 from kvtrace.schema.recipes import Recipe
 from kvtrace.schema.wire import Batch
 
 log = logging.getLogger("kvtrace.collector")
 json_lines = msgspec.json.Encoder().encode_lines
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventSource:
-    """One publisher to subscribe to, and what its events are about (the stream does not say)."""
-
-    endpoint: str  # e.g. tcp://engine-host:5557
-    replay_endpoint: str | None = None  # the publisher's replay socket, to fill sequence gaps
-    instance: str = ""
-    model: str = ""
-    tenant: str = ""  # events land in this tenant's namespace ("" keeps the stream's own)
-    topic: str = ""
-    engine: str = ""  # the publishing engine (vllm, sglang): the wire format does not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +58,6 @@ class CollectorConfig:
     rebuild_window_ns: int = 3600 * 10**9
     drain_timeout_s: float = 30.0
     kv_event_sources: tuple[KvEventSource, ...] = ()  # ZMQ KV-event streams to subscribe to
-
-
-class Unavailable(Exception):
-    """The collector cannot take the request now; answer with `status` and Retry-After."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +104,6 @@ class Collector:
                         "and read every tenant); set KVTRACE_COLLECTOR_TOKENS or a token file in production")
         self.drain.start()
         if self.config.kv_event_sources:
-            from kvtrace.collector.subscribe import Subscription
-
             self._subscriptions = [Subscription(self, source) for source in self.config.kv_event_sources]
             for sub in self._subscriptions:
                 sub.start()

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvtrace.collector.auth import OPEN, Grant
-from kvtrace.collector.intake import IntakeError
-from kvtrace.collector.service import Collector, KvEventSource, Unavailable
+from kvtrace.collector.intake import Intake, IntakeError, Unavailable
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.kv_events import KvEventBridge
@@ -25,10 +26,31 @@ from kvtrace.schema.wire import Batch
 log = logging.getLogger("kvtrace.collector.subscribe")
 
 
+class Acceptor(Protocol):
+    """What a subscription hands its batches to: the collector's `accept`, which spools a batch
+    for a grant, or raises `IntakeError` (refused for good) or `Unavailable` (not now). A
+    protocol, so this module needs nothing of the service that runs it."""
+
+    def accept(self, batch: Batch, grant: Grant) -> Intake: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """One publisher to subscribe to, and what its events are about (the stream does not say)."""
+
+    endpoint: str  # e.g. tcp://engine-host:5557
+    replay_endpoint: str | None = None  # the publisher's replay socket, to fill sequence gaps
+    instance: str = ""
+    model: str = ""
+    tenant: str = ""  # events land in this tenant's namespace ("" keeps the stream's own)
+    topic: str = ""
+    engine: str = ""  # the publishing engine (vllm, sglang): the wire format does not say
+
+
 class CollectorSink:
     """A sink that spools batches into the collector running in this process."""
 
-    def __init__(self, collector: Collector, grant: Grant) -> None:
+    def __init__(self, collector: Acceptor, grant: Grant) -> None:
         self.collector = collector
         self.grant = grant
 
@@ -48,7 +70,7 @@ class CollectorSink:
 class Subscription:
     """A KV-event bridge polled on its own thread; `stop()` flushes what it has batched."""
 
-    def __init__(self, collector: Collector, source: KvEventSource) -> None:
+    def __init__(self, collector: Acceptor, source: KvEventSource) -> None:
         self.source = source
         grant = Grant(name=source.tenant, tenants=frozenset({source.tenant})) if source.tenant else OPEN
         identity = Identity(instance=source.instance or source.endpoint, model=source.model,

@@ -25,7 +25,7 @@ import msgspec
 import polars as pl
 
 from kvtrace.analysis.funnel import users
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.alerts")
 

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.dashboards.queries import PANELS, Panel, PanelKind, by_key, filters, render, substitute
 
 PAGES: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -18,6 +18,7 @@ Variables (all optional; nothing is emitted unless KVTRACE_ENABLED is true):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -147,6 +148,36 @@ class EmitterSettings:
             raise ConfigError("KVTRACE_SINK=collector needs KVTRACE_COLLECTOR_URL")
         if self.sink is SinkKind.STORE and not self.dsn:
             raise ConfigError("KVTRACE_SINK=store needs KVTRACE_DSN")
+        for extra, modules in self.needs():
+            missing = [m for m in modules if not _importable(m)]
+            if missing:
+                raise ConfigError(f"{self.describe()} needs kvtrace's {extra!r} extra, which this environment "
+                                  f"lacks (no module {missing[0]!r}): pip install 'kvtrace[{extra}]'")
+
+    def needs(self) -> list[tuple[str, tuple[str, ...]]]:
+        """The extras (and a module each provides) the chosen sink imports: the core alone
+        writes spool files and sends rows to a collector."""
+        if self.sink is SinkKind.STORE:
+            return [("store", ("clickhouse_connect", "pyarrow", "polars"))]
+        if self.sink is SinkKind.OTLP:
+            return [("otlp", ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"))]
+        if self.sink is SinkKind.COLLECTOR and self.collector_wire is Wire.COLUMNS:
+            return [("arrow", ("pyarrow",))]
+        return []
+
+    def describe(self) -> str:
+        """The setting that chose the sink, as the user wrote it."""
+        if self.sink is SinkKind.COLLECTOR and self.collector_wire is Wire.COLUMNS:
+            return "KVTRACE_COLLECTOR_WIRE=columns"
+        return f"KVTRACE_SINK={self.sink.value}"
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a dotted name's parents are)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def build_sink(settings: EmitterSettings) -> Sink:
@@ -156,10 +187,9 @@ def build_sink(settings: EmitterSettings) -> Sink:
 
         return HttpSink(settings.collector_url, token=settings.token, wire=settings.collector_wire)
     if settings.sink is SinkKind.STORE:
-        from kvtrace.collector.store import Store
         from kvtrace.instrumentation.sinks.store import StoreSink
 
-        return StoreSink(Store(settings.dsn))
+        return StoreSink.open(settings.dsn)
     if settings.sink is SinkKind.OTLP:
         from kvtrace.instrumentation.sinks.otlp import OtlpLogSink
 
@@ -168,7 +198,7 @@ def build_sink(settings: EmitterSettings) -> Sink:
 
     spool_dir = settings.spool_dir
     if not spool_dir:
-        from kvtrace.collector.store import data_dir
+        from kvtrace.schema.paths import data_dir
 
         spool_dir = str(data_dir() / "spool")
     return SpoolSink(spool_dir)

@@ -81,7 +81,7 @@ class CollectorProcess:
     def query(self, sql: str) -> list:
         """Run SQL on the collector's store from a fresh process (chDB: one engine per process);
         call it while the collector is stopped."""
-        code = ("import json,sys; from kvtrace.collector.store import Store; s = Store(sys.argv[1]); "
+        code = ("import json,sys; from kvtrace.store.client import Store; s = Store(sys.argv[1]); "
                 "print(json.dumps(s.query_arrow(sys.argv[2]).to_pylist()))")
         out = subprocess.run([sys.executable, "-c", code, self.dsn, sql], env=self.env(), capture_output=True,
                              text=True, timeout=300)

@@ -19,7 +19,7 @@ _SESSION_HOME = Path(tempfile.mkdtemp(prefix="kvtrace-tests-"))
 os.environ["KVTRACE_HOME"] = str(_SESSION_HOME)
 os.environ.pop("KVTRACE_DSN", None)
 
-from kvtrace.collector.store import Store  # noqa: E402
+from kvtrace.store.client import Store  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.dashboards.alerts import (
     AlertLoop,
     AlertState,

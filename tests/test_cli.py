@@ -13,7 +13,8 @@ from strategies import STORE_TS_BASE
 
 from kvtrace.cli.demo import DEMO_DATABASE
 from kvtrace.cli.main import main
-from kvtrace.collector.store import Store, default_dsn
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import default_dsn
 from kvtrace.schema.arrow import from_arrow
 from kvtrace.schema.clickhouse import TABLES
 from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event

@@ -19,7 +19,7 @@ from kvtrace.collector.app import create_app
 from kvtrace.collector.auth import TokenTable
 from kvtrace.collector.service import Collector, CollectorConfig
 from kvtrace.collector.spool import SpoolRecord, encode_record
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.base import ExportStatus
@@ -329,7 +329,7 @@ def test_a_collector_taking_over_an_instance_rebuilds_its_state_from_the_store(
 def test_subscriber_mode_stores_an_engines_kv_event_stream(store: Store, store_dsn: str, tmp_path: Path) -> None:
     import zmq
 
-    from kvtrace.collector.service import KvEventSource
+    from kvtrace.collector.subscribe import KvEventSource
 
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from kvtrace.analysis.sql import clickhouse_results
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.dashboards.grafana import dashboard
 from kvtrace.dashboards.queries import PANELS, PanelKind, substitute
 from kvtrace.dashboards.web import PAGES, create_dashboard_app

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from strategies import STORE_TS_BASE, event_key, seeded_events
 
-from kvtrace.collector.export import EventFilter, ExportFormat, export_events
-from kvtrace.collector.ingest import FileFormat, detect_format, ingest_file, iter_file_events
-from kvtrace.collector.store import Store
+from kvtrace.store.export import EventFilter, ExportFormat, export_events
+from kvtrace.store.ingest import FileFormat, detect_format, ingest_file, iter_file_events
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.spool import SpoolSink
 from kvtrace.schema.arrow import conform, from_arrow, to_arrow

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from kvtrace.analysis.oracle import Scores, divergence, judge, noise_floor, sample_by_class, tolerance, verification
-from kvtrace.collector.store import Store
+from kvtrace.analysis.oracle import judge, sample_by_class, verification
+from kvtrace.schema.divergence import Scores, divergence, noise_floor, tolerance
+from kvtrace.store.client import Store
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.clickhouse import VERIFICATIONS
 from kvtrace.schema.verdicts import Agreement, GapReason, LookupResult, Verdict, Verification

@@ -18,8 +18,8 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
-from kvtrace.collector.export import export_events
-from kvtrace.collector.store import Store
+from kvtrace.store.export import export_events
+from kvtrace.store.client import Store
 from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 
 SORT = ["ts_ns", "source_id", "seq"]

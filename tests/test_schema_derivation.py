@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from kvtrace.collector.store import Store, StoreError
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import StoreError
 from kvtrace.schema.arrow import arrow_schema, arrow_type, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import (
     EMITTER_STATS,

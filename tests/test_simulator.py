@@ -14,8 +14,8 @@ from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
-from kvtrace.collector.export import export_events
-from kvtrace.collector.store import Store
+from kvtrace.store.export import export_events
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.memory import MemorySink

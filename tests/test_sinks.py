@@ -18,7 +18,7 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.http import INGEST_PATH, HttpSink, _retry_after

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from strategies import event_key, seeded_events, stored_events
 
-from kvtrace.collector.store import Dsn, Store, StoreError, parse_dsn
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import Dsn, StoreError, parse_dsn
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import DEFAULT_DATABASE, zero_when_omitted
 from kvtrace.schema.columns import I64, U32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.validation import Problem, problems
@@ -25,6 +25,11 @@ class StoreSink:
         self.origin = origin
         self.stats_interval_ns = stats_interval_ns
         self._stats_ns = 0
+
+    @classmethod
+    def open(cls, dsn: str, origin: str = "emitter") -> StoreSink:
+        """A sink into the store at `dsn` (what KVTRACE_SINK=store builds)."""
+        return cls(Store(dsn), origin)
 
     def export(self, batch: Batch) -> ExportResult:
         rejected = 0

@@ -11,7 +11,7 @@ work, the same prompt twice straight into the engine core:
   with users'.
 Both decode greedily and return log-probabilities; now and then the fresh run goes twice, and
 the difference between the two is the noise floor. The canary measures how far the re-run is
-from the fresh run (`kvtrace.analysis.oracle.divergence`) and emits a `probe` event with the
+from the fresh run (`kvtrace.schema.divergence.divergence`) and emits a `probe` event with the
 numbers. Judging them against the re-run's verdict is the analysis's work (the collector's
 live path and `kvtrace analyze`), which is why the probe names the re-run.
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from kvtrace.analysis.oracle import Scores, divergence
+from kvtrace.schema.divergence import Scores, divergence
 from kvtrace.instrumentation.config import ConfigError
 from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, scores_from
 from kvtrace.instrumentation.vllm.weights import adapter_label

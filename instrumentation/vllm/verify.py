@@ -11,7 +11,8 @@ generated ones. vLLM gives no prompt log-probabilities for the positions it serv
 (the values there are not computed), so the comparison starts after the cached run's hit.
 The noise floor comes from the same prompts computed fresh twice.
 
-The judgement itself is `kvtrace.analysis.oracle`; this module only talks to the engine.
+The measure is `kvtrace.schema.divergence` and the judgement `kvtrace.analysis.oracle`; this
+module only talks to the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtrace.analysis.oracle import Scores
+from kvtrace.schema.divergence import Scores
 
 VERIFY_SALT = "kvtrace-verify"
 """The namespace of fresh runs: their blocks (and verdicts, as tenant) stay apart from users'."""

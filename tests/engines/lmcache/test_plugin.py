@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtrace.collector.ingest import iter_file_events
+from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema import EventKind
 
 

@@ -29,7 +29,7 @@ from test_verify import save_checkpoint  # noqa: E402 - the same tiny checkpoint
 
 def spooled(spool: Path) -> list:
     """Events in the spool so far, in stream order (another process may be writing the last frame)."""
-    from kvtrace.collector.ingest import iter_file_events
+    from kvtrace.store.ingest import iter_file_events
 
     while True:
         try:
@@ -167,7 +167,7 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(mode: str, tmp_p
 
     # The same judgement from the store: `kvtrace analyze --write-verdicts` writes the rows.
     from kvtrace.cli.main import main
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
 
     dsn = f"chdb:///{tmp_path}/db"
     assert main(["--dsn", dsn, "ingest", *map(str, sorted((tmp_path / "spool").iterdir()))]) == 0

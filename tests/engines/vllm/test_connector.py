@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.collector.ingest import iter_file_events
+from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema.verdicts import Verdict
 from kvtrace.schema import EventKind, Tier
 from kvtrace.schema.recipes import Recipe

@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.collector.ingest import iter_file_events
+from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema import ComponentKind, EventKind, Tier
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe

@@ -21,7 +21,7 @@ from kvtrace.analysis.costs import PrefillModel, crossover_tokens, fit_prefill, 
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.planning import empty_events
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.collector.ingest import iter_file_events
+from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.recipes import Recipe

@@ -69,9 +69,10 @@ def child(kind: str, root: str) -> None:
                        "KVTRACE_SPOOL_DIR": f"{root}/spool", "KVTRACE_INSTANCE": f"verify-{kind}"})
     from vllm import LLM
 
-    from kvtrace.analysis.oracle import engine_request, noise_floor, verification
+    from kvtrace.analysis.oracle import engine_request, verification
+    from kvtrace.schema.divergence import noise_floor
     from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.collector.ingest import iter_file_events
+    from kvtrace.store.ingest import iter_file_events
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
     from kvtrace.instrumentation.vllm.verify import noise_pairs, verify_prompts
@@ -199,7 +200,7 @@ def test_the_verify_command_stores_its_judgements(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "verified 4 of 5 requests" in proc.stdout and "recoverable_identical 4" in proc.stdout
 
-    from kvtrace.collector.store import Store
+    from kvtrace.store.client import Store
 
     with Store(dsn) as store:
         got = store.query_polars(f"SELECT agreement, adopted_tokens FROM {store.db}.verifications")

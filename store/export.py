@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, from_arrow
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
-from kvtrace.collector.store import Store
+from kvtrace.store.client import Store
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.schema.validation import event_from_builtins, event_from_json, validate_numbered, validate_rows

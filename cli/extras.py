@@ -1,0 +1,34 @@
+"""Which of kvtrace's extras brings a missing module, so a command run without it says how to get
+it in one line instead of ending in an ImportError traceback."""
+
+from __future__ import annotations
+
+# Top-level module -> the smallest extra that installs it (see pyproject.toml).
+EXTRA_OF = {
+    "opentelemetry": "otlp",
+    "pyarrow": "arrow",
+    "numpy": "arrow",
+    "clickhouse_connect": "store",
+    "chdb": "store",
+    "polars": "store",
+    "duckdb": "analysis",
+    "fastapi": "collector",
+    "starlette": "collector",
+    "pydantic": "collector",
+    "uvicorn": "collector",
+    "prometheus_client": "collector",
+    "google": "collector",
+    "zmq": "collector",
+    "plotly": "dashboards",
+    "yaml": "dashboards",
+    "torch": "torch",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The line to print for a module one of kvtrace's extras provides; None for any other."""
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return f"this command needs kvtrace's {extra!r} extra (no module {top!r} here): pip install 'kvtrace[{extra}]'"
