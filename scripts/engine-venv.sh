@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the virtual environment of one engine: .venvs/<engine>, with the engine's
 # pins from scripts/engines/<engine>.txt, the CPU torch from constraints.txt, and kvtrace itself
-# (editable) so the shims run inside the engine's process. Rebuilt only when the pins change.
+# (editable, with the extras the engine tests use) so the shims run inside the engine's process.
+# Rebuilt only when the pins, or kvtrace's own dependencies, change.
 #   bash scripts/engine-venv.sh vllm
 # An engine that runs inside another (LMCache is vLLM's KV connector) names that engine in
 # scripts/engines/<engine>.base: its venv holds only its own packages and sees the base venv's
@@ -10,6 +11,7 @@
 # pip keeps no cache (--no-cache-dir): the wheels would double the disk the venvs take.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/kvtrace-install.sh
 engine=${1:?usage: engine-venv.sh ENGINE}
 pins=scripts/engines/$engine.txt
 [ -f "$pins" ] || { echo "no pins for engine '$engine' ($pins)" >&2; exit 2; }
@@ -22,9 +24,12 @@ if [ -f "$basefile" ]; then
   base=$(tr -d '[:space:]' < "$basefile")
   bash "$0" "$base"
 fi
-want=$( { cat "$pins" $( [ -f "$nodeps" ] && echo "$nodeps" ) constraints.txt pyproject.toml;
+want=$( { cat "$pins" $( [ -f "$nodeps" ] && echo "$nodeps" ) constraints.txt; kvtrace_deps_stamp;
           [ -n "$base" ] && cat ".venvs/$base/.kvtrace-pins"; true; } | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  # A layered venv (LMCache over vLLM) uses its base's kvtrace; any other is linked again
+  # when modules came or went.
+  [ -n "$base" ] || install_kvtrace "$venv" all
   echo "$venv: up to date"
   exit 0
 fi
@@ -55,8 +60,11 @@ py=("$venv/bin/python" "${pip[@]}")
 # PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to import here; the
 # engines' text paths run without them.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-# kvtrace itself and the test runner; the collector's test tools (schemathesis and its
-# dependencies) stay out of the engine's environment.
-"${py[@]}" -e . "pytest>=8" "hypothesis>=6.100"
+# kvtrace itself (what the engine tests read events with: the store and the analysis too) and
+# the test runner; the collector's test tools (schemathesis and its dependencies) stay out of
+# the engine's environment.
+rm -f "$venv/.kvtrace-deps"
+install_kvtrace "$venv" all
+"${py[@]}" "pytest>=8" "hypothesis>=6.100"
 echo "$want" > "$stamp"
 echo "$venv: built"
