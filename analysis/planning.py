@@ -24,7 +24,7 @@ from kvtrace.analysis.costs import (
 from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.events import Event
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook
 
 ORDER = ["ts_ns", "source_id", "seq"]
 
@@ -128,25 +128,34 @@ def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[in
 
 @dataclass(frozen=True, slots=True)
 class CapacityReport:
-    model: str
+    model: str  # the recipe's key: MODEL, or ENGINE:MODEL where the engine's lookups had their own recipe
     curve: pl.DataFrame
     needs: list[CapacityNeed]
     block_bytes: dict[int, float]  # group -> bytes per block
 
 
-def capacity_report(events: pl.DataFrame, recipes: Recipe | Mapping[str, Recipe],
+def capacity_report(events: pl.DataFrame, recipes: RecipeBook | Recipe,
                     capacities: Sequence[int], requests: float = 0.99, prefix: float = 0.99) -> list[CapacityReport]:
+    """A curve per recipe key: the lookups of one model share a cache, unless the book gives an
+    engine its own recipe for the model (an engine and the KV store behind it). Models the book
+    has no recipe for are left out."""
+    book = RecipeBook.of(recipes)
+    members: dict[str, list[str]] = {}  # recipe key -> the "engine\x00model" pairs it serves
+    for engine, model in events.select("engine", "model").unique(maintain_order=True).iter_rows():
+        if book.get(str(model), str(engine)) is not None:
+            members.setdefault(book.key(str(model), str(engine)), []).append(f"{engine}\x00{model}")
+    pair = pl.concat_str("engine", "model", separator="\x00")
     out = []
-    for (model,), part in events.group_by(["model"], maintain_order=True):
+    for key, pairs in members.items():
+        part = events.filter(pair.is_in(pairs))
         if not part.filter(pl.col("kind") == "lookup").height:
             continue
-        recipe = recipes if isinstance(recipes, Recipe) else recipes.get(str(model))
-        if recipe is None:
-            continue
+        model, engine = str(part["model"][0]), str(part["engine"][0])
+        recipe = book.resolve(model, engine)
         distances = request_distances(iter_events(part.sort(ORDER)), recipe)
         commits = part.filter((pl.col("kind") == "commit") & (pl.col("nbytes") > 0))
         block_bytes = {int(g): float(v) for g, v in
                        commits.group_by("group_id").agg(pl.col("nbytes").median()).iter_rows()}
-        out.append(CapacityReport(str(model), capacity_curve(distances, recipe, capacities),
+        out.append(CapacityReport(str(key), capacity_curve(distances, recipe, capacities),
                                   capacity_needed(distances, recipe, requests, prefix), block_bytes))
     return out

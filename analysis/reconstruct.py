@@ -8,29 +8,17 @@ over a live stream.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
-
-
-class UnknownModel(KeyError):
-    """A lookup for a model no recipe was given for."""
-
-
-def recipe_key(engine: str, model: str, recipes: Mapping[str, Recipe]) -> str:
-    """The recipe a lookup uses: `ENGINE:MODEL` when given, else `MODEL`. An engine and the KV
-    store behind it report the same model (vLLM and LMCache) but cache it in different units
-    (16-token blocks, 256-token chunks), so each may need its own recipe."""
-    qualified = f"{engine}:{model}"
-    return qualified if engine and qualified in recipes else model
 
 
 @dataclass(slots=True)
@@ -45,12 +33,11 @@ class Reconstructor:
 
     def __init__(
         self,
-        recipes: Recipe | Mapping[str, Recipe],
+        recipes: RecipeBook | Recipe,
         policy: Policy = Policy(),
         max_pending: int = 100_000,
     ) -> None:
-        self._default = recipes if isinstance(recipes, Recipe) else None
-        self._recipes = {} if isinstance(recipes, Recipe) else dict(recipes)
+        self.recipes = RecipeBook.of(recipes)
         self.policy = policy
         self.state = CacheState()
         self.max_pending = max_pending
@@ -60,12 +47,7 @@ class Reconstructor:
         self.pending_overflow = 0
 
     def recipe_for(self, model: str, engine: str = "") -> Recipe:
-        if self._default is not None:
-            return self._default
-        try:
-            return self._recipes[recipe_key(engine, model, self._recipes)]
-        except KeyError:
-            raise UnknownModel(f"no recipe for model {model!r} (have: {', '.join(self._recipes)})") from None
+        return self.recipes.resolve(model, engine)
 
     def feed(self, event: Event) -> list[LookupResult]:
         self.events_seen += 1
@@ -177,7 +159,7 @@ class Reconstructor:
 
 
 def reconstruct(
-    events: Iterable[Event], recipes: Recipe | Mapping[str, Recipe], policy: Policy = Policy()
+    events: Iterable[Event], recipes: RecipeBook | Recipe, policy: Policy = Policy()
 ) -> list[LookupResult]:
     """Every lookup's result, for events already in stream order."""
     return list(Reconstructor(recipes, policy).run(events))

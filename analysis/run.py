@@ -14,7 +14,7 @@ from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.schema.arrow import from_arrow
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook
 
 if TYPE_CHECKING:
     from kvtrace.store.client import Store
@@ -28,7 +28,7 @@ class AnalysisPath(StrEnum):
     DUCKDB = "duckdb"  # over Parquet exports, offline
 
 
-def stream_results(store: Store, recipes: Recipe | Mapping[str, Recipe], policy: Policy = Policy()) -> pl.DataFrame:
+def stream_results(store: Store, recipes: RecipeBook | Recipe, policy: Policy = Policy()) -> pl.DataFrame:
     """The streaming reconstructor fed from the store in stream order."""
     rec = Reconstructor(recipes, policy)
     out = []
@@ -41,7 +41,7 @@ def stream_results(store: Store, recipes: Recipe | Mapping[str, Recipe], policy:
 
 def lookup_results(
     path: AnalysisPath,
-    recipes: Recipe | Mapping[str, Recipe],
+    recipes: RecipeBook | Recipe,
     policy: Policy = Policy(),
     store: Store | None = None,
     parquet: Sequence[str | Path] = (),

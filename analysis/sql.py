@@ -34,8 +34,7 @@ from typing import Any
 import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.analysis.reconstruct import UnknownModel, recipe_key
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.schema.fields import field_specs
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult
@@ -235,7 +234,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str]
         keep = f"CASE WHEN l.engine IN ({stores}) THEN 0 ELSE 1 END"
     ids = ", ".join(f"l.{f} AS r_{f}" for f in (*_IDENTITY_STR, "epoch"))
     rkey = "l.model"
-    if qualified:  # lookups whose ENGINE:MODEL has a recipe of its own use it (see recipe_key)
+    if qualified:  # lookups whose ENGINE:MODEL has a recipe of its own use it (see RecipeBook.key)
         names = ", ".join("'" + k.replace("'", "''") + "'" for k in qualified)
         rkey = f"CASE WHEN concat(l.engine, ':', l.model) IN ({names}) THEN concat(l.engine, ':', l.model) ELSE l.model END"
     points = []
@@ -563,7 +562,7 @@ Reader = Callable[[str], Any]
 def _run(
     d: Dialect,
     source: str,
-    recipes: Recipe | Mapping[str, Recipe],
+    recipes: RecipeBook,
     policy: Policy,
     execute: Executor,
     read: Reader,
@@ -580,10 +579,10 @@ def _run(
         for name, select in _steps_events(d, t, source):
             step(name, select)
         pairs = read(f"SELECT DISTINCT engine, model FROM {d.table(t.lk)}")
-        keys = {(str(e), str(m)): (str(m) if isinstance(recipes, Recipe) else recipe_key(str(e), str(m), recipes))
-                for e, m in zip(pairs["engine"].to_list(), pairs["model"].to_list(), strict=True)}
-        chosen = _recipes_for(set(keys.values()), recipes)
-        qualified = sorted({k for (_, m), k in keys.items() if k != m})
+        keyed = recipes.keyed(sorted(zip(map(str, pairs["engine"].to_list()), map(str, pairs["model"].to_list()),
+                                         strict=True)))
+        chosen = dict(keyed.values())
+        qualified = sorted({key for (_, model), (key, _) in keyed.items() if key != model})
         execute(d.create(t.rc, _RECIPE_COLUMNS))
         created.append(t.rc)
         if chosen:
@@ -595,15 +594,6 @@ def _run(
         if not keep_tables:
             for name in reversed(created):
                 execute(d.drop(name))
-
-
-def _recipes_for(models: Iterable[str], recipes: Recipe | Mapping[str, Recipe]) -> dict[str, Recipe]:
-    if isinstance(recipes, Recipe):
-        return {m: recipes for m in models}
-    missing = sorted(set(models) - set(recipes))
-    if missing:
-        raise UnknownModel(f"no recipe for model {missing[0]!r} (have: {', '.join(recipes)})")
-    return {m: recipes[m] for m in models}
 
 
 def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
@@ -629,7 +619,7 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def clickhouse_results(
-    store: Any, recipes: Recipe | Mapping[str, Recipe], policy: Policy = Policy(), where: str = "1"
+    store: Any, recipes: RecipeBook | Recipe, policy: Policy = Policy(), where: str = "1"
 ) -> pl.DataFrame:
     """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events."""
     d = Dialect("clickhouse", store.db)
@@ -641,12 +631,12 @@ def clickhouse_results(
     def read(sql: str) -> pl.DataFrame:
         return store.query_polars(sql, settings=CLICKHOUSE_SETTINGS)
 
-    return _run(d, source, recipes, policy, execute, read)
+    return _run(d, source, RecipeBook.of(recipes), policy, execute, read)
 
 
 def duckdb_results(
     parquet: str | Path | Iterable[str | Path],
-    recipes: Recipe | Mapping[str, Recipe],
+    recipes: RecipeBook | Recipe,
     policy: Policy = Policy(),
     connection: Any = None,
 ) -> pl.DataFrame:
@@ -663,7 +653,7 @@ def duckdb_results(
         columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
         if "more_keys" not in columns:
             source = f"(SELECT *, CAST([] AS UBIGINT[]) AS more_keys FROM {source})"
-        return _run(d, source, recipes, policy, lambda sql: con.execute(sql), lambda sql: con.sql(sql).pl())
+        return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql), lambda sql: con.sql(sql).pl())
     finally:
         if connection is None:
             con.close()

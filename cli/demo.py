@@ -31,7 +31,7 @@ from kvtrace.instrumentation.replay import ReplayOptions, replay
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig
 from kvtrace.instrumentation.sinks.store import StoreSink
 from kvtrace.instrumentation.traces import TraceRequest, read_trace
-from kvtrace.schema.recipes import BUILTIN
+from kvtrace.schema.recipes import BUILTIN, RecipeBook
 
 DEMO_DATABASE = "kvtrace_demo"
 RECIPE = "mamba-hybrid"
@@ -103,7 +103,7 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
         stats = emitter.stats()
 
         print("[3/4] reconstructing every lookup inside ClickHouse")
-        results = clickhouse_results(store, {config.model: config.recipe})
+        results = clickhouse_results(store, RecipeBook({config.model: config.recipe}))
         stored = store.count_events()
         shown = str(store.dsn)  # never the password
 

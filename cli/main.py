@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="hit funnel and gap reasons per lookup, by any of three paths")
     analyze.add_argument("parquet", nargs="*", help="event files for the duckdb path: Parquet exports, JSONL or "
                                                     "spool files")
-    analyze.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE",
-                         help="built-in recipe name or .json/.toml file; MODEL= scopes it to one model (repeatable)")
+    analyze.add_argument("--recipe", action="append", required=True, metavar="[[ENGINE:]MODEL=]RECIPE",
+                         help="built-in recipe name or .json/.toml file; MODEL= (or ENGINE:MODEL=) scopes it to one model, an unscoped one serves every other model (repeatable)")
     analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
                          help="where to compute: in the store (default), replayed in Python, or DuckDB on Parquet")
     analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     costs = sub.add_parser("costs", help="load vs recompute: fitted costs, crossovers, seconds lost")
     costs.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    costs.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE",
+    costs.add_argument("--recipe", action="append", required=True, metavar="[[ENGINE:]MODEL=]RECIPE",
                        help="as for analyze: the verdicts say what each lookup could have restored")
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to a webhook")
     al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
     al.add_argument("--show-default-rules", action="store_true", help="print the built-in rules and exit")
-    al.add_argument("--recipe", action="append", default=[], metavar="[MODEL=]RECIPE",
+    al.add_argument("--recipe", action="append", default=[], metavar="[[ENGINE:]MODEL=]RECIPE",
                     help="compute verdicts from events with these recipes (default: the collector's live verdicts)")
     al.add_argument("--webhook", default="", help="Alertmanager-compatible webhook URL for firing/resolved alerts")
     al.add_argument("--interval-s", type=_positive, default=30, help="seconds between evaluations (default 30)")
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="write the HTML report (funnel, reasons, crossover, capacity)")
     rep.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    rep.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE")
+    rep.add_argument("--recipe", action="append", required=True, metavar="[[ENGINE:]MODEL=]RECIPE")
     rep.add_argument("-o", "--output", default="kvtrace-report.html", help="where (default kvtrace-report.html)")
     rep.add_argument("--bucket-s", type=_positive, default=60, help="funnel time buckets (default 60 s)")
 
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     capacity = sub.add_parser("capacity", help="hit rate against cache capacity per group, from stack distances")
     capacity.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    capacity.add_argument("--recipe", action="append", required=True, metavar="[MODEL=]RECIPE")
+    capacity.add_argument("--recipe", action="append", required=True, metavar="[[ENGINE:]MODEL=]RECIPE")
     capacity.add_argument("--capacities", default="64,256,1024,4096,16384,65536",
                           help="capacities to evaluate, in blocks of each group (comma-separated)")
     capacity.add_argument("--requests", type=float, default=0.99, help="share of requests to serve (default 0.99)")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--max-spool-mib", type=_positive, default=1024, help="spool bound; 429 near it (default 1024)")
     col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
                                            "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
-    col.add_argument("--recipe", action="append", default=[], metavar="[MODEL=]RECIPE",
+    col.add_argument("--recipe", action="append", default=[], metavar="[[ENGINE:]MODEL=]RECIPE",
                      help="turn on live reconstruction with these recipes (repeatable, as for analyze)")
     col.add_argument("--lateness-ms", type=_non_negative, default=2000,
                      help="live reconstruction waits this long for out-of-order events (default 2000)")
@@ -377,7 +377,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvtrace.instrumentation.simulator import CacheSimulator
     from kvtrace.instrumentation.sinks.store import StoreSink
     from kvtrace.instrumentation.traces import TraceError
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     if args.engine in ("vllm", "sglang", "lmcache"):
         from kvtrace.cli.replay_engines import replay_lmcache, replay_sglang, replay_vllm
@@ -416,7 +416,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from kvtrace.cli.experiment import PolicySpec, compare, display
     from kvtrace.cli.progress import bar as progress_bar
     from kvtrace.instrumentation.traces import TraceError
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     try:
         specs = [PolicySpec.parse(p) for p in args.policies.split(",") if p]
@@ -438,15 +438,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipes(specs: list[str]):  # noqa: ANN202 - Recipe or {model: Recipe}
-    from kvtrace.schema.recipes import load_recipe
+def _recipes(specs: list[str]):  # noqa: ANN202 - a RecipeBook, imported lazily
+    from kvtrace.schema.recipes import RecipeBook
 
-    scoped = [spec.partition("=") for spec in specs]
-    if len(specs) == 1 and not scoped[0][1]:
-        return load_recipe(specs[0])
-    if any(not sep for _, sep, _ in scoped):
-        raise ValueError("with several --recipe options, scope each one: --recipe MODEL=RECIPE")
-    return {model: load_recipe(name) for model, _, name in scoped}
+    return RecipeBook.parse(specs)
 
 
 _FUNNEL_COLUMNS = {
@@ -484,9 +479,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     from kvtrace.analysis.evaluate import Policy
     from kvtrace.analysis.funnel import funnel, reasons
-    from kvtrace.analysis.reconstruct import UnknownModel
     from kvtrace.analysis.run import AnalysisPath, lookup_results
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     by = [d for d in args.by.split(",") if d]
     unknown = set(by) - {"model", "instance", "tenant"}
@@ -652,8 +646,7 @@ def _table(frame) -> str:  # noqa: ANN001
 
 def cmd_costs(args: argparse.Namespace) -> int:
     from kvtrace.analysis.planning import cost_report
-    from kvtrace.analysis.reconstruct import UnknownModel
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     try:
         recipes = _recipes(args.recipe)
@@ -714,7 +707,7 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         computed_verdicts,
         rules_from_path,
     )
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     if args.show_default_rules:
         print(DEFAULT_RULES, end="")
@@ -745,9 +738,8 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from kvtrace.analysis.funnel import funnel
     from kvtrace.analysis.planning import capacity_report, cost_report
-    from kvtrace.analysis.reconstruct import UnknownModel
     from kvtrace.dashboards.report import write_report
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     try:
         recipes = _recipes(args.recipe)
@@ -823,7 +815,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from kvtrace.analysis.planning import capacity_report, event_frame
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     try:
         recipes = _recipes(args.recipe)
@@ -863,7 +855,7 @@ def cmd_collector(args: argparse.Namespace) -> int:
     from kvtrace.collector.serve import serve
     from kvtrace.collector.service import config_from_env
     from kvtrace.collector.subscribe import KvEventSource
-    from kvtrace.schema.recipes import RecipeError
+    from kvtrace.schema.recipes import RecipeError, UnknownModel
 
     try:
         config = config_from_env(

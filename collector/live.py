@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
-from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
+from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.store.client import Store
 from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook, UnknownModel
 from kvtrace.schema.verdicts import LookupResult, Verification
 
 log = logging.getLogger("kvtrace.collector.live")
@@ -55,11 +55,11 @@ class _Instance:
 
 
 class LiveReconstruction:
-    def __init__(self, store: Store, recipes: Recipe | Mapping[str, Recipe], metrics: CollectorMetrics,
+    def __init__(self, store: Store, recipes: RecipeBook | Recipe, metrics: CollectorMetrics,
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
                  rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0) -> None:
         self.store = store
-        self.recipes = recipes
+        self.recipes = RecipeBook.of(recipes)
         self.metrics = metrics
         self.policy = policy
         self.lateness_ns = lateness_ns

@@ -36,7 +36,7 @@ from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode
 from kvtrace.schema.paths import data_dir
 from kvtrace.store.client import Store
 from kvtrace.schema.arrow_wire import write_stream
-from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.wire import Batch
 
 log = logging.getLogger("kvtrace.collector")
@@ -52,7 +52,7 @@ class CollectorConfig:
     max_request_bytes: int = 64 << 20  # after decompression
     fsync: bool = True
     tokens: TokenTable = field(default_factory=TokenTable)
-    recipes: Recipe | Mapping[str, Recipe] | None = None  # None: no live reconstruction
+    recipes: RecipeBook | Recipe | None = None  # None: no live reconstruction
     policy: Policy = Policy()
     lateness_ns: int = 2_000_000_000
     rebuild_window_ns: int = 3600 * 10**9

@@ -25,6 +25,7 @@ import msgspec
 import polars as pl
 
 from kvtrace.analysis.funnel import users
+from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.alerts")
@@ -167,7 +168,7 @@ def stored_verdicts(store: Store) -> VerdictSource:
     return read
 
 
-def computed_verdicts(store: Store, recipes: Any) -> VerdictSource:
+def computed_verdicts(store: Store, recipes: RecipeBook | Recipe) -> VerdictSource:
     """Verdicts computed in the store from the events (no live reconstruction needed): every
     event up to the window's end builds the state, only the window's lookups are kept."""
     from kvtrace.analysis.sql import clickhouse_results

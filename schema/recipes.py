@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 
 import msgspec
 
@@ -165,3 +167,82 @@ def load_recipe(source: str) -> Recipe:
         return msgspec.json.decode(path.read_bytes(), type=Recipe)
     except (msgspec.ValidationError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
         raise RecipeError(f"{path}: {exc}") from None
+
+
+class UnknownModel(KeyError):
+    """A lookup for a model no recipe was given for."""
+
+
+class RecipeBook:
+    """Which recipe judges each lookup: the one place the rule lives.
+
+    A lookup of `model` reported by `engine` uses the recipe given for `ENGINE:MODEL`, else the
+    one for `MODEL`, else the book's default. An engine and the KV store behind it report the
+    same model (vLLM and LMCache) but cache it in different units (16-token blocks, 256-token
+    chunks), so each may need its own recipe. Every path (streaming, live, ClickHouse, DuckDB,
+    capacity) asks the book, so they cannot disagree on which recipe a lookup got.
+    """
+
+    __slots__ = ("_scoped", "default")
+
+    def __init__(self, scoped: Mapping[str, Recipe] | None = None, default: Recipe | None = None) -> None:
+        self._scoped: dict[str, Recipe] = dict(scoped or {})
+        self.default = default
+        if not self._scoped and default is None:
+            raise RecipeError("a recipe book needs a default recipe or at least one MODEL=RECIPE")
+
+    @classmethod
+    def of(cls, recipes: RecipeBook | Recipe) -> RecipeBook:
+        """A book as given, or one recipe for every model (the common case of one model)."""
+        return recipes if isinstance(recipes, RecipeBook) else cls(default=recipes)
+
+    @classmethod
+    def parse(cls, specs: Iterable[str]) -> RecipeBook:
+        """Command-line `--recipe` values: `RECIPE` (the default, for every model named by no
+        other) or `[ENGINE:]MODEL=RECIPE`; a RECIPE is a built-in name or a .json/.toml file."""
+        scoped: dict[str, Recipe] = {}
+        default: Recipe | None = None
+        for spec in specs:
+            key, sep, source = spec.partition("=")
+            if not sep:
+                if default is not None:
+                    raise RecipeError(f"--recipe {spec!r}: a second unscoped recipe; scope it: --recipe MODEL={spec}")
+                default = load_recipe(spec)
+            elif not key or not source:
+                raise RecipeError(f"--recipe {spec!r}: expected [ENGINE:]MODEL=RECIPE")
+            elif key in scoped:
+                raise RecipeError(f"--recipe {spec!r}: {key!r} is given twice")
+            else:
+                scoped[key] = load_recipe(source)
+        return cls(scoped, default)
+
+    @property
+    def scoped(self) -> Mapping[str, Recipe]:
+        """The recipes given for one `MODEL` or `ENGINE:MODEL` (a read-only view)."""
+        return MappingProxyType(self._scoped)
+
+    def key(self, model: str, engine: str = "") -> str:
+        """The name the lookup's recipe goes by: `ENGINE:MODEL` when that was given, else `MODEL`
+        (also when the default serves it): what the SQL paths key their recipe rows on."""
+        qualified = f"{engine}:{model}"
+        return qualified if engine and qualified in self._scoped else model
+
+    def get(self, model: str, engine: str = "") -> Recipe | None:
+        return self._scoped.get(self.key(model, engine), self.default)
+
+    def resolve(self, model: str, engine: str = "") -> Recipe:
+        """The lookup's recipe; `UnknownModel` names the model when the book has none for it."""
+        recipe = self.get(model, engine)
+        if recipe is None:
+            raise UnknownModel(f"no recipe for model {model!r} (have: {', '.join(self._scoped)})")
+        return recipe
+
+    def keyed(self, pairs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple[str, Recipe]]:
+        """Each (engine, model) pair's recipe key and recipe, for paths that resolve once per
+        pair instead of once per lookup; `UnknownModel` on the first pair without one."""
+        return {(engine, model): (self.key(model, engine), self.resolve(model, engine)) for engine, model in pairs}
+
+    def __repr__(self) -> str:
+        named = ", ".join(f"{k}={r.name}" for k, r in self._scoped.items())
+        default = f"default={self.default.name}" if self.default is not None else ""
+        return f"RecipeBook({', '.join(x for x in (named, default) if x)})"

@@ -16,22 +16,24 @@ from polars.testing import assert_frame_equal
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
-from kvtrace.analysis.reconstruct import Reconstructor, UnknownModel
+from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.store.export import export_events
 from kvtrace.store.client import Store
 from kvtrace.schema import ComponentKind, Event, EventKind, Tier
+from kvtrace.schema.recipes import RecipeBook, UnknownModel
 
 SORT = ["ts_ns", "source_id", "seq"]
+BOOK = RecipeBook(RECIPES)  # each lifecycle model's own recipe
 
 
-def streaming(events: list[Event], policy: Policy = Policy(), recipes: dict = RECIPES) -> pl.DataFrame:
+def streaming(events: list[Event], policy: Policy = Policy(), recipes: RecipeBook = BOOK) -> pl.DataFrame:
     ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
     return conform_results(results_frame(Reconstructor(recipes, policy).run(ordered))).sort(SORT)
 
 
 def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy = Policy(),
-                recipes: dict = RECIPES) -> list[pl.DataFrame]:
+                recipes: RecipeBook = BOOK) -> list[pl.DataFrame]:
     store.command(f"TRUNCATE TABLE {store.db}.events")
     store.insert_events(events)
     parquet = folder / "events.parquet"
@@ -75,19 +77,19 @@ def test_unknown_model_is_named_by_every_path(store: Store, tmp_path: Path) -> N
                    model="mystery", request_id="r", prompt_tokens=8)
     store.insert_events([lookup])
     with pytest.raises(UnknownModel, match="mystery"):
-        list(Reconstructor(RECIPES).run([lookup]))
+        list(Reconstructor(BOOK).run([lookup]))
     with pytest.raises(UnknownModel, match="mystery"):
-        clickhouse_results(store, RECIPES)
+        clickhouse_results(store, BOOK)
     parquet = tmp_path / "e.parquet"
     export_events(store, parquet)
     with pytest.raises(UnknownModel, match="mystery"):
-        duckdb_results(parquet, RECIPES)
+        duckdb_results(parquet, BOOK)
 
 
 def test_scratch_tables_are_dropped(store: Store, tmp_path: Path) -> None:
     before = set(store.query_polars(f"SELECT name FROM system.tables WHERE database = '{store.db}'")["name"])
     store.insert_events([])
-    clickhouse_results(store, RECIPES)
+    clickhouse_results(store, BOOK)
     after = set(store.query_polars(f"SELECT name FROM system.tables WHERE database = '{store.db}'")["name"])
     assert after == before
 
@@ -104,7 +106,7 @@ def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: P
     export_events(store, new)
     old = tmp_path / "v1.parquet"
     pq.write_table(pq.read_table(new).drop(["more_keys"]), old)
-    assert_frame_equal(duckdb_results(old, RECIPES).sort(SORT), duckdb_results(new, RECIPES).sort(SORT))
+    assert_frame_equal(duckdb_results(old, BOOK).sort(SORT), duckdb_results(new, BOOK).sort(SORT))
 
 
 def test_a_kv_store_may_serve_the_whole_prompt_in_every_path(store: Store, tmp_path: Path) -> None:
@@ -124,7 +126,7 @@ def test_an_engine_qualified_recipe_wins_in_every_path(store: Store, tmp_path: P
     from kvtrace.schema.recipes import GroupSpec, Recipe
 
     chunks = Recipe(name="chunks", groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=4),))
-    recipes = {**RECIPES, "lmcache:dense": chunks}
+    recipes = RecipeBook({**RECIPES, "lmcache:dense": chunks})
     frames = three_paths(store, tmp_path, _two_blocks_each("dense", 8), recipes=recipes)
     assert_same(frames)
     logical = dict(zip(frames[0]["instance"].to_list(), frames[0]["logical_hit_tokens"].to_list(), strict=True))
