@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from kvtrace.instrumentation.api import Emitter
@@ -89,6 +89,30 @@ class SimConfig:
     evict_before_adopt: bool = False  # another request evicts a needed block between lookup and adopt
     start_ns: int = 1_750_000_000 * 10**9
     step_ns: int = 1_000  # virtual time per event
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A retention policy by name: `lru`, `interval:N` (tokens) or `branch`."""
+
+    name: str
+    checkpoints: CheckpointPolicy
+    checkpoint_every: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> PolicySpec:
+        kind, _, arg = text.partition(":")
+        if kind == "lru" and not arg:
+            return cls("lru", CheckpointPolicy.EVERY_BLOCK)
+        if kind == "branch" and not arg:
+            return cls("branch", CheckpointPolicy.BRANCH_POINTS)
+        if kind == "interval" and arg.isdigit() and int(arg) > 0:
+            return cls(f"interval:{arg}", CheckpointPolicy.INTERVAL, int(arg))
+        raise ValueError(f"unknown policy {text!r}: use lru, interval:N (tokens) or branch")
+
+    def apply(self, config: SimConfig) -> SimConfig:
+        """The configuration with this policy's checkpoints."""
+        return replace(config, checkpoints=self.checkpoints, checkpoint_every=self.checkpoint_every)
 
 
 @dataclass(frozen=True, slots=True)
