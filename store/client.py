@@ -20,11 +20,14 @@ import pyarrow as pa
 
 from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.clickhouse import (
+    CALIBRATIONS,
     EMITTER_STATS,
     EVENTS,
     META_TABLE,
     QUARANTINE,
     TABLES,
+    VERDICTS,
+    VERIFICATIONS,
     DdlOptions,
     migration_statements,
     schema_statements,
@@ -33,9 +36,9 @@ from kvtrace.schema.clickhouse import (
     zero_when_omitted,
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
-from kvtrace.schema.records import EmitterStats, Rejection
-from kvtrace.store.dsn import StoreError, parse_dsn, default_dsn
-
+from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
+from kvtrace.schema.verdicts import LookupResult, Verification
+from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
 
 _ZERO_WHEN_OMITTED = frozenset(t.name for t in TABLES if zero_when_omitted(t.struct))
 
@@ -215,6 +218,16 @@ class Store:
 
     def insert_stats(self, stats: Sequence[EmitterStats]) -> int:
         return self.insert_arrow(EMITTER_STATS.name, to_arrow(stats, EmitterStats))
+
+    def insert_verdicts(self, results: pl.DataFrame) -> int:
+        """Per-lookup results (`LookupResult` columns, as the analysis paths give them)."""
+        return self.insert_arrow(VERDICTS.name, conform(results.to_arrow(), LookupResult))
+
+    def insert_verifications(self, rows: Sequence[Verification]) -> int:
+        return self.insert_arrow(VERIFICATIONS.name, to_arrow(rows, Verification))
+
+    def insert_calibrations(self, samples: Sequence[CalibrationSample]) -> int:
+        return self.insert_arrow(CALIBRATIONS.name, to_arrow(samples, CalibrationSample))
 
     # -- reads -------------------------------------------------------------------------------
     def query_arrow(
