@@ -144,3 +144,26 @@ def calibrate_transfers(model: str, sizes: Sequence[int] = (1 << 20, 4 << 20, 16
                                          kind="transfer", src_tier=s.value, dst_tier=d.value, nbytes=count * 4,
                                          seconds=seconds))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """One calibration run: prefill timings, then copy timings, all under one run id."""
+
+    run_id: str
+    samples: list[CalibrationSample]
+
+    @property
+    def device(self) -> str:
+        return self.samples[0].device if self.samples else ""
+
+
+def calibrate(shape: ModelShape, model: str, starts: Sequence[int] = (0, 512, 1024, 2048),
+              chunks: Sequence[int] = (64, 128, 256, 512),
+              sizes: Sequence[int] = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20),
+              device: str = "cpu", repeats: int = 3) -> Calibration:
+    """Prefill of `chunks` tokens after each of `starts` cached ones for `shape`, and copies of
+    `sizes` bytes along each tier path, on `device`: what `kvtrace calibrate` measures."""
+    run_id = uuid.uuid4().hex[:12]
+    return Calibration(run_id, [*calibrate_prefill(shape, model, starts, chunks, device, repeats, run_id),
+                                *calibrate_transfers(model, sizes, device, repeats, run_id)])

@@ -121,3 +121,23 @@ def join_frame(frame: pl.DataFrame) -> pl.DataFrame:
     if not rows:
         return pl.DataFrame(schema={f: pl.Utf8 for f in JoinedResult.__struct_fields__}).clear()
     return pl.DataFrame([msgspec.structs.asdict(r) for r in rows])
+
+
+def join_totals(results: pl.DataFrame, joined: pl.DataFrame) -> pl.DataFrame:
+    """Per engine instance and its store: lookups and token sums of the joined picture
+    (`joined`, from `join_frame(results)`), beside the unsafe reuse the engine's results alone
+    claim (`unsafe_engine_alone`: what reading the engine without its store would report)."""
+    import polars as pl
+
+    if not joined.height:
+        return pl.DataFrame(schema={"engine_instance": pl.Utf8, "store_instance": pl.Utf8, "lookups": pl.UInt32,
+                                    **dict.fromkeys(("logical", "recoverable", "adopted", "unsafe", "missed",
+                                                     "unsafe_engine_alone"), pl.Int64)})
+    alone = results.group_by("instance").agg(pl.col("unsafe_reuse").sum().alias("unsafe_engine_alone"))
+    return (joined.group_by("engine_instance", "store_instance")
+            .agg(pl.len().alias("lookups"), pl.col("logical_hit_tokens").sum().alias("logical"),
+                 pl.col("recoverable_hit_tokens").sum().alias("recoverable"),
+                 pl.col("adopted_tokens").sum().alias("adopted"), pl.col("unsafe_reuse").sum().alias("unsafe"),
+                 pl.col("missed_reuse").sum().alias("missed"))
+            .join(alone, left_on="engine_instance", right_on="instance", how="left")
+            .sort("engine_instance"))

@@ -3,7 +3,8 @@ recomputing cost and which the fleet should have done, and how much capacity eac
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from kvtrace.analysis.costs import (
     restore_decisions,
     waiting_seconds,
 )
-from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
+from kvtrace.schema.clickhouse import CALIBRATIONS
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.records import CalibrationSample
+from kvtrace.store.client import Store
 
 ORDER = ["ts_ns", "source_id", "seq"]
 
@@ -58,6 +61,23 @@ def event_frame(store: Store | None = None, parquet: Sequence[str | Path] = ()) 
         raise ValueError("give a store or Parquet files")
     assert isinstance(frame, pl.DataFrame)
     return frame.sort(ORDER)
+
+
+def read_events(store: Store | None = None, files: Sequence[str | Path] = ()) -> pl.DataFrame:
+    """Every event of the event files (Parquet, JSONL or spool, as `kvtrace ingest` takes them)
+    when any are given, else of the store, in stream order."""
+    if files:
+        with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
+            return event_frame(parquet=as_parquet(files, tmp))
+    return event_frame(store=store)
+
+
+def stored_calibrations(store: Store) -> pl.DataFrame | None:
+    """The timings `kvtrace calibrate` stored (None when the store has no tables or no timings)."""
+    if store.stored_schema_version() is None:
+        return None
+    frame = store.query_polars(f"SELECT * FROM {store.db}.{CALIBRATIONS.name}")
+    return frame if frame.height else None
 
 
 def empty_events() -> pl.DataFrame:
@@ -124,6 +144,17 @@ def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[in
     prefills = fit_prefill(events, calibrations=calibrations)
     return CostReport(transfers, prefills, crossover_curve(transfers, prefills, bytes_per_token(events), starts),
                       restore_decisions(results, transfers, prefills), waiting_seconds(events))
+
+
+def calibration_report(samples: Sequence[CalibrationSample]) -> CostReport:
+    """The cost models fitted to a calibration's timings alone, with no events: transfers and
+    prefill only (no crossovers or decisions: those need lookups)."""
+    measured = pl.from_arrow(to_arrow(samples, CalibrationSample))
+    assert isinstance(measured, pl.DataFrame)
+    none = empty_events()
+    return CostReport(fit_transfers(none, min_samples=3, calibrations=measured),
+                      fit_prefill(none, min_samples=4, calibrations=measured),
+                      pl.DataFrame(), pl.DataFrame(), pl.DataFrame())
 
 
 @dataclass(frozen=True, slots=True)

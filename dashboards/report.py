@@ -10,6 +10,9 @@ import plotly.graph_objects as go
 import polars as pl
 
 from kvtrace.analysis.funnel import funnel, reasons
+from kvtrace.analysis.planning import CostReport, capacity_report, cost_report
+from kvtrace.analysis.run import Observations
+from kvtrace.schema.recipes import Recipe, RecipeBook
 
 _RATES = (
     ("logical_token_rate", "logical (hash hit)"),
@@ -126,6 +129,41 @@ def write_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc, encoding="utf-8")
     return out
+
+
+REPORT_CAPACITIES = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)  # blocks of each group, for the curves
+
+
+def report_summary(source: str, observations: Observations, costs: CostReport) -> list[tuple[str, str]]:
+    """The report's headline rows: where the events came from, how many, the token-weighted
+    hit rates and the seconds lost to the wrong restore choice."""
+    events, results = observations.events, observations.results
+    totals = funnel(results).row(0, named=True) if results.height else {}
+    summary = [("source", source), ("events", f"{events.height:,}"), ("lookups", f"{results.height:,}")]
+    summary += [(f"{name} rate", f"{totals[f'{name}_token_rate']:.1%}") for name in
+                ("logical", "recoverable", "resident", "adopted") if f"{name}_token_rate" in totals]
+    lost = costs.lost()
+    if lost.height:
+        summary.append(("seconds lost to the wrong restore choice",
+                        f"{lost['lost_restoring_s'].sum() + lost['lost_recomputing_s'].sum():.3f}"))
+    return summary
+
+
+def write_analysis_report(
+    path: str | Path,
+    observations: Observations,
+    recipes: RecipeBook | Recipe,
+    source: str,
+    bucket_ns: int = 60 * 10**9,
+    calibrations: pl.DataFrame | None = None,
+) -> Path:
+    """The HTML report of one event source: funnel over time, gap reasons, load-vs-recompute
+    crossovers (with `calibrations` where events carry no timings) and capacity curves."""
+    costs = cost_report(observations.events, observations.results, calibrations=calibrations)
+    capacity = capacity_report(observations.events, recipes, REPORT_CAPACITIES)
+    return write_report(path, "kvtrace report", report_summary(source, observations, costs), observations.results,
+                        bucket_ns=bucket_ns, crossovers=costs.crossovers,
+                        capacity=[(r.model, r.curve) for r in capacity])
 
 
 def _cell(value: object) -> str:
