@@ -10,7 +10,7 @@ twice neither fails nor double-counts.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,18 +20,17 @@ import polars as pl
 
 from kvtrace.analysis.funnel import funnel, reasons
 from kvtrace.analysis.sql import clickhouse_results
-from kvtrace.cli.experiment import PolicySpec, compare, display
+from kvtrace.cli.experiment import compare, display
 from kvtrace.cli.progress import bar
+from kvtrace.dashboards.report import write_report
+from kvtrace.instrumentation.recording import record_replay
+from kvtrace.instrumentation.replay import ReplayOptions
+from kvtrace.instrumentation.simulator import PolicySpec, SimConfig
+from kvtrace.instrumentation.traces import TraceRequest, read_trace
 from kvtrace.schema.paths import data_dir
+from kvtrace.schema.recipes import BUILTIN, RecipeBook
 from kvtrace.store.client import Store
 from kvtrace.store.dsn import default_dsn, parse_dsn
-from kvtrace.dashboards.report import write_report
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
-from kvtrace.instrumentation.replay import ReplayOptions, replay
-from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig
-from kvtrace.instrumentation.sinks.store import StoreSink
-from kvtrace.instrumentation.traces import TraceRequest, read_trace
-from kvtrace.schema.recipes import BUILTIN, RecipeBook
 
 DEMO_DATABASE = "kvtrace_demo"
 RECIPE = "mamba-hybrid"
@@ -64,8 +63,7 @@ def demo_config() -> SimConfig:
 
 
 def engine_config() -> SimConfig:
-    spec = PolicySpec.parse(ENGINE_POLICY)
-    return replace(demo_config(), checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every)
+    return PolicySpec.parse(ENGINE_POLICY).apply(demo_config())
 
 
 def _demo_dsn(dsn: str | None) -> str:
@@ -93,14 +91,10 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
 
         print(f"[2/4] replaying {len(trace)} requests of a Mooncake production trace through a {RECIPE} "
               f"cache (device 1 GiB, host 3 GiB, disk 12 GiB; Mamba checkpoints: {ENGINE_POLICY}) into the store")
-        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
-                               instance=config.instance, engine="sim", register_atexit=False)
-        sim = CacheSimulator(config, emitter)
         with _bar(len(trace), "replay") as bar:
-            replayed = replay(trace, sim, ReplayOptions(tenant="default"), progress=lambda _: bar.update())
-        emitter.force_flush(timeout_millis=600_000)
-        emitter.shutdown()
-        stats = emitter.stats()
+            recorded = record_replay(store, trace, config, ReplayOptions(tenant="default"),
+                                     progress=lambda _: bar.update())
+        replayed, stats = recorded.report, recorded.stats
 
         print("[3/4] reconstructing every lookup inside ClickHouse")
         results = clickhouse_results(store, RecipeBook({config.model: config.recipe}))

@@ -3,45 +3,27 @@
 Each run replays the trace through the reference simulator and reconstructs every lookup as
 the events stream out of the emitter (no store needed), then sums what a policy really bought:
 tokens that were both adopted and recoverable, next to the object (hash) hits it raised.
+
+It lives beside the commands because it joins the two sides of the house that may not import
+each other: the simulator (`kvtrace.instrumentation`) and the reconstructor (`kvtrace.analysis`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 
 import polars as pl
 
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.schema.verdicts import LookupResult
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.replay import ReplayOptions, replay
-from kvtrace.instrumentation.simulator import CacheSimulator, CheckpointPolicy, SimConfig
+from kvtrace.instrumentation.simulator import CacheSimulator, PolicySpec, SimConfig
 from kvtrace.instrumentation.sinks.base import OK, ExportResult
 from kvtrace.instrumentation.traces import TraceRequest
 from kvtrace.schema.kinds import Tier
+from kvtrace.schema.verdicts import LookupResult
 from kvtrace.schema.wire import Batch
-
-
-@dataclass(frozen=True, slots=True)
-class PolicySpec:
-    """A retention policy by name: `lru`, `interval:N` (tokens) or `branch`."""
-
-    name: str
-    checkpoints: CheckpointPolicy
-    checkpoint_every: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> PolicySpec:
-        kind, _, arg = text.partition(":")
-        if kind == "lru" and not arg:
-            return cls("lru", CheckpointPolicy.EVERY_BLOCK)
-        if kind == "branch" and not arg:
-            return cls("branch", CheckpointPolicy.BRANCH_POINTS)
-        if kind == "interval" and arg.isdigit() and int(arg) > 0:
-            return cls(f"interval:{arg}", CheckpointPolicy.INTERVAL, int(arg))
-        raise ValueError(f"unknown policy {text!r}: use lru, interval:N (tokens) or branch")
 
 
 class ReconstructingSink:
@@ -70,8 +52,7 @@ def run_policy(
     sink = ReconstructingSink(Reconstructor(config.recipe))
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
                            register_atexit=False)
-    sim = CacheSimulator(replace(config, checkpoints=spec.checkpoints, checkpoint_every=spec.checkpoint_every),
-                         emitter)
+    sim = CacheSimulator(spec.apply(config), emitter)
     replay(trace, sim, ReplayOptions(tenant="default"), progress=progress)
     emitter.force_flush(timeout_millis=600_000)
     emitter.shutdown()

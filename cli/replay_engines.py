@@ -31,13 +31,11 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
     """Serve every trace request with a shim attached to an emitter into the store; `drain` lets
     the engine finish work it runs in the background (LMCache's disk writes) before the flush."""
     from kvtrace.cli.progress import bar as progress_bar
-    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
-    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.instrumentation.recording import FLUSH_TIMEOUT_MILLIS, store_emitter
 
     with store_of(args) as store:
         store.init()
-        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
-                               instance=f"{engine}-replay", engine=engine, register_atexit=False)
+        emitter = store_emitter(store, f"{engine}-replay", engine)
         shim = attach(emitter)
         with progress_bar(desc=desc, unit="req", disable=None) as bar:
             for req in reader:
@@ -45,7 +43,7 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
                 bar.update()
         if drain is not None:
             drain()
-        emitter.force_flush(timeout_millis=600_000)
+        emitter.force_flush(timeout_millis=FLUSH_TIMEOUT_MILLIS)
         emitter.shutdown()
     return emitter.stats(), shim
 

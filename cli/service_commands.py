@@ -1,0 +1,135 @@
+"""`kvtrace collector`, `dashboard`, `grafana` and `alerts`: the long-running services over the
+store, and the dashboards written for Grafana."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvtrace.cli.arguments import RECIPE_METAVAR, non_negative, positive
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    col = sub.add_parser("collector", help="run the ingest service (HTTP: kvtrace batches and OTLP logs)")
+    col.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    col.add_argument("--port", type=positive, default=4318, help="port (default 4318)")
+    col.add_argument("--spool-dir",
+                     help="durable spool (default: $KVTRACE_COLLECTOR_SPOOL_DIR, else under $KVTRACE_HOME)")
+    col.add_argument("--max-spool-mib", type=positive, default=1024, help="spool bound; 429 near it (default 1024)")
+    col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
+                                           "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
+    col.add_argument("--recipe", action="append", default=[], metavar=RECIPE_METAVAR,
+                     help="turn on live reconstruction with these recipes (repeatable, as for analyze)")
+    col.add_argument("--lateness-ms", type=non_negative, default=2000,
+                     help="live reconstruction waits this long for out-of-order events (default 2000)")
+    col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
+                                                      "(vLLM / SGLang), e.g. tcp://engine:5557")
+    col.add_argument("--zmq-replay", metavar="ENDPOINT", help="the publisher's replay socket, to fill sequence gaps")
+    col.add_argument("--zmq-instance", default="", help="instance name for the stream's events (default: the endpoint)")
+    col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
+    col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
+    col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
+    col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    col.set_defaults(handler=cmd_collector)
+
+    dash = sub.add_parser("dashboard", help="serve the web dashboard over the store")
+    dash.add_argument("--host", default="127.0.0.1")
+    dash.add_argument("--port", type=positive, default=8050)
+    dash.set_defaults(handler=cmd_dashboard)
+
+    graf = sub.add_parser("grafana", help="write the Grafana dashboards (ClickHouse data source) as JSON")
+    graf.add_argument("-o", "--output", default="grafana", help="directory (default ./grafana)")
+    graf.add_argument("--database", default="", help="database the panels query (default: the store's)")
+    graf.set_defaults(handler=cmd_grafana)
+
+    al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to a webhook")
+    al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
+    al.add_argument("--show-default-rules", action="store_true", help="print the built-in rules and exit")
+    al.add_argument("--recipe", action="append", default=[], metavar=RECIPE_METAVAR,
+                    help="compute verdicts from events with these recipes (default: the collector's live verdicts)")
+    al.add_argument("--webhook", default="", help="Alertmanager-compatible webhook URL for firing/resolved alerts")
+    al.add_argument("--interval-s", type=positive, default=30, help="seconds between evaluations (default 30)")
+    al.add_argument("--once", action="store_true", help="evaluate once and exit")
+    al.add_argument("--metrics-port", type=positive, help="also serve the rule values as Prometheus metrics here")
+    al.set_defaults(handler=cmd_alerts)
+
+
+def cmd_collector(args: argparse.Namespace) -> int:
+    from kvtrace.collector.auth import AuthConfigError, TokenTable
+    from kvtrace.collector.serve import serve
+    from kvtrace.collector.service import config_from_env
+    from kvtrace.collector.subscribe import KvEventSource
+    from kvtrace.schema.recipes import RecipeBook, RecipeError
+
+    try:
+        config = config_from_env(
+            dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
+            tokens=TokenTable.from_env(path=args.tokens_file),
+            recipes=RecipeBook.parse(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6,
+            kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
+                                            args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
+    except (AuthConfigError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve(config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvtrace.dashboards.web import create_dashboard_app
+    from kvtrace.store.client import Store
+
+    store = Store(args.dsn)
+    store.require_schema()
+    print(f"dashboard on http://{args.host}:{args.port}/ over {store.dsn}")
+    uvicorn.run(create_dashboard_app(store), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_grafana(args: argparse.Namespace) -> int:
+    from kvtrace.dashboards.grafana import write_dashboards
+    from kvtrace.store.dsn import default_dsn, parse_dsn
+
+    db = args.database or parse_dsn(args.dsn or default_dsn()).database
+    for path in write_dashboards(args.output, db):
+        print(f"wrote {path} (import it in Grafana with the ClickHouse data source)")
+    return 0
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from kvtrace.dashboards.alerts import (
+        DEFAULT_RULES,
+        AlertLoop,
+        Evaluator,
+        RuleError,
+        computed_verdicts,
+        rules_from_path,
+    )
+    from kvtrace.schema.recipes import RecipeBook, RecipeError
+    from kvtrace.store.client import Store
+
+    if args.show_default_rules:
+        print(DEFAULT_RULES, end="")
+        return 0
+    try:
+        rules = rules_from_path(args.rules)
+        recipes = RecipeBook.parse(args.recipe) if args.recipe else None
+    except (RuleError, RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = Store(args.dsn)
+    store.require_schema()
+    loop = AlertLoop(Evaluator(store, rules, computed_verdicts(store, recipes) if recipes else None), args.webhook)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=loop.registry)
+    if args.once:
+        loop.cycle()
+        firing = loop.state.firing()
+        print(f"{len(rules)} rules evaluated; {len(firing)} firing")
+        return 0
+    print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
+    loop.run(args.interval_s)
+    return 0
