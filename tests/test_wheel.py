@@ -125,7 +125,8 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str | Path], timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run([str(c) for c in cmd], check=False, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
 
 
 def _bin(env_dir: Path, name: str) -> Path:
