@@ -4,6 +4,9 @@ A shim wraps methods of one engine object (never its class, so two engines in a 
 their own hooks): the original runs first and its result is returned unchanged; the hook then
 reads it, and any error in the hook is handed to the shim's failure counter instead of the
 engine. A missing method (another engine release) logs once and leaves that hook off.
+
+Each shim keeps what it wrapped in one `HookSet`, made with its engine's name, its logger and
+its failure counter, and puts everything back with `restore()`.
 """
 
 from __future__ import annotations
@@ -13,43 +16,87 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wrap_after(obj: Any, name: str, after: Callable[..., None], failed: Callable[[str], None],
-               saved: list[tuple[Any, str, Any]], log: logging.Logger, engine: str) -> bool:
-    """Call `after(result, *args, **kwargs)` after `obj.name`; False when there is no such method."""
-    original = getattr(obj, name, None) if obj is not None else None
-    if original is None:
-        log.warning("kvtrace: %s's %s has no %s; that hook is off", engine, type(obj).__name__, name)
-        return False
+class HookSet:
+    """The methods one shim has wrapped, and what was there before.
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        try:
-            after(result, *args, **kwargs)
-        except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
-            failed(name)
-        return result
+    `wrap_after` and `wrap_before` build the fenced wrappers every shim uses; `replace` puts a
+    wrapper a shim wrote by hand (one that needs more than a hook before or after) in place.
+    Each wrapper is one closure over the original: a wrapped call costs the same whichever way
+    it was made. `restore()` undoes them in reverse order, and is safe to call again.
+    """
 
-    saved.append((obj, name, original))
-    setattr(obj, name, wrapper)
-    return True
+    __slots__ = ("_saved", "engine", "failed", "log")
 
+    def __init__(self, engine: str, log: logging.Logger, failed: Callable[[str], None]) -> None:
+        self.engine = engine  # as log lines name it: "SGLang", "vLLM", "LMCache"
+        self.log = log
+        self.failed = failed  # told the hook's method name when a hook raises
+        self._saved: list[tuple[Any, str, Any, bool]] = []  # (object, name, original, the object's own)
 
-def wrap_before(obj: Any, name: str, before: Callable[..., None], failed: Callable[[str], None],
-                saved: list[tuple[Any, str, Any]], log: logging.Logger, engine: str) -> bool:
-    """Call `before(*args, **kwargs)` ahead of `obj.name`, for hooks inside it that need to know
-    which call they are in; False when there is no such method."""
-    original = getattr(obj, name, None) if obj is not None else None
-    if original is None:
-        log.warning("kvtrace: %s's %s has no %s; that hook is off", engine, type(obj).__name__, name)
-        return False
+    def __len__(self) -> int:
+        """How many methods are wrapped now."""
+        return len(self._saved)
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            before(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
-            failed(name)
-        return original(*args, **kwargs)
+    def _original(self, obj: Any, name: str) -> Any:
+        original = getattr(obj, name, None) if obj is not None else None
+        if original is None:
+            self.log.warning("kvtrace: %s's %s has no %s; that hook is off", self.engine, type(obj).__name__,
+                             name)
+        return original
 
-    saved.append((obj, name, original))
-    setattr(obj, name, wrapper)
-    return True
+    def wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> bool:
+        """Call `after(result, *args, **kwargs)` after `obj.name`; False when there is no such method."""
+        original = self._original(obj, name)
+        if original is None:
+            return False
+        failed = self.failed
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                after(result, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                failed(name)
+            return result
+
+        self.replace(obj, name, wrapper)
+        return True
+
+    def wrap_before(self, obj: Any, name: str, before: Callable[..., None]) -> bool:
+        """Call `before(*args, **kwargs)` ahead of `obj.name`, for hooks inside it that need to know
+        which call they are in; False when there is no such method."""
+        original = self._original(obj, name)
+        if original is None:
+            return False
+        failed = self.failed
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                before(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+                failed(name)
+            return original(*args, **kwargs)
+
+        self.replace(obj, name, wrapper)
+        return True
+
+    def replace(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        """Put `wrapper`, written by hand around the method `obj.name` (which must exist: the
+        wrapper calls it), in its place; `restore` puts the method back. A wrapper written so
+        fences its own hooks: the engine's call must run and return as it would."""
+        own = vars(obj) if hasattr(obj, "__dict__") else None
+        self._saved.append((obj, name, getattr(obj, name), own is None or name in own))
+        setattr(obj, name, wrapper)
+
+    def restore(self) -> None:
+        """Put every wrapped method back, the last wrapped first: an attribute the object had of
+        its own is set again, a method it took from its class shows through again."""
+        saved, self._saved = self._saved, []
+        for obj, name, original, own in reversed(saved):
+            if own:
+                setattr(obj, name, original)
+            else:
+                try:
+                    delattr(obj, name)
+                except AttributeError:  # taken off already
+                    pass

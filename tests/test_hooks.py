@@ -1,5 +1,5 @@
 """The fenced wrappers every engine shim hooks with: the engine's call always runs and returns
-as it would, whatever the hook does."""
+as it would, whatever the hook does, and a shim's `HookSet` puts back exactly what it wrapped."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvtrace.instrumentation.hooks import wrap_after, wrap_before
+from kvtrace.instrumentation.hooks import HookSet
 
 log = logging.getLogger("test")
 
@@ -17,26 +17,47 @@ class Engine:
         return x + 1
 
 
-@pytest.mark.parametrize("wrap", [wrap_after, wrap_before])
-def test_a_failing_hook_is_counted_and_the_call_goes_on(wrap) -> None:  # noqa: ANN001
-    engine, failed, saved, seen = Engine(), [], [], []
+@pytest.mark.parametrize("wrap", ["wrap_after", "wrap_before"])
+def test_a_failing_hook_is_counted_and_the_call_goes_on(wrap: str) -> None:
+    engine, failed, seen = Engine(), [], []
+    hooks = HookSet("Test", log, failed.append)
 
     def hook(*args: object) -> None:
         seen.append(args)
         raise RuntimeError("kvtrace bug")
 
-    assert wrap(engine, "step", hook, failed.append, saved, log, "Test")
+    assert getattr(hooks, wrap)(engine, "step", hook)
     assert engine.step(41) == 42 and engine.step(1) == 2
     assert failed == ["step", "step"]
     # after: the result, then the arguments; before: the arguments alone
-    assert seen == ([(42, 41), (2, 1)] if wrap is wrap_after else [(41,), (1,)])
-    (obj, name, original), = saved
-    setattr(obj, name, original)  # what a shim's uninstall does
-    assert engine.step(1) == 2 and len(seen) == 2
+    assert seen == ([(42, 41), (2, 1)] if wrap == "wrap_after" else [(41,), (1,)])
+    assert len(hooks) == 1
+    hooks.restore()  # what a shim's uninstall does
+    assert engine.step(1) == 2 and len(seen) == 2 and len(hooks) == 0
+    assert "step" not in vars(engine)  # the class's method shows through again
 
 
-@pytest.mark.parametrize("wrap", [wrap_after, wrap_before])
-def test_a_missing_method_leaves_the_hook_off(wrap, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
-    saved: list = []
-    assert not wrap(Engine(), "gone", lambda *a: None, lambda name: None, saved, log, "Test")
-    assert saved == [] and "has no gone" in caplog.text
+@pytest.mark.parametrize("wrap", ["wrap_after", "wrap_before"])
+def test_a_missing_method_leaves_the_hook_off(wrap: str, caplog: pytest.LogCaptureFixture) -> None:
+    hooks = HookSet("Test", log, lambda name: None)
+    assert not getattr(hooks, wrap)(Engine(), "gone", lambda *a: None)
+    assert len(hooks) == 0 and "Test's Engine has no gone" in caplog.text
+
+
+def test_restore_undoes_the_last_wrap_first_and_only_once() -> None:
+    """Two hooks on one method, a hand-written wrapper on an attribute the object holds itself:
+    restored in reverse order, each put back as it was; a second restore does nothing."""
+    engine, order = Engine(), []
+    own = engine.own = lambda: "own"  # type: ignore[attr-defined]
+    hooks = HookSet("Test", log, lambda name: None)
+    hooks.wrap_after(engine, "step", lambda result, x: order.append(("first", x)))
+    hooks.wrap_before(engine, "step", lambda x: order.append(("second", x)))
+    hooks.replace(engine, "own", lambda: "wrapped")
+    assert engine.step(1) == 2 and order == [("second", 1), ("first", 1)]
+    assert engine.own() == "wrapped"  # type: ignore[attr-defined]
+    hooks.restore()
+    assert engine.step(2) == 3 and len(order) == 2
+    assert engine.own is own and "step" not in vars(engine)  # type: ignore[attr-defined]
+    engine.step = lambda x: 0  # type: ignore[method-assign]  # set after the restore: left alone
+    hooks.restore()
+    assert engine.step(5) == 0

@@ -47,6 +47,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.lmcache.keys import block_key, namespace, tags_of
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
@@ -95,7 +96,7 @@ class LMCacheShim:
         self.emitter = emitter
         self.errors = 0
         self._failed_names: set[str] = set()
-        self._saved: list[tuple[Any, str, Any]] = []
+        self.hooks = HookSet("LMCache", log, self._failed)  # what `install` wraps
         self._tl = threading.local()
         self._cpu: Any = None
         self._disk: Any = None
@@ -147,9 +148,7 @@ class LMCacheShim:
         return self
 
     def uninstall(self) -> None:
-        for obj, name, original in reversed(self._saved):
-            setattr(obj, name, original)
-        self._saved.clear()
+        self.hooks.restore()
 
     def _around(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
         """Replace `obj.name` by `hook(original, *args, **kwargs)`; a missing method leaves it off."""
@@ -161,8 +160,7 @@ class LMCacheShim:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return hook(original, *args, **kwargs)
 
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        self.hooks.replace(obj, name, wrapper)
 
     def _failed(self, where: str) -> None:
         self.errors += 1

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvtrace.instrumentation.api import key_sampled, request_key
 from kvtrace.instrumentation.identity import Identity
-from kvtrace.instrumentation.hooks import wrap_after, wrap_before
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
@@ -210,7 +210,7 @@ class CaptureShim:
         self._full = names.index("FULL") if "FULL" in names else 0  # the shim's rule (`_full`)
         self._swa = names.index("SWA") if "SWA" in names and len(names) > 1 else None  # the shim's rule
         self._windowed = "SWA" in names  # window actions are recorded (the shim reads each one it sees)
-        self._saved: list[tuple[Any, str, Any]] = []
+        self.hooks = HookSet("SGLang", log, self._failed)  # what `install` wraps
         self._calls: list[list[Any]] = []  # calls in progress: [CALLS index, opening recorded]
         self._unopened = 0
         self.errors = 0
@@ -327,51 +327,43 @@ class CaptureShim:
                     capture._failed(name)
             return result
 
-        self._saved.append((c, "_apply_cache_action", original))
-        c._apply_cache_action = _apply_cache_action
+        self.hooks.replace(c, "_apply_cache_action", _apply_cache_action)
         if getattr(c, "session", None) is not None:  # streaming sessions, as the shim follows them
-            self._wrap_after(c, "claim_kv_row", self._kept)
+            self.hooks.wrap_after(c, "claim_kv_row", self._kept)
             self._wrap(c, "release_session", self._releasing, self._released, optional=True, opens=False)
         for component_type, component in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(component, component_type)
         if getattr(c, "cache_controller", None) is not None:
             self._install_hicache()
         elif hasattr(c, "init_hicache"):  # tiers added later: followed once they exist
-            self._wrap_after(c, "init_hicache", lambda *args, **kwargs: self._install_hicache())
+            self.hooks.wrap_after(c, "init_hicache", lambda *args, **kwargs: self._install_hicache())
         return self
 
     def _install_hicache(self) -> None:
         """HiCache's host and storage tiers: their copies and acknowledgements, as
         `HiCacheHooks` reads them in-process."""
-        c = self.cache
+        c, hooks = self.cache, self.hooks
         cc = c.cache_controller
-        self._wrap_after(cc, "write", self._backup)
-        self._wrap_after(c, "_finish_write_through_ack", self._backed)
-        self._wrap_after(cc, "load", self._restore)
+        hooks.wrap_after(cc, "write", self._backup)
+        hooks.wrap_after(c, "_finish_write_through_ack", self._backed)
+        hooks.wrap_after(cc, "load", self._restore)
         self._wrap(c, "loading_check", self._loading, self._restored, optional=True, opens=False)
         self._wrap(c, "check_hicache_events", None, None, optional=True)
         self._wrap(c, "init_load_back", None, None, optional=True)
-        self._wrap_after(cc, "write_storage", self._store)
+        hooks.wrap_after(cc, "write_storage", self._store)
         self._wrap_storage_acks()
-        self._wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
-        self.prefetches.install(
-            lambda obj, name, hook: wrap_before(obj, name, hook, self._failed, self._saved, log, "SGLang"),
-            self._wrap_after)
-        self._wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
-        self._wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
-        self._wrap_after(c, "clear_storage_backend", self._cleared)
+        hooks.wrap_after(cc, "attach_storage_backend", lambda *args, **kwargs: self._wrap_storage_acks())
+        self.prefetches.install(hooks)
+        hooks.wrap_after(getattr(c, "tree_core", None), "insert_host", self._fetched)
+        hooks.wrap_after(getattr(c, "tree_core", None), "commit_hicache_transfers", self._staged)
+        hooks.wrap_after(c, "clear_storage_backend", self._cleared)
 
     def _wrap_storage_acks(self) -> None:
         """The storage tier's acknowledgement queue, made anew when one is attached at run time."""
         queue = getattr(self.cache.cache_controller, "ack_backup_queue", None)
         if queue is not None and queue is not self._acks:
             self._acks = queue
-            self._wrap_after(queue, "get", self._stored)
-
-    def _wrap_after(self, obj: Any, name: str, after: Callable[..., None]) -> None:
-        """Record after a call that returned (`after` reads its result and arguments); no call
-        frame of its own on the ring."""
-        wrap_after(obj, name, after, self._failed, self._saved, log, "SGLang")
+            self.hooks.wrap_after(queue, "get", self._stored)
 
     def _wrap_host_free(self, component: Any, component_type: Any) -> None:
         """A component freeing host slots (`free_host_values`): recorded as the host free it is,
@@ -389,15 +381,12 @@ class CaptureShim:
                 capture._failed("free_host_values")
             return original(*args, **kwargs)
 
-        self._saved.append((component, "free_host_values", original))
-        component.free_host_values = free_host_values
+        self.hooks.replace(component, "free_host_values", free_host_values)
 
     def uninstall(self) -> None:
         """Unwrap the cache; nothing more is recorded (admissions included)."""
         self.stopped = True
-        for obj, name, original in reversed(self._saved):
-            setattr(obj, name, original)
-        self._saved.clear()
+        self.hooks.restore()
 
     def _wrap(self, obj: Any, name: str, begin: Callable[..., None] | None, end: Callable[..., None] | None,
               optional: bool = False, opens: bool = True) -> None:
@@ -442,8 +431,7 @@ class CaptureShim:
                 capture._failed(name)
             return result
 
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        self.hooks.replace(obj, name, wrapper)
 
     def _close(self, frame: list[Any], record: Rec | None) -> None:
         """Take a call off the stack (written `record`, ABORT, if it was opened on the ring)."""
@@ -760,7 +748,7 @@ class CaptureShim:
     def _wrap_row_frees(self) -> None:
         """`free_kv_row(kv, ranges)`: recorded as the full-attention free the shim reads it as
         (`RadixCacheShim._before_free_row`), before it runs."""
-        wrap_before(self.cache, "free_kv_row", self._row_freeing, self._failed, self._saved, log, "SGLang")
+        self.hooks.wrap_before(self.cache, "free_kv_row", self._row_freeing)
 
     def _row_freeing(self, kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> None:
         if kv.req_pool_idx in self._session_row_ids:  # else a request's own row: nothing to name

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.sglang.keys import Chain, StorageNames, continue_from, new_chain
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import EventKind, Reason, Tier
@@ -90,14 +91,13 @@ class PrefetchWatch:
         self.handling: tuple[str, int] = ("", 0)  # request id, start (monotonic ns); see `prefetch_of`
         self._asked_in_flight = 0
 
-    def install(self, before: Callable[[Any, str, Callable[..., None]], None],
-                after: Callable[[Any, str, Callable[..., None]], None]) -> None:
-        """Wrap the cache's prefetch calls with the given wrappers (each mode's own)."""
+    def install(self, hooks: HookSet) -> None:
+        """Wrap the cache's prefetch calls, into the hooks of the shim (either mode's) that keeps it."""
         c = self.cache
-        before(c, "_handle_prefetch_result", self._handling)
-        after(c, "prefetch_from_storage", self._asked)
-        before(c, "prefetch_from_storage", self._asking)
-        before(c, "revoke_pending_prefetch", self._revoking)
+        hooks.wrap_before(c, "_handle_prefetch_result", self._handling)
+        hooks.wrap_after(c, "prefetch_from_storage", self._asked)
+        hooks.wrap_before(c, "prefetch_from_storage", self._asking)
+        hooks.wrap_before(c, "revoke_pending_prefetch", self._revoking)
 
     def _asking(self, request: Any, *args: Any, **kwargs: Any) -> None:
         self._asked_in_flight = in_flight(self.cache, request)
@@ -173,21 +173,22 @@ class HiCacheHooks:
         if cc is None:
             log.warning("kvtrace: this SGLang cache has no HiCache controller; host and storage tiers are off")
             return self
-        s = self.shim
-        s._wrap_plain(cc, "write", self._after_write)
-        s._wrap_plain(c, "_finish_write_through_ack", self._after_write_ack)
-        s._wrap_plain(cc, "load", self._after_load)
+        s, hooks = self.shim, self.shim.hooks
+        hooks.wrap_after(cc, "write", self._after_write)
+        hooks.wrap_after(c, "_finish_write_through_ack", self._after_write_ack)
+        hooks.wrap_after(cc, "load", self._after_load)
         s._wrap_scoped(c, "loading_check", self._after_loading_check, before=self._before_loading_check)
         s._wrap_scoped(c, "check_hicache_events", None)
         s._wrap_scoped(c, "init_load_back", None)
-        s._wrap_plain(cc, "write_storage", self._after_write_storage)
+        hooks.wrap_after(cc, "write_storage", self._after_write_storage)
         self._wrap_storage_acks()
-        s._wrap_plain(cc, "attach_storage_backend", self._after_attach_storage)
-        s._wrap_plain(getattr(c, "tree_core", None), "insert_host", self._after_insert_host)
-        s._wrap_plain(getattr(c, "tree_core", None), "commit_hicache_transfers", self._after_commit_transfers)
-        self.prefetches.install(s._wrap_before, s._wrap_plain)
-        s._wrap_plain(c, "clear_storage_backend", self._after_clear_storage)
-        s._wrap_plain(c, "reset", self._after_reset)
+        hooks.wrap_after(cc, "attach_storage_backend", self._after_attach_storage)
+        tree = getattr(c, "tree_core", None)
+        hooks.wrap_after(tree, "insert_host", self._after_insert_host)
+        hooks.wrap_after(tree, "commit_hicache_transfers", self._after_commit_transfers)
+        self.prefetches.install(hooks)
+        hooks.wrap_after(c, "clear_storage_backend", self._after_clear_storage)
+        hooks.wrap_after(c, "reset", self._after_reset)
         return self
 
     def _wrap_storage_acks(self) -> None:
@@ -196,7 +197,7 @@ class HiCacheHooks:
         queue = getattr(self.controller, "ack_backup_queue", None)
         if queue is not None and queue is not self._acks:
             self._acks = queue
-            self.shim._wrap_plain(queue, "get", self._after_storage_ack)
+            self.shim.hooks.wrap_after(queue, "get", self._after_storage_ack)
 
     def _after_attach_storage(self, *args: Any, **kwargs: Any) -> None:
         self._wrap_storage_acks()

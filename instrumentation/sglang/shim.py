@@ -45,7 +45,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
-from kvtrace.instrumentation.hooks import wrap_after, wrap_before
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
@@ -118,7 +118,7 @@ class RadixCacheShim:
         self._mamba = self._group_named("MAMBA")
         # page keys by slot, per (group, tier): one entry per page of a token pool, per state of Mamba's
         self.ledger: dict[tuple[int, Tier], SlotBook] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
+        self.hooks = HookSet("SGLang", log, self._failed)  # what `install` (and HiCache's hooks) wrap
         self._depth = 0
         self._scope: _Scope | None = None
         self._current_req: Any = None
@@ -172,7 +172,7 @@ class RadixCacheShim:
         self._wrap_scoped(c, "reset", self._after_reset)
         self._wrap_action(c)
         if getattr(c, "session", None) is not None:  # the unified tree's streaming sessions
-            self._wrap_plain(c, "claim_kv_row", self._after_claim)
+            self.hooks.wrap_after(c, "claim_kv_row", self._after_claim)
             self._wrap_scoped(c, "release_session", self._after_release_session, before=self._before_release_session,
                               optional=True)
         for ct, comp in (getattr(c, "components", None) or {}).items():
@@ -180,7 +180,7 @@ class RadixCacheShim:
         if getattr(c, "cache_controller", None) is not None:
             self._install_hicache()
         elif hasattr(c, "init_hicache"):  # tiers added later: follow them once they exist
-            self._wrap_plain(c, "init_hicache", lambda *a, **k: self._install_hicache())
+            self.hooks.wrap_after(c, "init_hicache", lambda *a, **k: self._install_hicache())
         return self
 
     def _install_hicache(self) -> None:
@@ -189,9 +189,7 @@ class RadixCacheShim:
         self.hicache = HiCacheHooks(self).install()
 
     def uninstall(self) -> None:
-        for obj, name, original in reversed(self._saved):
-            setattr(obj, name, original)
-        self._saved.clear()
+        self.hooks.restore()
 
     def _failed(self, hook: str) -> None:
         self.errors += 1
@@ -221,8 +219,7 @@ class RadixCacheShim:
             shim.end_call(name, top, after, result, token, args, kwargs)
             return result
 
-        self._saved.append((obj, name, original))
-        setattr(obj, name, wrapper)
+        self.hooks.replace(obj, name, wrapper)
 
     # A wrapped call in three steps, so that a call recorded elsewhere (see `capture`) replays
     # through the same code as one wrapped here.
@@ -260,13 +257,6 @@ class RadixCacheShim:
             if top:
                 self._scope = None
 
-    def _wrap_plain(self, obj: Any, name: str, after: Callable[..., None]) -> None:
-        """Wrap a method whose result (and arguments) `after` reads; no scope of its own."""
-        wrap_after(obj, name, after, self._failed, self._saved, log, "SGLang")
-
-    def _wrap_before(self, obj: Any, name: str, before: Callable[..., None]) -> None:
-        wrap_before(obj, name, before, self._failed, self._saved, log, "SGLang")
-
     def _wrap_action(self, cache: Any) -> None:
         original = getattr(cache, "_apply_cache_action", None)
         if original is None:
@@ -281,8 +271,7 @@ class RadixCacheShim:
             shim.after_action(name, action)
             return result
 
-        self._saved.append((cache, "_apply_cache_action", original))
-        cache._apply_cache_action = _apply_cache_action
+        self.hooks.replace(cache, "_apply_cache_action", _apply_cache_action)
 
     def before_action(self, name: str, action: Any) -> None:
         """A cache action about to run (by its class name): frees name the pages they drop."""
@@ -317,7 +306,7 @@ class RadixCacheShim:
         def removed(result: Any, node: Any, *args: Any, **kwargs: Any) -> None:
             self._free(self._full, Tier.DEVICE, self._page_slots(self._full, getattr(node, "value", None)))
 
-        self._wrap_plain(recorder, "record_remove", removed)
+        self.hooks.wrap_after(recorder, "record_remove", removed)
 
     def _wrap_host_free(self, component: Any, component_type: Any) -> None:
         original = getattr(component, "free_host_values", None)
@@ -333,8 +322,7 @@ class RadixCacheShim:
                 shim._failed("free_host_values")
             return original(*args, **kwargs)
 
-        self._saved.append((component, "free_host_values", original))
-        component.free_host_values = free_host_values
+        self.hooks.replace(component, "free_host_values", free_host_values)
 
     # -- ledger ------------------------------------------------------------------------------------
     def _page_slots(self, group: int, values: Any) -> np.ndarray:

@@ -44,6 +44,7 @@ from msgspec.structs import replace
 
 from kvtrace.schema.divergence import Scores, divergence
 from kvtrace.instrumentation.config import ConfigError
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, scores_from
 from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import PROBE_PREFIX
@@ -193,38 +194,22 @@ class Canary:
         self._since_floor = 0
         self._tokens = settings.max_per_minute  # per-minute budget (a token bucket)
         self._refilled = time.monotonic()
-        self._saved: list[tuple[Any, str]] = []
+        self.hooks = HookSet("vLLM", log, self._failed)  # what `install` wraps
 
     # -- install -------------------------------------------------------------------------------
     def install(self) -> Canary:
+        """Follow the core's requests as they arrive and the scheduler's outputs (each hook
+        fenced: a failure never fails a request). Both methods must be there."""
         core, sched = self.core, self.scheduler
-        add, update = core.add_request, sched.update_from_output
-
-        def add_request(request: Any, request_wave: int = 0) -> Any:
-            result = add(request, request_wave)
-            try:
-                self._arrived(request)
-            except Exception:  # noqa: BLE001 - never fail a request
-                self._failed("add_request")
-            return result
-
-        def update_from_output(*args: Any, **kwargs: Any) -> Any:
-            outputs = update(*args, **kwargs)
-            try:
-                self._outputs(outputs)
-            except Exception:  # noqa: BLE001
-                self._failed("update_from_output")
-            return outputs
-
-        core.add_request = add_request
-        sched.update_from_output = update_from_output
-        self._saved = [(core, "add_request"), (sched, "update_from_output")]
+        for obj, name in ((core, "add_request"), (sched, "update_from_output")):
+            if getattr(obj, name, None) is None:
+                raise AttributeError(f"vLLM's {type(obj).__name__} has no {name}: no canary on this engine")
+        self.hooks.wrap_after(core, "add_request", self._arrived)
+        self.hooks.wrap_after(sched, "update_from_output", self._outputs)
         return self
 
     def uninstall(self) -> None:
-        for obj, name in self._saved:
-            obj.__dict__.pop(name, None)
-        self._saved = []
+        self.hooks.restore()
 
     def busy(self) -> bool:
         """Probes running or waiting to run (tests pump the engine until this is false)."""
@@ -236,7 +221,7 @@ class Canary:
             log.exception("kvtrace: the canary's %s hook failed; counting further failures silently", hook)
 
     # -- user traffic ---------------------------------------------------------------------------
-    def _arrived(self, request: Any) -> None:
+    def _arrived(self, _result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         rid = str(request.request_id)
         if rid.startswith(PROBE_PREFIX) or request.sampling_params is None:
             return
@@ -255,7 +240,7 @@ class Canary:
         while len(self._watch) > 4 * self.settings.queue:  # requests that never report (aborted) age out
             self._watch.popitem(last=False)
 
-    def _outputs(self, outputs: Mapping[int, Any]) -> None:
+    def _outputs(self, outputs: Mapping[int, Any], *args: Any, **kwargs: Any) -> None:
         probe = self._probe
         for eco in outputs.values():
             keep = []

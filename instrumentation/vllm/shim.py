@@ -40,7 +40,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
-from kvtrace.instrumentation.hooks import wrap_after
+from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import PROBE_PREFIX, Event
@@ -130,7 +130,7 @@ class CacheManagerShim:
         self.identity = identity
         self.sample_rate = sample_rate  # requests whose lookup and adopt are traced; state always is
         self.errors = 0
-        self._saved: list[tuple[Any, str, Any]] = []
+        self.hooks = HookSet("vLLM", log, self._failed)  # what `install` wraps
         config = manager.kv_cache_config
         self.hash_block_size = int(getattr(manager.block_pool, "hash_block_size", 0) or
                                    config.kv_cache_groups[0].kv_cache_spec.block_size)
@@ -172,19 +172,14 @@ class CacheManagerShim:
         m, pool = self.manager, self.manager.block_pool
         _install_probe_hooks()
         self._wrap_lookup(m)
-        self._wrap(m, "record_prefix_cache_stats", self._after_adopt)
-        self._wrap(m, "reset_prefix_cache", self._after_reset)
+        self.hooks.wrap_after(m, "record_prefix_cache_stats", self._after_adopt)
+        self.hooks.wrap_after(m, "reset_prefix_cache", self._after_reset)
         self._wrap_cache_full_blocks(pool)
         self._wrap_evict(pool)
         return self
 
     def uninstall(self) -> None:
-        for obj, name, original in reversed(self._saved):
-            setattr(obj, name, original)
-        self._saved.clear()
-
-    def _wrap(self, obj: Any, name: str, after: Callable[..., None]) -> None:
-        wrap_after(obj, name, after, self._failed, self._saved, log, "vLLM")
+        self.hooks.restore()
 
     def _wrap_lookup(self, manager: Any) -> None:
         original = getattr(manager, "get_computed_blocks", None)
@@ -204,8 +199,7 @@ class CacheManagerShim:
                 self._failed("get_computed_blocks")
             return result
 
-        self._saved.append((manager, "get_computed_blocks", original))
-        manager.get_computed_blocks = get_computed_blocks
+        self.hooks.replace(manager, "get_computed_blocks", get_computed_blocks)
 
     def _sampled(self, request: Any) -> bool:
         # A canary's re-runs are always traced: their verdicts are what the canary's probes judge.
@@ -320,8 +314,7 @@ class CacheManagerShim:
                 shim._failed("cache_full_blocks")
             return result
 
-        self._saved.append((pool, "cache_full_blocks", original))
-        pool.cache_full_blocks = cache_full_blocks
+        self.hooks.replace(pool, "cache_full_blocks", cache_full_blocks)
 
     def _committed(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
                    group: int) -> None:
@@ -394,8 +387,7 @@ class CacheManagerShim:
                 shim._report_evictions(pool, keys)
             return result
 
-        self._saved.append((pool, name, original))
-        setattr(pool, name, wrapper)
+        self.hooks.replace(pool, name, wrapper)
 
     def _report_evictions(self, pool: Any, keys: list[bytes]) -> None:
         try:

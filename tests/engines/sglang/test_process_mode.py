@@ -218,7 +218,7 @@ def test_a_dead_resolver_costs_the_cache_nothing(spool: Path, caplog: pytest.Log
         assert not process.flush(30)  # says so at once instead of waiting out the timeout
         assert time.monotonic() - started < 5
         assert process.capture.errors == 0
-        assert not process.capture._saved  # it noticed and stopped recording: the cache is unwrapped
+        assert not process.capture.hooks  # it noticed and stopped recording: the cache is unwrapped
     finally:
         process.close()
 
