@@ -216,7 +216,7 @@ def profile(prompts: list[tuple[str, array]], config: DriverConfig, top: int) ->
 
 
 # What --breakdown times: the hooks SGLang's calls enter (top level), then steps inside them.
-HOOKS = ("_after_lookup", "_before_insert", "_after_insert", "_flush", "_on_device_free", "record_admission")
+HOOKS = ("after_lookup", "before_insert", "after_insert", "_flush", "_on_device_free", "record_admission")
 STEPS = (("shim", "_emit_run"), ("shim", "_chain_of"), ("shim", "install_slots"), ("shim", "_free"),
          ("keys", "Chain.extend"), ("keys", "Chain.ints"), ("ledger", "SlotBook.take"), ("ledger", "SlotBook.put"))
 

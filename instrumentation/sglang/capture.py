@@ -207,7 +207,7 @@ class CaptureShim:
         names = [component_name(ct) for ct in component_types(cache)]
         self.group_names = names
         self._mamba = names.index("MAMBA") if "MAMBA" in names else None
-        self._full = names.index("FULL") if "FULL" in names else 0  # the shim's rule (`_full`)
+        self._full = names.index("FULL") if "FULL" in names else 0  # the shim's rule (`full`)
         self._swa = names.index("SWA") if "SWA" in names and len(names) > 1 else None  # the shim's rule
         self._windowed = "SWA" in names  # window actions are recorded (the shim reads each one it sees)
         self.hooks = HookSet("SGLang", log, self._failed)  # what `install` wraps
@@ -297,7 +297,7 @@ class CaptureShim:
             log.exception("kvtrace: recording SGLang's %s failed; counting further failures silently", what)
 
     def _step(self, group: int | None) -> int:
-        return slot_step(self.page, group == self._mamba)  # the shim's rule (`_page_slots`)
+        return slot_step(self.page, group == self._mamba)  # the shim's rule (`page_slots`)
 
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CaptureShim:

@@ -39,13 +39,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.sglang.keys import Chain, StorageNames, continue_from, new_chain
-from kvtrace.instrumentation.sglang.shim import RadixCacheShim
+from kvtrace.instrumentation.sglang.ledger import SlotBook
 from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.sglang")
@@ -144,15 +144,47 @@ def prefetch_states(comp_xfers: Any, cache_actions: Any) -> tuple[list[tuple[Any
     return staged, released
 
 
-class HiCacheHooks:
-    """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`."""
+class Ledgers(Protocol):
+    """The radix-cache shim as HiCache's hooks extend it (`shim.RadixCacheShim` is one): its cache
+    and page size, its ledgers and how slots and pages enter them, its events, and its wrappers."""
 
-    def __init__(self, shim: RadixCacheShim) -> None:
+    cache: Any
+    page: int
+    full: int  # the group whose slots name KV pages
+    group_of: dict[Any, int]  # SGLang's component types -> groups
+    ledger: dict[tuple[int, Tier], SlotBook]
+    hooks: HookSet
+
+    def group_named(self, name: str, default: int | None = None) -> int | None: ...
+
+    def page_slots(self, group: int, values: Any) -> np.ndarray: ...
+
+    def install_slots(self, group: int, tier: Tier, slots: np.ndarray, keys: np.ndarray, report: bool = True,
+                      ints: tuple[int, ...] | None = None) -> None: ...
+
+    def emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any, duration_ns: int,
+                      **fields: Any) -> None: ...
+
+    def emit_invalidate(self, tier: Tier, reason: Reason) -> None: ...
+
+    def wrap_scoped(self, obj: Any, name: str, after: Callable[..., None] | None,
+                    before: Callable[..., Any] | None = None, optional: bool = False) -> None: ...
+
+
+class HiCacheHooks:
+    """Follows one HiCache-enabled cache's copies between tiers; `install()` after `init_hicache`.
+
+    The out-of-process mode's resolver replays recorded calls through the same hooks the
+    wrapped calls run here (`after_write`, `after_write_ack`, `after_load`, `after_loading_check`,
+    `after_write_storage`, `after_storage_ack`, `landed`, `prefetched`, `after_clear_storage`,
+    `after_reset`), on the clock it sets (`clock`)."""
+
+    def __init__(self, shim: Ledgers) -> None:
         self.shim = shim
         self.cache = shim.cache
         self.controller = getattr(self.cache, "cache_controller", None)
         self.page = shim.page
-        self.full = shim._full
+        self.full = shim.full
         # ack id -> [(group, device slots, host slots, t0)]; ack id -> ([(group, keys)], t0)
         self._writes: dict[int, list[tuple[int, np.ndarray, np.ndarray, int]]] = {}
         self._loads: dict[int, tuple[list[tuple[int, np.ndarray]], int]] = {}
@@ -174,21 +206,21 @@ class HiCacheHooks:
             log.warning("kvtrace: this SGLang cache has no HiCache controller; host and storage tiers are off")
             return self
         s, hooks = self.shim, self.shim.hooks
-        hooks.wrap_after(cc, "write", self._after_write)
-        hooks.wrap_after(c, "_finish_write_through_ack", self._after_write_ack)
-        hooks.wrap_after(cc, "load", self._after_load)
-        s._wrap_scoped(c, "loading_check", self._after_loading_check, before=self._before_loading_check)
-        s._wrap_scoped(c, "check_hicache_events", None)
-        s._wrap_scoped(c, "init_load_back", None)
-        hooks.wrap_after(cc, "write_storage", self._after_write_storage)
+        hooks.wrap_after(cc, "write", self.after_write)
+        hooks.wrap_after(c, "_finish_write_through_ack", self.after_write_ack)
+        hooks.wrap_after(cc, "load", self.after_load)
+        s.wrap_scoped(c, "loading_check", self.after_loading_check, before=self._before_loading_check)
+        s.wrap_scoped(c, "check_hicache_events", None)
+        s.wrap_scoped(c, "init_load_back", None)
+        hooks.wrap_after(cc, "write_storage", self.after_write_storage)
         self._wrap_storage_acks()
         hooks.wrap_after(cc, "attach_storage_backend", self._after_attach_storage)
         tree = getattr(c, "tree_core", None)
         hooks.wrap_after(tree, "insert_host", self._after_insert_host)
         hooks.wrap_after(tree, "commit_hicache_transfers", self._after_commit_transfers)
         self.prefetches.install(hooks)
-        hooks.wrap_after(c, "clear_storage_backend", self._after_clear_storage)
-        hooks.wrap_after(c, "reset", self._after_reset)
+        hooks.wrap_after(c, "clear_storage_backend", self.after_clear_storage)
+        hooks.wrap_after(c, "reset", self.after_reset)
         return self
 
     def _wrap_storage_acks(self) -> None:
@@ -197,7 +229,7 @@ class HiCacheHooks:
         queue = getattr(self.controller, "ack_backup_queue", None)
         if queue is not None and queue is not self._acks:
             self._acks = queue
-            self.shim.hooks.wrap_after(queue, "get", self._after_storage_ack)
+            self.shim.hooks.wrap_after(queue, "get", self.after_storage_ack)
 
     def _after_attach_storage(self, *args: Any, **kwargs: Any) -> None:
         self._wrap_storage_acks()
@@ -208,24 +240,24 @@ class HiCacheHooks:
         out = []
         for transfer in pools or ():
             name = pool_name(transfer, load)
-            group = self.shim._group_named(name) if name is not None else None
+            group = self.shim.group_named(name) if name is not None else None
             if group is not None:
                 out.append((group, getattr(transfer, "device_indices", None), getattr(transfer, "host_indices", None)))
         return out
 
     # -- device -> host ----------------------------------------------------------------------------
-    def _after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+    def after_write(self, host: Any, device_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
                      **kwargs: Any) -> None:
         if host is None:
             return  # the host was full: no backup
-        now, page = self.clock(), self.shim._page_slots
+        now, page = self.clock(), self.shim.page_slots
         pending = self._writes.setdefault(int(node_id), [])
         pending.append((self.full, page(self.full, device_indices), page(self.full, host), now))
         for group, dev, hst in self._extra(extra_pools):  # host slots are filled in by the write
             if dev is not None and hst is not None:
                 pending.append((group, page(group, dev), page(group, hst), now))
 
-    def _after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
+    def after_write_ack(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
         pending = self._writes.pop(int(ack_id), None)
         if not pending:
             return
@@ -239,10 +271,10 @@ class HiCacheHooks:
             held = keys != 0
             if held.any():
                 self.shim.install_slots(group, Tier.HOST, host[:n][held], keys[held], report=False)
-                self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.DEVICE, Tier.HOST, keys[held], now - t0)
+                self.shim.emit_transfer(EventKind.OFFLOAD, group, Tier.DEVICE, Tier.HOST, keys[held], now - t0)
 
     # -- host -> device ----------------------------------------------------------------------------
-    def _after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
+    def after_load(self, device: Any, host_indices: Any, *args: Any, node_id: int = -1, extra_pools: Any = None,
                     **kwargs: Any) -> None:
         if device is None:
             return
@@ -253,7 +285,7 @@ class HiCacheHooks:
             book = self.shim.ledger.get((group, Tier.HOST))
             if book is None or hst is None or dev is None:
                 continue
-            host, slots = self.shim._page_slots(group, hst), self.shim._page_slots(group, dev)
+            host, slots = self.shim.page_slots(group, hst), self.shim.page_slots(group, dev)
             n = min(len(host), len(slots))
             keys = book.peek(host[:n])
             held = keys != 0
@@ -266,7 +298,7 @@ class HiCacheHooks:
     def _before_loading_check(self, *args: Any, **kwargs: Any) -> Any:
         return set(getattr(self.cache, "ongoing_load_back", {}) or {})
 
-    def _after_loading_check(self, _result: Any, before: Any, *args: Any, **kwargs: Any) -> None:
+    def after_loading_check(self, _result: Any, before: Any, *args: Any, **kwargs: Any) -> None:
         if before is None:
             return
         still = set(getattr(self.cache, "ongoing_load_back", {}) or {})
@@ -279,22 +311,22 @@ class HiCacheHooks:
             if load is not None:
                 moved, t0 = load
                 for group, keys in moved:
-                    self.shim._emit_transfer(EventKind.LOAD, group, Tier.HOST, Tier.DEVICE, keys, now - t0)
+                    self.shim.emit_transfer(EventKind.LOAD, group, Tier.HOST, Tier.DEVICE, keys, now - t0)
 
     # -- host -> disk ------------------------------------------------------------------------------
-    def _after_write_storage(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None,
+    def after_write_storage(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None,
                              *args: Any, extra_pools: Any = None, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
         # Named at the acknowledgement: the write is submitted inside the host backup's own
         # acknowledgement, before the host ledger holds the pages.
         names = list(hash_value)
-        states = [(group, self.shim._page_slots(group, hst)) for group, _, hst in self._extra(extra_pools)
+        states = [(group, self.shim.page_slots(group, hst)) for group, _, hst in self._extra(extra_pools)
                   if hst is not None]
-        self._storage[int(op_id)] = (names, self.shim._page_slots(self.full, host_indices)[: len(names)],
+        self._storage[int(op_id)] = (names, self.shim.page_slots(self.full, host_indices)[: len(names)],
                                      self.clock(), states)
 
-    def _after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
+    def after_storage_ack(self, op: Any, *args: Any, **kwargs: Any) -> None:
         pending = self._storage.pop(int(getattr(op, "id", -1)), None)
         if pending is None:
             return
@@ -315,7 +347,7 @@ class HiCacheHooks:
             self.names.learn(names, keys)
         keys = keys[keys != 0]
         if len(keys):
-            self.shim._emit_transfer(EventKind.OFFLOAD, group, Tier.HOST, Tier.DISK, keys, duration_ns)
+            self.shim.emit_transfer(EventKind.OFFLOAD, group, Tier.HOST, Tier.DISK, keys, duration_ns)
 
     # -- disk -> host ------------------------------------------------------------------------------
     def _after_insert_host(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any,
@@ -341,7 +373,7 @@ class HiCacheHooks:
                 keys[: len(made)] = np.where(keys[: len(made)] == 0, made, keys[: len(made)])
         self._landed = keys  # the states that came with them end with these pages (`prefetched`)
         self._landed_for = (request_id, took_ns, held)
-        slots = self.shim._page_slots(self.full, host_value)[start:]
+        slots = self.shim.page_slots(self.full, host_value)[start:]
         keys = keys[start:]
         n = min(len(slots), len(keys))
         slots, keys = slots[:n], keys[:n]
@@ -356,7 +388,7 @@ class HiCacheHooks:
         pages only: counted once per prefetch, not again for each state that came with them."""
         rid, took, held = self._landed_for
         pages = group == self.full
-        self.shim._emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, keys, took if pages else 0,
+        self.shim.emit_transfer(EventKind.LOAD, group, Tier.DISK, Tier.HOST, keys, took if pages else 0,
                                  request_id=rid, in_flight=pages and bool(rid) and held)
 
     def _after_commit_transfers(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
@@ -366,7 +398,7 @@ class HiCacheHooks:
         if getattr(phase, "name", phase) != "PREFETCH":
             return
         staged, released = prefetch_states(comp_xfers, cache_actions)
-        group_of, page = self.shim.group_of, self.shim._page_slots
+        group_of, page = self.shim.group_of, self.shim.page_slots
         self.prefetched([(group_of[ct], page(group_of[ct], host)) for ct, host in staged
                          if group_of.get(ct, self.full) != self.full],
                         [(group_of[ct], page(group_of[ct], host)) for ct, host in released if ct in group_of])
@@ -401,12 +433,12 @@ class HiCacheHooks:
         known = self.names.get(parent)
         return continue_from(known) if known else None
 
-    def _after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
+    def after_clear_storage(self, cleared: Any, *args: Any, **kwargs: Any) -> None:
         if cleared:
             self.names.clear()
-            self.shim._emit_invalidate(Tier.DISK, Reason.RESET)
+            self.shim.emit_invalidate(Tier.DISK, Reason.RESET)
 
-    def _after_reset(self, *args: Any, **kwargs: Any) -> None:
+    def after_reset(self, *args: Any, **kwargs: Any) -> None:
         self._writes.clear()
         self._loads.clear()
         self._storage.clear()

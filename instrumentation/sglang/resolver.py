@@ -30,7 +30,7 @@ from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, scatter, slot_step
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
-from kvtrace.schema.kinds import Reason, Tier
+from kvtrace.schema.kinds import Reason
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -121,7 +121,7 @@ class Replayer:
         self.shim = RadixCacheShim(self.cache, emitter, spec.identity, sample_rate=spec.sample_rate,
                                    usage_interval_s=spec.usage_interval_s, engine_version=spec.engine_version)
         self.shim.page_bytes = list(spec.page_bytes)
-        self.shim._usage_due_ns = _NEVER  # usage is sampled when the capture's clock says so
+        self.shim.usage_due_ns = _NEVER  # usage is sampled when the capture's clock says so
         self.page = spec.page_size
         self.frames: list[tuple[str, bool, Any, Any]] = []  # open calls: (name, top, token, args)
         self.requests: OrderedDict[str, SimpleNamespace] = OrderedDict()  # request stand-ins by id
@@ -129,7 +129,6 @@ class Replayer:
         self.lost = 0
         self.handled = 0
         self.skipped = 0  # repeated asks of a request this side no longer knows
-        self.hooks: HiCacheHooks | None = None  # HiCache's host tier, once a record of it comes
         self.now = 0  # the capture's clock at the HiCache record being replayed
 
     def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
@@ -161,7 +160,7 @@ class Replayer:
         shim = self.shim
         if kind == Rec.BEGIN:
             call = CALLS[value]
-            self._open(call, shim._before_release_session if call == "release_session" else None)
+            self._open(call, shim.before_release_session if call == "release_session" else None)
         elif kind == Rec.END:
             self._end(CALLS[value])
         elif kind == Rec.ABORT:
@@ -179,7 +178,7 @@ class Replayer:
                 if not repeat:
                     req.origin_input_ids = _tokens(blobs[1])
                     req.output_ids = _tokens(blobs[2]) if len(blobs) > 2 else array("q")
-                elif shim._looked_up.get(rid or "") != (device, host):
+                elif shim.reported_lookup(rid or "") != (device, host):
                     # A repeat the shim would report (it forgot the request), without tokens to
                     # report it with: ended without a lookup, and counted.
                     self.skipped += 1
@@ -191,11 +190,11 @@ class Replayer:
                 key = _Key(tokens, extra, salt, len(tokens))
             if counters is not None:  # the capture's clock says a usage sample is due: at this lookup
                 self.cache.counters = tuple(counters)
-                shim._usage_due_ns = 0
+                shim.usage_due_ns = 0
             result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
-            self._close("match_prefix", shim._after_lookup, result, (SimpleNamespace(key=key, req=req),))
-            if shim._usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
-                shim._usage_due_ns = _NEVER
+            self._close("match_prefix", shim.after_lookup, result, (SimpleNamespace(key=key, req=req),))
+            if shim.usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
+                shim.usage_due_ns = _NEVER
         elif kind == Rec.CHECKPOINT:
             self._open_checkpoint(_META.decode(blobs[0]), bool(value & 8))
         elif kind == Rec.INSERT:
@@ -213,15 +212,15 @@ class Replayer:
                         self.errors += 1
                         log.warning("kvtrace: the SGLang resolver cannot name an insert's pages; "
                                     "reporting the device tier invalidated")
-                        self._drop_ledger()
+                        shim.drop_ledger(Reason.EXPLICIT)
                         return
                 key = _Key(tokens, extra, salt, length)
                 slots = _slots(blobs[2], self._step(None))
                 mamba = _slots(blobs[3], 1) if value & 2 else None
                 params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
-            self._open("insert", shim._before_insert, (params,))
+            self._open("insert", shim.before_insert, (params,))
         elif kind == Rec.INSERTED:
-            self._close("insert", shim._after_insert, SimpleNamespace(prefix_len=value >> 2, mamba_exist=bool(value & 1)))
+            self._close("insert", shim.after_insert, SimpleNamespace(prefix_len=value >> 2, mamba_exist=bool(value & 1)))
             if value & 2:  # and the checkpoint around it returned
                 self._end("checkpoint")
         elif kind == Rec.ACTION:
@@ -241,12 +240,12 @@ class Replayer:
             node_id, self.now, names = _META.decode(blobs[0])
             backup, step, hooks = kind == Rec.BACKUP, self._step(None), self._hicache()
             sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
-            (hooks._after_write if backup else hooks._after_load)(
+            (hooks.after_write if backup else hooks.after_load)(
                 _slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
                 extra_pools=self._pools(names, blobs[3:], sides, node_id))
         elif kind == Rec.BACKED:
             ack_id, self.now = _META.decode(blobs[0])
-            self._hicache()._after_write_ack(None, ack_id)
+            self._hicache().after_write_ack(None, ack_id)
         elif kind == Rec.RESTORED:
             if value & 4:  # nothing happened inside the call: its opening was not recorded
                 self._open("loading_check")
@@ -255,15 +254,15 @@ class Replayer:
             self.cache.ongoing_load_back = set(still) | ({None} if count > len(still) else set())
             if self.frames and self.frames[-1][0] == "loading_check":
                 _, top, _, _ = self.frames.pop()
-                shim.end_call("loading_check", top, self._hicache()._after_loading_check, None, set(before), (), {})
+                shim.end_call("loading_check", top, self._hicache().after_loading_check, None, set(before), (), {})
         elif kind == Rec.STORE:
             op_id, self.now, names, states = _META.decode(blobs[0])
-            self._hicache()._after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names,
+            self._hicache().after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names,
                                                  extra_pools=self._pools(states, blobs[2:], ("host_indices",)))
         elif kind == Rec.STORED:
             op_id, done, self.now = _META.decode(blobs[0])
             op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
-            self._hicache()._after_storage_ack(op)
+            self._hicache().after_storage_ack(op)
         elif kind == Rec.FETCHED:
             prefix_len, names, root, parent, extra, salt, rid, took, held = _META.decode(blobs[0])
             tokens = _tokens(blobs[1])
@@ -271,12 +270,12 @@ class Replayer:
                                    _slots(blobs[2], self._step(None)), root, parent, rid, took, held)
         elif kind == Rec.STAGED:
             staged, released = _META.decode(blobs[0])
-            groups = [self.shim._group_named(name) for name in staged + released]
-            moved = [(g, self.shim._page_slots(g, _slots(raw, self._step(name))))
+            groups = [self.shim.group_named(name) for name in staged + released]
+            moved = [(g, self.shim.page_slots(g, _slots(raw, self._step(name))))
                      for g, name, raw in zip(groups, staged + released, blobs[1:], strict=True)]
             self._hicache().prefetched(moved[: len(staged)], moved[len(staged):])
         elif kind == Rec.CLEARED:
-            self._hicache()._after_clear_storage(True)
+            self._hicache().after_clear_storage(True)
         elif kind == Rec.KEPT:
             salt, extra = _META.decode(blobs[0])
             top, _ = shim.begin_call("claim_kv_row", None, (), {})
@@ -293,18 +292,19 @@ class Replayer:
 
     def _end(self, call: str) -> None:
         shim = self.shim
-        self._close(call, shim._after_reset if call == "reset" else
-                    shim._after_checkpoint if call == "checkpoint" else None)
-        if call == "reset" and self.hooks is not None:
-            self.hooks._after_reset()
+        self._close(call, shim.after_reset if call == "reset" else
+                    shim.after_checkpoint if call == "checkpoint" else None)
+        if call == "reset" and shim.hicache is not None:
+            shim.hicache.after_reset()
 
     def _hicache(self) -> HiCacheHooks:
         """The shim's HiCache hooks, made at the first record of HiCache's host tier (nothing is
         wrapped here: the records are the calls), on the capture's clock."""
-        if self.hooks is None:
-            self.hooks = self.shim.hicache = HiCacheHooks(self.shim)
-            self.hooks.clock = lambda: self.now
-        return self.hooks
+        hicache = self.shim.hicache
+        if hicache is None:
+            hicache = self.shim.hicache = HiCacheHooks(self.shim)
+            hicache.clock = lambda: self.now
+        return hicache
 
     def _step(self, component: str | None) -> int:
         """Slots per ledger entry for a component's pool, by the shim's rule (`slot_step`)."""
@@ -321,7 +321,7 @@ class Replayer:
                 for i, name in enumerate(names)]
 
     def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:
-        self._open("checkpoint", self.shim._before_checkpoint, (self._request(rid or "", fresh),))
+        self._open("checkpoint", self.shim.before_checkpoint, (self._request(rid or "", fresh),))
 
     def _request_tokens(self, count: int) -> array:
         """The first `count` tokens of the request whose checkpoint is open, as its last lookup
@@ -339,24 +339,9 @@ class Replayer:
         tier is reported invalidated (the analysis then counts nothing there as held) and the
         ledger starts empty; commits fill it again."""
         self.lost += 1
-        shim = self.shim
         self.frames.clear()
         self.requests.clear()  # chains are rebuilt from the tokens the next asks carry
-        shim._looked_up.clear()
-        shim._depth, shim._scope, shim._current_req = 0, None, None
-        if self.hooks is not None:  # copies under way name pages of the ledger about to be dropped
-            self.hooks._after_reset()
-        self._drop_ledger()
-        shim.forget_sessions()
-
-    def _drop_ledger(self) -> None:
-        """Report every tier the ledger holds invalidated and empty it: what it says can no
-        longer be trusted (commits are missing), so the analysis counts nothing there as held."""
-        shim = self.shim
-        tiers = {tier for (_, tier) in shim.ledger} or {Tier.DEVICE}
-        shim.ledger.clear()
-        for tier in sorted(tiers):
-            shim._emit_invalidate(tier, Reason.EXPLICIT)
+        self.shim.start_afresh()
 
 
 def _emitter(spec: ResolverSpec) -> Any:
@@ -437,7 +422,7 @@ def _running(pid: int) -> bool:
 
 def _publish(ring: Ring, replayer: Replayer, emitter: Any) -> None:
     stats = emitter.stats()
-    hicache = replayer.hooks
+    hicache = replayer.shim.hicache
     for i, n in enumerate((replayer.handled, stats.emitted, replayer.errors + replayer.shim.errors, replayer.lost,
                            replayer.skipped, hicache.unnamed_pages if hicache is not None else 0)):
         ring.set_counter(i, n)

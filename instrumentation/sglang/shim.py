@@ -47,6 +47,7 @@ from msgspec.structs import replace
 from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
 from kvtrace.schema.events import Event
@@ -100,7 +101,21 @@ class _Scope:
 
 
 class RadixCacheShim:
-    """Instruments one SGLang `UnifiedRadixCache`; `install()` once, `uninstall()` to restore."""
+    """Instruments one SGLang `UnifiedRadixCache`; `install()` once, `uninstall()` to restore.
+
+    Besides installing itself, it offers what the modules built on it use (none of them reaches
+    into its private members):
+    - extending it (`hicache.HiCacheHooks`, which follows HiCache's tiers): `hooks` (the methods
+      wrapped, to wrap more), `wrap_scoped`, the ledgers (`ledger`, `install_slots`,
+      `page_slots`, `full`, `group_of`, `group_named`) and the events that are not a ledger's
+      (`emit_transfer`, `emit_invalidate`);
+    - replaying calls recorded elsewhere (the out-of-process mode's `resolver`): each wrapped
+      call in steps (`begin_call`, `end_call`, `abort_call`), the hooks the wrapped calls run
+      (`after_lookup`, `before_checkpoint`, `after_checkpoint`, `before_insert`, `after_insert`,
+      `after_reset`, `before_release_session`, `before_action`, `after_action`, `session_kept`),
+      the lookups it has reported (`reported_lookup`), when usage is sampled next
+      (`usage_due_ns`), and a fresh start after lost records (`start_afresh`, `drop_ledger`).
+    """
 
     def __init__(self, cache: Any, emitter: Emitter, identity: Identity = Identity(), sample_rate: float = 1.0,
                  usage_interval_s: float = 1.0, engine_version: str = "") -> None:
@@ -113,16 +128,16 @@ class RadixCacheShim:
         self.component_types = component_types(cache)
         self.group_of = {ct: g for g, ct in enumerate(self.component_types)}
         self.components = [component_of(ct) for ct in self.component_types]
-        self._full = self._group_named("FULL", 0)  # the group whose slots name KV pages
-        self._swa = self._group_named("SWA") if len(self.component_types) > 1 else None
-        self._mamba = self._group_named("MAMBA")
+        self.full = self.group_named("FULL", 0)  # the group whose slots name KV pages
+        self._swa = self.group_named("SWA") if len(self.component_types) > 1 else None
+        self._mamba = self.group_named("MAMBA")
         # page keys by slot, per (group, tier): one entry per page of a token pool, per state of Mamba's
         self.ledger: dict[tuple[int, Tier], SlotBook] = {}
         self.hooks = HookSet("SGLang", log, self._failed)  # what `install` (and HiCache's hooks) wrap
         self._depth = 0
         self._scope: _Scope | None = None
         self._current_req: Any = None
-        self.hicache: Any = None
+        self.hicache: HiCacheHooks | None = None  # HiCache's tiers, once the cache has them
         self._recent: OrderedDict[int, tuple[Any, Chain]] = OrderedDict()  # chains of recent lookups
         self._looked_up: OrderedDict[str, tuple[int, int]] = OrderedDict()  # rid -> (device, host) reported
         self._session_rows = False  # whether frees of streaming sessions' rows are followed
@@ -131,14 +146,14 @@ class RadixCacheShim:
         self._session_row_ids: set[int] = set()  # request-pool rows a session kept
         self.page_bytes = self._page_bytes()
         self.usage_interval_ns = int(usage_interval_s * 1e9)
-        self._usage_due_ns = 0
+        self.usage_due_ns = 0  # when the next usage sample is taken (monotonic ns), at a lookup reported
         self._base = Event(kind=EventKind.LOOKUP, engine="sglang", engine_version=engine_version,
                            instance=identity.instance, model=identity.model, model_revision=identity.model_revision,
                            kv_dtype=identity.kv_dtype, tenant=identity.default_tenant, block_size=self.page,
                            group_block_keys=(), group_hit_tokens=(), reused_tiers=(), reused_tokens=(),  # type: ignore[arg-type]
                            more_keys=())  # type: ignore[arg-type]
 
-    def _group_named(self, name: str, default: int | None = None) -> int | None:
+    def group_named(self, name: str, default: int | None = None) -> int | None:
         """The group of the component SGLang calls `name` (its ComponentType's name)."""
         for group, ct in enumerate(self.component_types):
             if component_name(ct) == name:
@@ -155,7 +170,7 @@ class RadixCacheShim:
             if pool is not None and out:
                 sizes = pool.get_kv_size_bytes()
                 total = sum(sizes) if isinstance(sizes, tuple) else int(sizes)
-                out[self._full] = int(total // max(int(getattr(pool, "size", 0)) + self.page, 1) * self.page)
+                out[self.full] = int(total // max(int(getattr(pool, "size", 0)) + self.page, 1) * self.page)
         except Exception:  # noqa: BLE001 - a size is a nicety, never a reason to fail
             pass
         return out
@@ -163,18 +178,18 @@ class RadixCacheShim:
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> RadixCacheShim:
         c = self.cache
-        self._wrap_scoped(c, "match_prefix", self._after_lookup)
-        self._wrap_scoped(c, "checkpoint", self._after_checkpoint, before=self._before_checkpoint, optional=True)
-        self._wrap_scoped(c, "insert", self._after_insert, before=self._before_insert)
-        self._wrap_scoped(c, "evict", None)
-        self._wrap_scoped(c, "evict_for_alloc", None, optional=True)
-        self._wrap_scoped(c, "evict_host", None, optional=True)
-        self._wrap_scoped(c, "reset", self._after_reset)
+        self.wrap_scoped(c, "match_prefix", self.after_lookup)
+        self.wrap_scoped(c, "checkpoint", self.after_checkpoint, before=self.before_checkpoint, optional=True)
+        self.wrap_scoped(c, "insert", self.after_insert, before=self.before_insert)
+        self.wrap_scoped(c, "evict", None)
+        self.wrap_scoped(c, "evict_for_alloc", None, optional=True)
+        self.wrap_scoped(c, "evict_host", None, optional=True)
+        self.wrap_scoped(c, "reset", self.after_reset)
         self._wrap_action(c)
         if getattr(c, "session", None) is not None:  # the unified tree's streaming sessions
             self.hooks.wrap_after(c, "claim_kv_row", self._after_claim)
-            self._wrap_scoped(c, "release_session", self._after_release_session, before=self._before_release_session,
-                              optional=True)
+            self.wrap_scoped(c, "release_session", self._after_release_session, before=self.before_release_session,
+                             optional=True)
         for ct, comp in (getattr(c, "components", None) or {}).items():
             self._wrap_host_free(comp, ct)
         if getattr(c, "cache_controller", None) is not None:
@@ -184,8 +199,6 @@ class RadixCacheShim:
         return self
 
     def _install_hicache(self) -> None:
-        from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
-
         self.hicache = HiCacheHooks(self).install()
 
     def uninstall(self) -> None:
@@ -196,8 +209,8 @@ class RadixCacheShim:
         if self.errors == 1:
             log.exception("kvtrace: the SGLang %s hook failed; counting further failures silently", hook)
 
-    def _wrap_scoped(self, obj: Any, name: str, after: Callable[..., None] | None,
-                     before: Callable[..., Any] | None = None, optional: bool = False) -> None:
+    def wrap_scoped(self, obj: Any, name: str, after: Callable[..., None] | None,
+                    before: Callable[..., Any] | None = None, optional: bool = False) -> None:
         """Wrap a cache entry point: frees it performs are collected and reported (netted) when
         the outermost wrapped call returns. `optional`: a tree without it is fine (the older
         trees have no host tier and no separate checkpoint step)."""
@@ -281,7 +294,7 @@ class RadixCacheShim:
             elif name == "FreeComponentHostSlot":
                 group = self.group_of.get(action.component_type)
                 if group is not None:
-                    self._free(group, Tier.HOST, self._page_slots(group, action.host_indices))
+                    self._free(group, Tier.HOST, self.page_slots(group, action.host_indices))
         except Exception:  # noqa: BLE001
             self._failed(name)
 
@@ -304,7 +317,7 @@ class RadixCacheShim:
             return
 
         def removed(result: Any, node: Any, *args: Any, **kwargs: Any) -> None:
-            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, getattr(node, "value", None)))
+            self._free(self.full, Tier.DEVICE, self.page_slots(self.full, getattr(node, "value", None)))
 
         self.hooks.wrap_after(recorder, "record_remove", removed)
 
@@ -317,7 +330,7 @@ class RadixCacheShim:
 
         def free_host_values(*args: Any, **kwargs: Any) -> Any:  # the values however they are passed
             try:
-                shim._free(group, Tier.HOST, shim._page_slots(group, host_values(args, kwargs)))
+                shim._free(group, Tier.HOST, shim.page_slots(group, host_values(args, kwargs)))
             except Exception:  # noqa: BLE001
                 shim._failed("free_host_values")
             return original(*args, **kwargs)
@@ -325,7 +338,7 @@ class RadixCacheShim:
         self.hooks.replace(component, "free_host_values", free_host_values)
 
     # -- ledger ------------------------------------------------------------------------------------
-    def _page_slots(self, group: int, values: Any) -> np.ndarray:
+    def page_slots(self, group: int, values: Any) -> np.ndarray:
         """Ledger slots of slot indices SGLang hands over (see `ledger.as_slots`)."""
         return as_slots(values, slot_step(self.page, group == self._mamba))
 
@@ -336,7 +349,7 @@ class RadixCacheShim:
         keys = book.take(slots)
         if not len(keys):
             return
-        if self._session_keys and group == self._full and tier is Tier.DEVICE:
+        if self._session_keys and group == self.full and tier is Tier.DEVICE:
             keys = self._gone_everywhere(book, keys)
             if not len(keys):
                 return
@@ -375,12 +388,12 @@ class RadixCacheShim:
         if name == "FreeComponentDeviceSlot":
             group = self.group_of.get(action.component_type)
             if group is not None:
-                slots = self._page_slots(group, action.indices)
+                slots = self.page_slots(group, action.indices)
                 self._free(group, Tier.DEVICE, self._swa_slots(slots) if group == self._swa else slots)
         else:  # a KV segment: full attention, and the window's copy unless FullOnly
-            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, action.indices))
+            self._free(self.full, Tier.DEVICE, self.page_slots(self.full, action.indices))
             if name == "FreeDeviceKV" and self._swa is not None:
-                self._free(self._swa, Tier.DEVICE, self._swa_slots(self._page_slots(self._full, action.indices)))
+                self._free(self._swa, Tier.DEVICE, self._swa_slots(self.page_slots(self.full, action.indices)))
 
     def _swa_slots(self, full_slots: np.ndarray) -> np.ndarray:
         """Window-pool ledger slots of full-attention ledger slots. A window's state lives in its
@@ -397,10 +410,10 @@ class RadixCacheShim:
         state back at those full-attention slots: the same pages, named by the full ledger."""
         if self._swa is None:
             return
-        full = self.ledger.get((self._full, Tier.DEVICE))
+        full = self.ledger.get((self.full, Tier.DEVICE))
         if full is None:
             return
-        slots = self._page_slots(self._full, action.kept_full)
+        slots = self.page_slots(self.full, action.kept_full)
         keys = full.peek(slots)
         held = keys != 0
         if held.any():
@@ -412,7 +425,7 @@ class RadixCacheShim:
         scope = self._scope
         if scope is None or scope.insert_slots is None or scope.insert_keys is None or not len(scope.insert_slots):
             return
-        slots = self._page_slots(-1, action.source_value)
+        slots = self.page_slots(-1, action.source_value)
         if scope.insert_pos is None:  # built on the first rebuild of this insert only
             ins = scope.insert_slots
             scope.insert_pos = np.full(int(ins.max()) + 1, -1, dtype=np.int64)
@@ -428,11 +441,11 @@ class RadixCacheShim:
             self.install_slots(self._swa, Tier.DEVICE, self._swa_slots(where), keys)
         # A rebuild over a node whose full-attention slots were just freed moves that KV to the
         # rebuilt slots: the page stays resident under new slots.
-        moved = scope.freed.get((self._full, Tier.DEVICE))
+        moved = scope.freed.get((self.full, Tier.DEVICE))
         if moved:
             back = np.isin(keys, np.concatenate(moved))
             if back.any():
-                self.install_slots(self._full, Tier.DEVICE, where[back], keys[back])
+                self.install_slots(self.full, Tier.DEVICE, where[back], keys[back])
 
     def _flush(self) -> None:
         """Report one call's net effect: keys freed and not re-installed are evicted, keys
@@ -460,14 +473,16 @@ class RadixCacheShim:
                 self._emit_run(EventKind.COMMIT, where[0], where[1], new, tenant=scope.tenant or
                                self.identity.default_tenant, adapter=scope.adapter)
 
-    def _emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any,
-                       duration_ns: int, **fields: Any) -> None:
+    def emit_transfer(self, kind: EventKind, group: int, src: Tier, dst: Tier, keys: Any,
+                      duration_ns: int, **fields: Any) -> None:
+        """Pages of a group moved between tiers (an offload or a load), as one run of keys; the
+        ledgers are the caller's to update (`install_slots(..., report=False)`)."""
         keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
         self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group,
                                   src_tier=src, dst_tier=dst, nbytes=self.page_bytes[group], block_key=keys[0],
                                   more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0), **fields))
 
-    def _emit_invalidate(self, tier: Tier, reason: Reason) -> None:
+    def emit_invalidate(self, tier: Tier, reason: Reason) -> None:
         """A whole tier, for every tenant and adapter (empty is the analysis's wildcard)."""
         self.emitter.emit(replace(self._base, kind=EventKind.INVALIDATE, reason=reason, tier=tier, block_size=0,
                                   tenant="", adapter=""))
@@ -528,7 +543,12 @@ class RadixCacheShim:
             return ids
         return ids + out if type(ids) is type(out) else list(ids) + list(out)
 
-    def _after_lookup(self, result: Any, _token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+    def reported_lookup(self, request_id: str) -> tuple[int, int] | None:
+        """The hits (device, host) of the request's last lookup reported, until its admission;
+        a lookup with the same answer is not reported again."""
+        return self._looked_up.get(request_id)
+
+    def after_lookup(self, result: Any, _token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         req = getattr(params, "req", None)
         key = params.key
         rid = str(getattr(req, "rid", "")) if req is not None else ""
@@ -551,7 +571,7 @@ class RadixCacheShim:
         # hundreds of keys is walked by every full collection.
         keys = chain.ints(0, len(tokens) // self.page)
         full = int(getattr(result, "full_kv_hit_length", 0) or 0) or device + host
-        hits = [full if g == self._full else device + host for g in range(len(self.components))]
+        hits = [full if g == self.full else device + host for g in range(len(self.components))]
         prompt = len(tokens) + (1 if req is None else 0)  # a bare key is the prompt less its last token
         self.emitter.emit(replace(
             self._base, kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=prompt,
@@ -584,21 +604,21 @@ class RadixCacheShim:
             self._failed("record_admission")
 
     # -- commits -----------------------------------------------------------------------------------
-    def _before_checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+    def before_checkpoint(self, req: Any, *args: Any, **kwargs: Any) -> Any:
         self._current_req = req  # the insert inside names its pages with this request's chain
         return None
 
-    def _after_checkpoint(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
+    def after_checkpoint(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
         self._current_req = None
 
-    def _before_insert(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+    def before_insert(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         key, value = params.key, params.value
         if key is None or value is None:
             return None
         pages = len(key) // self.page
         chain = self._chain_of(key, self._current_req)
         keys = chain.extend(key.token_ids, self.page)
-        slots = self._page_slots(-1, value[: pages * self.page])
+        slots = self.page_slots(-1, value[: pages * self.page])
         scope = self._scope
         if scope is not None:
             scope.insert_slots, scope.insert_pos, scope.insert_keys = slots, None, keys
@@ -606,17 +626,17 @@ class RadixCacheShim:
             scope.adapter = str(getattr(key, "extra_key", None) or "")
         return keys, slots, pages, chain
 
-    def _after_insert(self, result: Any, token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+    def after_insert(self, result: Any, token: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         if token is None:
             return
         keys, slots, pages, chain = token
         start = int(result.prefix_len) // self.page
         if start < pages:
-            self.install_slots(self._full, Tier.DEVICE, slots[start:pages], keys[start:pages],
+            self.install_slots(self.full, Tier.DEVICE, slots[start:pages], keys[start:pages],
                                ints=chain.ints(start, pages))
         mamba_value = getattr(params, "mamba_value", None)
         if self._mamba is not None and mamba_value is not None and pages and not result.mamba_exist:
-            self.install_slots(self._mamba, Tier.DEVICE, self._page_slots(self._mamba, mamba_value)[:1],
+            self.install_slots(self._mamba, Tier.DEVICE, self.page_slots(self._mamba, mamba_value)[:1],
                                keys[pages - 1 : pages])
 
     # -- streaming sessions ------------------------------------------------------------------------
@@ -634,7 +654,7 @@ class RadixCacheShim:
                                                                   getattr(req, "cache_salt", None))
         top, _ = self.begin_call("claim_kv_row", None, (), {})
         try:
-            self.session_kept(chain, tokens, self._page_slots(self._full, row), getattr(req, "cache_salt", None),
+            self.session_kept(chain, tokens, self.page_slots(self.full, row), getattr(req, "cache_salt", None),
                               getattr(req, "extra_key", None))
         finally:
             self.end_call("claim_kv_row", top, None, None, None, (), {})
@@ -647,18 +667,18 @@ class RadixCacheShim:
             return
         keys = chain.extend(tokens, self.page)[: len(slots)]
         slots = slots[: len(keys)]
-        book = self.ledger.get((self._full, Tier.DEVICE))
+        book = self.ledger.get((self.full, Tier.DEVICE))
         new = (book.peek(slots) != keys) if book is not None else np.ones(len(keys), dtype=bool)
         if self._scope is not None and not self._scope.tenant:  # its own scope (`_after_claim`)
             self._scope.tenant = tenant or self.identity.default_tenant
             self._scope.adapter = str(adapter or "")
         if new.any():
-            self.install_slots(self._full, Tier.DEVICE, slots[new], keys[new])
+            self.install_slots(self.full, Tier.DEVICE, slots[new], keys[new])
             self._session_keys.update(keys[new].tolist())
             self._session_sorted = np.sort(np.fromiter(self._session_keys, dtype=np.uint64))
         if not self._session_rows:
             self._session_rows = True
-            self._wrap_scoped(self.cache, "free_kv_row", None, before=self._before_free_row, optional=True)
+            self.wrap_scoped(self.cache, "free_kv_row", None, before=self._before_free_row, optional=True)
 
     def _before_free_row(self, kv: Any, ranges: Any, *args: Any, **kwargs: Any) -> None:
         """`free_kv_row(kv, ranges)` gives back the whole pages of a row's position ranges: a
@@ -668,7 +688,7 @@ class RadixCacheShim:
             return  # a request's own row: nothing there was committed
         pages = row_pages(self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx], ranges, self.page)
         if len(pages):
-            self._free(self._full, Tier.DEVICE, self._page_slots(self._full, pages))
+            self._free(self.full, Tier.DEVICE, self.page_slots(self.full, pages))
 
     def _gone_everywhere(self, book: SlotBook, keys: np.ndarray) -> np.ndarray:
         """Of freed keys, those no slot holds any more. A page a streaming session kept can also
@@ -686,7 +706,7 @@ class RadixCacheShim:
             self._session_sorted = np.sort(np.fromiter(self._session_keys, dtype=np.uint64))
         return keys[~np.isin(keys, held)] if len(held) else keys
 
-    def _before_release_session(self, *args: Any, **kwargs: Any) -> Any:
+    def before_release_session(self, *args: Any, **kwargs: Any) -> Any:
         """A session closing: what it kept goes by request. Returns its row, whose frees are
         followed until then."""
         if self._scope is not None:
@@ -697,13 +717,33 @@ class RadixCacheShim:
     def _after_release_session(self, _result: Any, row: Any, *args: Any, **kwargs: Any) -> None:
         self._session_row_ids.discard(row)
 
+    def start_afresh(self) -> None:
+        """Records of this cache's calls were lost (see `capture`): what the shim knows can no
+        longer be trusted. Calls in progress, lookups reported and HiCache's copies under way are
+        forgotten, and every tier the ledger holds is reported invalidated and emptied; commits
+        fill it again."""
+        self._looked_up.clear()
+        self._depth, self._scope, self._current_req = 0, None, None
+        if self.hicache is not None:  # copies under way name pages of the ledger about to be dropped
+            self.hicache.after_reset()
+        self.drop_ledger(Reason.EXPLICIT)
+        self.forget_sessions()
+
+    def drop_ledger(self, reason: Reason) -> None:
+        """Report every tier the ledger holds invalidated (the analysis then counts nothing
+        there as held) and empty it: for when what it says can no longer be trusted."""
+        tiers = {tier for (_, tier) in self.ledger} or {Tier.DEVICE}
+        self.ledger.clear()
+        for tier in sorted(tiers):
+            self.emit_invalidate(tier, reason)
+
     def forget_sessions(self) -> None:
         """After a reset or a loss: no page is held twice any more."""
         self._session_keys.clear()
         self._session_sorted = np.zeros(0, dtype=np.uint64)
 
     # -- reset and usage ---------------------------------------------------------------------------
-    def _after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
+    def after_reset(self, result: Any, _token: Any, *args: Any, **kwargs: Any) -> None:
         tiers = {tier for (_, tier) in self.ledger} or {Tier.DEVICE}
         self.ledger.clear()
         self.forget_sessions()
@@ -712,22 +752,22 @@ class RadixCacheShim:
             self._scope.installed.clear()
         self._recent.clear()
         for tier in sorted(tiers):
-            self._emit_invalidate(tier, Reason.RESET)
+            self.emit_invalidate(tier, Reason.RESET)
 
     def sample_usage(self, force: bool = False) -> None:
         """The device KV pool split into slots locked by running requests, evictable cached
         pages and free slots (SGLang's own O(1) counters), at most once per interval."""
         now = time.monotonic_ns()
-        if not force and now < self._usage_due_ns:
+        if not force and now < self.usage_due_ns:
             return
-        self._usage_due_ns = now + self.usage_interval_ns
+        self.usage_due_ns = now + self.usage_interval_ns
         self.emit_usage(*usage_counters(self.cache))
 
     def emit_usage(self, locked: int, evictable: int, free: int) -> None:
         """One usage sample from SGLang's counters (tokens locked, evictable, free)."""
-        per_token = self.page_bytes[self._full] // self.page if self.page_bytes else 0
+        per_token = self.page_bytes[self.full] // self.page if self.page_bytes else 0
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE, block_size=0,
-                                  component=self.components[self._full], locked_bytes=locked * per_token,
+                                  component=self.components[self.full], locked_bytes=locked * per_token,
                                   evictable_bytes=evictable * per_token, free_bytes=free * per_token))
 
 
