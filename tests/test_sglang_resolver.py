@@ -11,7 +11,9 @@ import pytest
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.page_keys import page_keys
-from kvtrace.instrumentation.sglang.capture import CALLS, META, Rec, ResolverSpec
+from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, Acted, Action, Backed, Backup,
+                                                    Checkpoint, Fetched, Insert, Lookup, Rec, ResolverSpec, Restore,
+                                                    Restored, Staged, Store, Stored, encode)
 from kvtrace.instrumentation.sglang.resolver import Replayer
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind
@@ -29,8 +31,9 @@ def _replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
 
 
 def _lookup(rid: str, tokens: np.ndarray) -> tuple[int, int, list]:
-    flags = 1 | 4 | 8  # a request, nothing recorded inside the call, an object not seen before
-    return Rec.LOOKUP, flags, [META.encode((0, 0, 0, rid, None, None, None)), tokens.tobytes()]
+    # a request, nothing recorded inside the call, an object not seen before
+    fields = Lookup(0, 0, 0, rid, None, None, None, request=True, repeat=False, opened=False, fresh=True)
+    return Rec.LOOKUP, 0, [encode(fields), tokens.tobytes()]
 
 
 def _checkpointed_insert(rid: str, known: int, slots: np.ndarray, folded: bool) -> list[tuple[int, int, list]]:
@@ -38,12 +41,12 @@ def _checkpointed_insert(rid: str, known: int, slots: np.ndarray, folded: bool) 
     `folded`, the insert's records open and close the checkpoint too (its usual form);
     otherwise with the checkpoint's own records (when something else inside comes first)."""
     def insert(opens: str | None) -> list:
-        return [META.encode((known, known, None, None, opens)), b"", slots.tobytes()]
+        return [encode(Insert(known, known, None, None, checkpoint=opens, fresh=False)), b"", slots.tobytes()]
 
     if folded:
-        return [(Rec.INSERT, 1 | 4 | 8, insert(rid)), (Rec.INSERTED, 0 << 2 | 2, [])]
-    return [(Rec.CHECKPOINT, 0, [META.encode(rid)]), (Rec.INSERT, 1 | 4, insert(None)), (Rec.INSERTED, 0, []),
-            (Rec.END, CALLS.index("checkpoint"), [])]
+        return [(Rec.INSERT, 0, insert(rid)), (Rec.INSERTED, 0 << 2 | CHECKPOINT_RETURNED, [])]
+    return [(Rec.CHECKPOINT, 0, [encode(Checkpoint(rid, fresh=False))]), (Rec.INSERT, 0, insert(None)),
+            (Rec.INSERTED, 0, []), (Rec.END, CALLS.index("checkpoint"), [])]
 
 
 @pytest.mark.parametrize("folded", [True, False], ids=["folded", "own-records"])
@@ -87,8 +90,8 @@ def _window_replayer() -> tuple[Replayer, BatchEmitter, MemorySink]:
 def _window_record(kind: Rec, name: str, full: np.ndarray, window: np.ndarray, component: str = "SWA") -> tuple:
     """A window action as the capture writes it: the full-attention page starts it names and the
     window slots the allocator's table maps them to when the shim would read it."""
-    meta = META.encode(name) if kind is Rec.ACTED else META.encode((name, component))
-    return kind, PAGE, [meta, full.tobytes(), window.tobytes()]
+    fields = Acted(name, PAGE) if kind is Rec.ACTED else Action(name, component, PAGE)
+    return kind, 0, [encode(fields), full.tobytes(), window.tobytes()]
 
 
 def _keys(events: list, kind: EventKind, group: int) -> list[int]:
@@ -104,9 +107,9 @@ def test_window_pages_are_named_in_the_window_numbering_the_records_carry() -> N
     tokens = np.arange(7000, 7000 + 4 * PAGE, dtype=np.int64)
     full = np.arange(4, dtype=np.int64) * PAGE + 64
     first, moved = full + 1024, full + 4096  # window slots, before and after the recovery
-    insert_meta = META.encode((len(tokens), 0, None, None, None))
+    insert = encode(Insert(len(tokens), 0, None, None, None, False))
     records = [
-        (Rec.INSERT, 1, [insert_meta, tokens.tobytes(), full.tobytes()]),
+        (Rec.INSERT, 0, [insert, tokens.tobytes(), full.tobytes()]),
         _window_record(Rec.ACTED, "SWARebuild", full, first),  # the insert builds the window
         (Rec.INSERTED, 0, []),
         _window_record(Rec.ACTION, "FreeComponentDeviceSlot", full, first),  # the window evicted
@@ -130,10 +133,11 @@ def test_a_free_that_read_no_window_table_keeps_the_full_numbering() -> None:
     tokens = np.arange(9000, 9000 + 2 * PAGE, dtype=np.int64)
     full = np.arange(2, dtype=np.int64) * PAGE
     replayer.handle(*_window_record(Rec.ACTION, "FreeComponentDeviceSlot", full + 512, full + 2048))  # a table seen
-    replayer.handle(Rec.INSERT, 1, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), full.tobytes()])
-    replayer.handle(Rec.ACTED, PAGE, [META.encode("SWARebuild"), full.tobytes()])  # then none
+    replayer.handle(Rec.INSERT, 0, [encode(Insert(len(tokens), 0, None, None, None, False)), tokens.tobytes(),
+                                    full.tobytes()])
+    replayer.handle(Rec.ACTED, 0, [encode(Acted("SWARebuild", PAGE)), full.tobytes()])  # then none
     replayer.handle(Rec.INSERTED, 0, [])
-    replayer.handle(Rec.ACTION, PAGE, [META.encode(("FreeComponentDeviceSlot", "SWA")), full.tobytes()])
+    replayer.handle(Rec.ACTION, 0, [encode(Action("FreeComponentDeviceSlot", "SWA", PAGE)), full.tobytes()])
     assert emitter.shutdown()
     names = page_keys(tokens, PAGE).tolist()
     assert _keys(sink.events, EventKind.COMMIT, 1) == names and _keys(sink.events, EventKind.EVICT, 1) == names
@@ -151,16 +155,18 @@ def test_host_loads_are_reported_when_loading_check_retires_them_one_by_one() ->
     ms = 1_000_000
 
     def copy(kind: Rec, node: int, at: int, source: np.ndarray, target: np.ndarray) -> tuple:
-        return kind, 0, [META.encode((node, at, [])), source.tobytes(), target.tobytes()]
+        fields = (Backup if kind is Rec.BACKUP else Restore)(node, at, [])
+        return kind, 0, [encode(fields), source.tobytes(), target.tobytes()]
 
     def check(before: list[int], still: list[int], count: int, at: int) -> tuple:
-        return Rec.RESTORED, 4, [META.encode((before, still, count, at))]
+        return Rec.RESTORED, 0, [encode(Restored(before, still, count, at, opened=False))]
 
     records = [
-        (Rec.INSERT, 1, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), device.tobytes()]),
+        (Rec.INSERT, 0, [encode(Insert(len(tokens), 0, None, None, None, False)), tokens.tobytes(),
+                         device.tobytes()]),
         (Rec.INSERTED, 0, []),
         copy(Rec.BACKUP, 7, 10 * ms, device, host),
-        (Rec.BACKED, 0, [META.encode((7, 13 * ms))]),
+        (Rec.BACKED, 0, [encode(Backed(7, 13 * ms))]),
         copy(Rec.RESTORE, 1, 20 * ms, host[:2], first),
         copy(Rec.RESTORE, 2, 21 * ms, host[2:], second),
         check([1, 2], [2], 1, 25 * ms),  # the first is done, the second still loading
@@ -192,19 +198,19 @@ def test_a_storage_write_reports_what_its_acknowledgement_completed() -> None:
     ms = 1_000_000
 
     def store(op: int, at: int) -> tuple:
-        return Rec.STORE, 0, [META.encode((op, at, storage_names, ["MAMBA"])), host.tobytes(), state_host.tobytes()]
+        return Rec.STORE, 0, [encode(Store(op, at, storage_names, ["MAMBA"])), host.tobytes(), state_host.tobytes()]
 
     records = [
-        (Rec.INSERT, 1 | 2, [META.encode((len(tokens), 0, None, None, None)), tokens.tobytes(), device.tobytes(),
-                             state.tobytes()]),
+        (Rec.INSERT, 0, [encode(Insert(len(tokens), 0, None, None, None, False)), tokens.tobytes(), device.tobytes(),
+                         state.tobytes()]),  # with its Mamba state
         (Rec.INSERTED, 0, []),  # the tree kept the state at the key's end
-        (Rec.BACKUP, 0, [META.encode((7, 10 * ms, ["MAMBA"])), device.tobytes(), host.tobytes(), state.tobytes(),
+        (Rec.BACKUP, 0, [encode(Backup(7, 10 * ms, ["MAMBA"])), device.tobytes(), host.tobytes(), state.tobytes(),
                          state_host.tobytes()]),
-        (Rec.BACKED, 0, [META.encode((7, 12 * ms))]),
+        (Rec.BACKED, 0, [encode(Backed(7, 12 * ms))]),
         store(5, 20 * ms),
-        (Rec.STORED, 0, [META.encode((5, 2 * PAGE, 24 * ms))]),  # two pages of four made it
+        (Rec.STORED, 0, [encode(Stored(5, 2 * PAGE, 24 * ms))]),  # two pages of four made it
         store(6, 30 * ms),
-        (Rec.STORED, 0, [META.encode((6, None, 35 * ms))]),
+        (Rec.STORED, 0, [encode(Stored(6, None, 35 * ms))]),
     ]
     for kind, value, blobs in records:
         replayer.handle(kind, value, blobs)
@@ -230,9 +236,9 @@ def test_a_window_staged_by_a_prefetch_is_named_from_its_last_page() -> None:
     records = [
         # under the root, with a name this resolver never learned: keyed from its tokens
         # for request r9, which waited 3 ms for it
-        (Rec.FETCHED, 0, [META.encode((0, storage_names, True, None, None, None, "r9", 3_000_000, True)),
+        (Rec.FETCHED, 0, [encode(Fetched(0, storage_names, True, None, None, None, "r9", 3_000_000, True)),
                           tokens.tobytes(), host.tobytes()]),
-        (Rec.STAGED, 0, [META.encode((["SWA"], ["SWA"])), window.tobytes(), window[:1].tobytes()]),
+        (Rec.STAGED, 0, [encode(Staged(["SWA"], ["SWA"])), window.tobytes(), window[:1].tobytes()]),
     ]
     for kind, value, blobs in records:
         replayer.handle(kind, value, blobs)

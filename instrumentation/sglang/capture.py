@@ -6,7 +6,8 @@ a request, as much as the cache's own work. In this mode the scheduler thread on
 the shim would read (a lookup's tokens and hit lengths, an insert's slots, the slots a free
 drops, and an insert's tokens unless it is inside a request's checkpoint, whose tokens that
 request's lookup sent, and the window slots the allocator maps full-attention pages to, where
-the shim would read that live table) into a shared-memory ring (`kvtrace.instrumentation.ring`).
+the shim would read that live table) into a shared-memory ring (`kvtrace.instrumentation.ring`),
+as the typed records of `records`.
 A resolver process (`resolver`) replays those facts through an unchanged `RadixCacheShim`, so
 both modes emit the same events, and its emitter sends them to the configured sink.
 
@@ -33,7 +34,6 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,86 +46,20 @@ from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
+from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, MAMBA_EXISTED, REQUESTS_KEPT,
+                                                    Acted, Action, Admit, Backed, Backup, Checkpoint, Fetched,
+                                                    Insert, Kept, Lookup, Rec, ResolverSpec, Restore, Restored,
+                                                    Staged, Store, Stored, encode)
 from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
                                                 kept_row, row_pages, usage_counters)
 
 log = logging.getLogger("kvtrace.sglang")
 
 
-class Rec(IntEnum):
-    """Record kinds on the ring. A record's small fields (lengths, ids, namespaces) travel as
-    one msgpack array, its first blob ("meta"); token ids and slots follow as raw int64 blobs.
-    A record costs more for its number of blobs than for its bytes (each is a step of Python on
-    the scheduler thread), so the small fields share one."""
-
-    BEGIN = 1  # a wrapped call with nothing to read starts; value: its CALLS index
-    END = 2  # a call returned; value: its CALLS index (match_prefix and insert end with their own)
-    ABORT = 3  # it raised
-    LOOKUP = 4  # match_prefix returned. Meta: device, host and full hit lengths, request id,
-    # extra key, cache salt, the pool's counters when a usage sample is due (else nil); then
-    # the request's prompt tokens, and its output tokens if it has any. Value: flags;
-    # 1: a request, 2: a repeated ask (no tokens), 4: nothing was recorded inside the call, so
-    # its opening never was either, 8: a request object not seen before
-    INSERT = 5  # an insert starts (this opens the call). Meta: key length, known (below), extra
-    # key, cache salt, request id (flag 8) or nil; then the key's tokens (flag 4: inside a
-    # checkpoint, the first `known` of them are the request's as its last lookup sent them, and
-    # only the rest are carried), the page starts, and the Mamba slots (flag 2). Flag 1: it has
-    # a key (else no blobs); flag 8: it also opens the checkpoint around it, as CHECKPOINT would
-    # (flag 16 as CHECKPOINT's 8)
-    INSERTED = 6  # it returned; value: prefix_len << 2, | 1 if the Mamba state existed,
-    # | 2 if the checkpoint around it returned right after (its END, folded in)
-    CHECKPOINT = 7  # a checkpoint whose first record inside is not its insert starts; meta:
-    # the request id; value 8 as LOOKUP's
-    ACTION = 8  # a cache action is about to free slots; value: ledger step; meta: the action's
-    # name and component; then the page starts it frees, and, where the shim translates them
-    # (a cache with a window: a KV free, or the window's own), the window slots the allocator
-    # maps those pages to, read before the free
-    ADMIT = 9  # what an admitted request reused; meta: prompt tokens, device, host and storage
-    # tokens reused, request id, tenant
-    ACTED = 10  # a window action ran (WINDOW_ACTIONS); value: ledger step; meta: its name; then
-    # the page starts of the full-attention slots it names (a rebuild's source value, a
-    # recovery's kept full value) and the window slots the allocator maps them to now
-    FLUSH = 11  # value: a flush number the resolver acknowledges once its sink has it
-    STOP = 12
-    LOST = 13  # value: records dropped since the last one that got through
-    # HiCache's host tier (`hicache.HiCacheHooks` reads the same calls in-process). Times are the
-    # scheduler thread's monotonic clock, in ns, taken where the in-process hooks take theirs.
-    BACKUP = 14  # `cache_controller.write` returned host slots; meta: node id, time, the extra
-    # pools' component names; then the device and host page starts, and each extra pool's
-    BACKED = 15  # a backup acknowledged (`_finish_write_through_ack`); meta: ack id, time
-    RESTORE = 16  # `cache_controller.load` returned device slots; meta: node id, time, the extra
-    # pools' component names; then the host and device page starts, and each extra pool's
-    RESTORED = 17  # `loading_check` returned; value: 4 if its opening was not recorded; meta: the
-    # (int) load ids in progress before it and after it, how many there are after it, time
-    # HiCache's storage tier. Its writes and prefetches run on SGLang's own threads, but what the
-    # in-process hooks read of them happens on the scheduler thread, and is recorded there.
-    STORE = 18  # `cache_controller.write_storage` queued a write; meta: operation id, time, SGLang's
-    # storage names for its pages, the component names of the states written with them; then the
-    # host page starts, and each state's
-    STORED = 19  # the storage acknowledgement queue handed a write back; meta: operation id, the
-    # tokens it completed (nil: all), time
-    FETCHED = 20  # `tree_core.insert_host` put a landed prefetch on host; meta: prefix length,
-    # storage names, whether it hangs under the root, the storage name of the node it hangs
-    # under (`hicache.hung_under`), extra key, cache salt, the request the prefetch was for, how
-    # long since SGLang started it (ns) and whether the request waits for it
-    # (`hicache.holds_requests`); then the key's tokens, the host page starts
-    CLEARED = 21  # `clear_storage_backend` emptied the storage tier
-    STAGED = 22  # `tree_core.commit_hicache_transfers` committed a landed prefetch's states; meta:
-    # the component names of the states staged on host, and of those the commit frees again; then
-    # the host page starts of each, in that order
-    KEPT = 23  # `claim_kv_row` returned True: a streaming session keeps the request's KV row; meta:
-    # cache salt, extra key; then the request's tokens and the row's page starts, as
-    # far as both reach its committed length (`RadixCacheShim._after_claim` reads the same)
-
-
-CALLS = ("match_prefix", "checkpoint", "insert", "evict", "evict_for_alloc", "evict_host", "reset",
-         "loading_check", "check_hicache_events", "init_load_back", "release_session")
 FREES = ("FreeDeviceKV", "FreeDeviceKVFullOnly", "FreeComponentDeviceSlot", "FreeComponentHostSlot")
 WINDOW_ACTIONS = {"SWARebuild": "source_value", "RecoverSWAWithLockedFull": "kept_full",
                   "RecoverEvictedSWA": "kept_full"}  # the shim's `after_action`: the field each names slots in
 _NO_TOKENS = b""
-META = msgspec.msgpack.Encoder()
-REQUESTS_KEPT = 8192  # request stand-ins the resolver keeps (the capture mirrors which, and their tokens)
 
 
 def _words(blob: Any) -> np.ndarray:
@@ -163,23 +97,6 @@ def unsupported(cache: Any) -> str | None:
     if getattr(cache, "_apply_cache_action", None) is None:
         return f"{type(cache).__name__} (an older tree: frees are read from tree nodes)"
     return None
-
-
-class ResolverSpec(msgspec.Struct, frozen=True):
-    """What the resolver process needs to rebuild the shim (no live SGLang object), passed to
-    it as JSON on its command line."""
-
-    ring: str
-    page_size: int
-    components: tuple[str, ...]
-    page_bytes: tuple[int, ...]
-    identity: Identity
-    sample_rate: float = 1.0
-    engine_version: str = ""
-    usage_interval_s: float = 1.0
-    engine_pid: int = 0  # the resolver exits once this process is gone
-    sink: str = ""  # "module:callable" making the sink; empty: the sink kvtrace's settings name
-    sys_path: tuple[str, ...] = ()  # where the sink's module is found, ahead of the defaults
 
 
 @dataclass(slots=True)
@@ -250,7 +167,7 @@ class CaptureShim:
         as SGLang's work leaves them), so an insert's INSERTED waits for the next record: the
         END of the checkpoint around it folds into it."""
         if self._held >= 0 and kind is Rec.END and value == self._checkpoint_call:
-            kind, value, self._held = Rec.INSERTED, self._held | 2, -1
+            kind, value, self._held = Rec.INSERTED, self._held | CHECKPOINT_RETURNED, -1
         self._settle()
         if self.ring.offer(kind, value, blobs):
             return True
@@ -464,10 +381,10 @@ class CaptureShim:
                 ids, out = tokens_blob(key.token_ids), _NO_TOKENS
             counters = self._usage_due(rid)
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
-        flags = (1 if req is not None else 0) | (2 if repeat else 0) | (0 if opened else 4) | (8 if fresh else 0)
-        meta = META.encode((device, host, full, rid, _text(getattr(key, "extra_key", None)),
-                            _text(getattr(key, "cache_salt", None)), counters))
-        if not self._put(Rec.LOOKUP, flags, (meta, ids, out) if len(out) else (meta, ids)):
+        fields = encode(Lookup(device, host, full, rid, _text(getattr(key, "extra_key", None)),
+                               _text(getattr(key, "cache_salt", None)), counters, req is not None, repeat,
+                               opened, fresh))
+        if not self._put(Rec.LOOKUP, 0, (fields, ids, out) if len(out) else (fields, ids)):
             if counters is not None:
                 self._usage_due_ns = 0  # the sample did not get through: the next lookup takes it
         else:
@@ -522,19 +439,20 @@ class CaptureShim:
         if opened:
             self._put(Rec.END, self._checkpoint_call)
 
-    def _open_checkpoint(self, by_insert: bool) -> int:
+    def _open_checkpoint(self, by_insert: bool) -> bool:
         """Open the checkpoint under way on the ring: with a CHECKPOINT record, or (`by_insert`)
-        inside its insert's record. Returns the flags the INSERT takes, and sets how many of the
-        request's tokens the resolver then holds."""
+        inside its insert's record. Returns whether its request object is new to the resolver
+        (what the INSERT then says), and sets how many of the request's tokens the resolver then
+        holds."""
         rid, req, _ = self._checkpointing
         fresh = not getattr(req, "_kvtrace_seen", False)
-        if not by_insert and not self._put(Rec.CHECKPOINT, 8 if fresh else 0, (META.encode(rid),)):
-            return 0
+        if not by_insert and not self._put(Rec.CHECKPOINT, 0, (encode(Checkpoint(rid, fresh)),)):
+            return False
         self._stand_in(rid, fresh, None)  # the resolver's `_request`, when it opens the checkpoint
         self._checkpointing = (rid, req, self._sent[rid])
         if fresh:
             _mark(req)
-        return 8 | (16 if fresh else 0)
+        return fresh
 
     def _check_resolver(self) -> None:
         """At most once a second: if the resolver has exited, say so once and stop recording
@@ -561,14 +479,13 @@ class CaptureShim:
         mamba = getattr(params, "mamba_value", None)
         mamba_slots = page_starts(mamba, 1) if mamba is not None else None
         tokens = tokens_blob(key.token_ids)
-        flags = 1 | (2 if mamba_slots is not None else 0)
-        known, rid = 0, None
+        known, rid, fresh = 0, None, False
         calls = self._calls  # this insert's own frame is not on it yet
         if calls and calls[-1][0] == self._checkpoint_call:
             if not calls[-1][1]:  # the checkpoint is opened here, by this record
                 calls[-1][1] = True
                 self._unopened -= 1
-                flags |= self._open_checkpoint(True)
+                fresh = self._open_checkpoint(True)
                 rid = self._checkpointing[0]
             # SGLang's checkpoint inserts the request's own tokens (its prompt, then output), which
             # its lookup sent: only what came after them travels. The in-process shim trusts the
@@ -576,13 +493,14 @@ class CaptureShim:
             known = min(len(tokens), self._checkpointing[2])
             if known:
                 tokens = _words(tokens)[known:]
-                flags |= 4
-        meta = META.encode((len(key), known, _text(getattr(key, "extra_key", None)),
-                            _text(getattr(key, "cache_salt", None)), rid))
-        self._put(Rec.INSERT, flags, (meta, tokens, slots) if mamba_slots is None else (meta, tokens, slots, mamba_slots))
+        fields = encode(Insert(len(key), known, _text(getattr(key, "extra_key", None)),
+                               _text(getattr(key, "cache_salt", None)), rid, fresh))
+        self._put(Rec.INSERT, 0, (fields, tokens, slots) if mamba_slots is None else
+                  (fields, tokens, slots, mamba_slots))
 
     def _inserted(self, result: Any, opened: bool, *args: Any, **kwargs: Any) -> None:
-        inserted = int(result.prefix_len) << 2 | int(bool(getattr(result, "mamba_exist", False)))
+        mamba = MAMBA_EXISTED if getattr(result, "mamba_exist", False) else 0
+        inserted = int(result.prefix_len) << 2 | mamba
         if self._calls and self._calls[-1][0] == self._checkpoint_call:
             self._held = inserted  # written with the next record, which may be the checkpoint's END
         else:
@@ -596,13 +514,14 @@ class CaptureShim:
             # The shim translates a KV free's pages, and the window's own, into window slots.
             window = self._swa is not None and (name == "FreeDeviceKV" or
                                                  (name == "FreeComponentDeviceSlot" and group == self._swa))
-            known = self._frees[(name, component)] = (self._step(group), META.encode((name, self.group_names[group])),
-                                                      window)
-        step, meta, window = known
+            step = self._step(group)
+            fields = encode(Action(name, self.group_names[group], step))
+            known = self._frees[(name, component)] = (step, fields, window)
+        step, fields, window = known
         values = action.host_indices if name == "FreeComponentHostSlot" else action.indices
         starts = page_starts(values, step)
         mapped = self._window_of(starts) if window else None
-        self._put(Rec.ACTION, step, (meta, starts) if mapped is None else (meta, starts, mapped))
+        self._put(Rec.ACTION, 0, (fields, starts) if mapped is None else (fields, starts, mapped))
 
     def _acted(self, name: str, action: Any) -> None:
         """A window action that ran: the full-attention pages it names and their window slots
@@ -610,8 +529,8 @@ class CaptureShim:
         step = self._step(-1)
         starts = page_starts(getattr(action, WINDOW_ACTIONS[name]), step)
         mapped = self._window_of(starts)
-        meta = META.encode(name)
-        self._put(Rec.ACTED, step, (meta, starts) if mapped is None else (meta, starts, mapped))
+        fields = encode(Acted(name, step))
+        self._put(Rec.ACTED, 0, (fields, starts) if mapped is None else (fields, starts, mapped))
 
     def _window_of(self, starts: np.ndarray) -> np.ndarray | None:
         """The window slots the allocator's live table maps full-attention page starts to (what
@@ -653,12 +572,13 @@ class CaptureShim:
         if target is None:
             return
         now, step = time.monotonic_ns(), self._step(-1)
-        names, extra = self._pools(extra_pools, sides, load=kind == Rec.RESTORE)
-        self._put(kind, 0, (META.encode((int(node_id), now, names)), page_starts(source, step),
-                            page_starts(target, step), *extra))
+        load = kind == Rec.RESTORE
+        names, extra = self._pools(extra_pools, sides, load=load)
+        fields = (Restore if load else Backup)(int(node_id), now, names)
+        self._put(kind, 0, (encode(fields), page_starts(source, step), page_starts(target, step), *extra))
 
     def _backed(self, _result: Any, ack_id: int, *args: Any, **kwargs: Any) -> None:
-        self._put(Rec.BACKED, 0, (META.encode((int(ack_id), time.monotonic_ns())),))
+        self._put(Rec.BACKED, 0, (encode(Backed(int(ack_id), time.monotonic_ns())),))
 
     def _loading(self, *args: Any, **kwargs: Any) -> None:
         self._loads_before = [a for a in (getattr(self.cache, "ongoing_load_back", None) or {}) if type(a) is int]
@@ -671,31 +591,34 @@ class CaptureShim:
                 self._put(Rec.END, self._loading_call)
             return
         still = getattr(self.cache, "ongoing_load_back", None) or {}
-        meta = META.encode((self._loads_before, [a for a in still if type(a) is int], len(still), time.monotonic_ns()))
-        self._put(Rec.RESTORED, 0 if opened else 4, (meta,))
+        fields = Restored(self._loads_before, [a for a in still if type(a) is int], len(still),
+                          time.monotonic_ns(), bool(opened))
+        self._put(Rec.RESTORED, 0, (encode(fields),))
 
     def _store(self, op_id: Any, host_indices: Any, token_ids: Any, hash_value: Any = None, *args: Any,
                extra_pools: Any = None, **kwargs: Any) -> None:
         if op_id is None or not hash_value:
             return
         names, states = self._pools(extra_pools, ("host_indices",))
-        self._put(Rec.STORE, 0, (META.encode((int(op_id), time.monotonic_ns(), list(hash_value), names)),
+        self._put(Rec.STORE, 0, (encode(Store(int(op_id), time.monotonic_ns(), list(hash_value), names)),
                                  page_starts(host_indices, self._step(-1)), *states))
 
     def _stored(self, op: Any, *args: Any, **kwargs: Any) -> None:
         done = getattr(op, "completed_tokens", None)
-        self._put(Rec.STORED, 0, (META.encode((int(getattr(op, "id", -1)), None if done is None else int(done),
-                                               time.monotonic_ns())),))
+        self._put(Rec.STORED, 0, (encode(Stored(int(getattr(op, "id", -1)), None if done is None else int(done),
+                                                time.monotonic_ns())),))
 
     def _fetched(self, result: Any, node_id: Any, key: Any, host_value: Any, hash_value: Any, *args: Any,
                  **kwargs: Any) -> None:
         if result is None or getattr(result, "host_insert_dropped", False) or not hash_value:
             return
         root, parent = hung_under(self.cache, node_id)
-        meta = META.encode((int(result.prefix_len), list(hash_value), root, parent,
-                            _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)),
-                            *self.prefetches.landing(time.monotonic_ns())))
-        self._put(Rec.FETCHED, 0, (meta, tokens_blob(key.token_ids), page_starts(host_value, self._step(-1))))
+        rid, took_ns, held = self.prefetches.landing(time.monotonic_ns())
+        fields = Fetched(int(result.prefix_len), list(hash_value), bool(root), parent,
+                         _text(getattr(key, "extra_key", None)), _text(getattr(key, "cache_salt", None)), rid,
+                         int(took_ns), bool(held))
+        self._put(Rec.FETCHED, 0, (encode(fields), tokens_blob(key.token_ids),
+                                   page_starts(host_value, self._step(-1))))
 
     def _staged(self, _result: Any, node_id: Any, phase: Any, comp_xfers: Any, *args: Any,
                 cache_actions: Any = (), **kwargs: Any) -> None:
@@ -716,7 +639,7 @@ class CaptureShim:
                 released.append(name)
                 blobs.append(page_starts(host, self._step(self.group_names.index(name))))
         if staged:
-            self._put(Rec.STAGED, 0, (META.encode((staged, released)), *blobs))
+            self._put(Rec.STAGED, 0, (encode(Staged(staged, released)), *blobs))
 
     # -- streaming sessions -------------------------------------------------------------------
     def _kept(self, kept: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -730,8 +653,8 @@ class CaptureShim:
             return
         row_id, row = kept
         self._session_row_ids.add(row_id)
-        meta = META.encode((_text(getattr(req, "cache_salt", None)), _text(getattr(req, "extra_key", None))))
-        self._put(Rec.KEPT, 0, (meta, tokens[: len(row)], page_starts(row, self._step(-1))))
+        fields = encode(Kept(_text(getattr(req, "cache_salt", None)), _text(getattr(req, "extra_key", None))))
+        self._put(Rec.KEPT, 0, (fields, tokens[: len(row)], page_starts(row, self._step(-1))))
         if not self._session_rows:  # from now on a row's frees may drop pages a session kept
             self._session_rows = True
             self._wrap_row_frees()
@@ -766,7 +689,7 @@ class CaptureShim:
             return
         try:
             self._asked.pop(str(request_id), None)  # as the shim forgets it: its next lookup is reported
-            self._put(Rec.ADMIT, 0, (META.encode((int(prompt_tokens), int(device), int(host), int(storage),
+            self._put(Rec.ADMIT, 0, (encode(Admit(int(prompt_tokens), int(device), int(host), int(storage),
                                                   str(request_id), _text(tenant))),))
         except Exception:  # noqa: BLE001
             self._failed("record_admission")

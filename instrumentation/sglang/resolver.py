@@ -4,9 +4,10 @@ wrapped call takes in-process (`begin_call`, `end_call`, `before_action`), so bo
 the same events. The shim here sees stand-ins that carry just what it reads: a request's id and
 tokens, a key's tokens and namespace, slot indices, hit lengths.
 
-Slots travel as SGLang held them, the first slot of each page (one per slot for state pools);
-this side turns them into ledger indices (`ledger_of_starts`) and hands them to the shim as
-`LedgerSlots`, which its slot reading takes as they are.
+Records are those of `records`: each one with fields is decoded, typed, and replayed by the
+method for its kind. Slots travel as SGLang held them, the first slot of each page (one per slot
+for state pools); this side turns them into ledger indices (`ledger_of_starts`) and hands them
+to the shim as `LedgerSlots`, which its slot reading takes as they are.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import msgspec
 import numpy as np
 
 from kvtrace.instrumentation.ring import Ring, RingCorrupt
-from kvtrace.instrumentation.sglang.capture import CALLS, REQUESTS_KEPT, Rec, ResolverSpec
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, scatter, slot_step
+from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, MAMBA_EXISTED, REQUESTS_KEPT,
+                                                    Acted, Action, Admit, Backed, Backup, Checkpoint, Fetched,
+                                                    Fields, Insert, Kept, Lookup, Rec, ResolverSpec, Restore,
+                                                    Restored, Staged, Store, Stored, decode)
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason
 
@@ -48,7 +52,6 @@ class _Key:
 
 
 _NEVER = 1 << 62  # a usage-sample due time that never comes
-_META = msgspec.msgpack.Decoder()  # a record's first blob: its small fields
 
 
 def _slots(raw: Any, step: int) -> LedgerSlots:
@@ -130,6 +133,11 @@ class Replayer:
         self.handled = 0
         self.skipped = 0  # repeated asks of a request this side no longer knows
         self.now = 0  # the capture's clock at the HiCache record being replayed
+        self._replay: dict[type[Fields], Any] = {  # records with fields, by their type
+            Lookup: self._lookup, Insert: self._insert, Checkpoint: self._checkpoint, Action: self._action,
+            Acted: self._acted, Backup: self._copy, Restore: self._copy, Backed: self._backed,
+            Restored: self._restored, Store: self._store, Stored: self._stored, Fetched: self._fetched,
+            Staged: self._staged, Kept: self._kept, Admit: self._admit}
 
     def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
         """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,
@@ -156,139 +164,157 @@ class Replayer:
         self.shim.end_call(call, top, after, result, token, opened if args is None else args, {})
 
     def handle(self, kind: int, value: int, blobs: list[memoryview]) -> None:
+        """Replay one record: a bare one by its kind and value, one with fields by their type."""
         self.handled += 1
-        shim = self.shim
-        if kind == Rec.BEGIN:
+        if blobs:
+            fields = decode(blobs[0])
+            self._replay[type(fields)](fields, blobs)
+        elif kind == Rec.BEGIN:
             call = CALLS[value]
-            self._open(call, shim.before_release_session if call == "release_session" else None)
+            self._open(call, self.shim.before_release_session if call == "release_session" else None)
         elif kind == Rec.END:
             self._end(CALLS[value])
         elif kind == Rec.ABORT:
             if self.frames and self.frames[-1][0] == CALLS[value]:
                 _, top, _, _ = self.frames.pop()
-                shim.abort_call(top)
-        elif kind == Rec.LOOKUP:
-            if value & 4:  # nothing happened inside the call: its opening was not recorded
-                self._open("match_prefix")
-            device, host, full, rid, extra, salt, counters = _META.decode(blobs[0])
-            has_req, repeat = bool(value & 1), bool(value & 2)
-            req = None
-            if has_req:
-                req = self._request(rid or "", fresh=bool(value & 8))
-                if not repeat:
-                    req.origin_input_ids = _tokens(blobs[1])
-                    req.output_ids = _tokens(blobs[2]) if len(blobs) > 2 else array("q")
-                elif shim.reported_lookup(rid or "") != (device, host):
-                    # A repeat the shim would report (it forgot the request), without tokens to
-                    # report it with: ended without a lookup, and counted.
-                    self.skipped += 1
-                    self._close("match_prefix")
-                    return
-                key = _Key(array("q"), extra, salt, 0)
-            else:
-                tokens = _tokens(blobs[1])
-                key = _Key(tokens, extra, salt, len(tokens))
-            if counters is not None:  # the capture's clock says a usage sample is due: at this lookup
-                self.cache.counters = tuple(counters)
-                shim.usage_due_ns = 0
-            result = SimpleNamespace(device_prefix_len=device, host_hit_length=host, full_kv_hit_length=full)
-            self._close("match_prefix", shim.after_lookup, result, (SimpleNamespace(key=key, req=req),))
-            if shim.usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
-                shim.usage_due_ns = _NEVER
-        elif kind == Rec.CHECKPOINT:
-            self._open_checkpoint(_META.decode(blobs[0]), bool(value & 8))
-        elif kind == Rec.INSERT:
-            if not value & 1:
-                params = SimpleNamespace(key=None, value=None, mamba_value=None)
-            else:
-                length, known, extra, salt, rid = _META.decode(blobs[0])
-                if value & 8:  # the checkpoint around it opens here
-                    self._open_checkpoint(rid, bool(value & 16))
-                tokens = _tokens(blobs[1])
-                if value & 4:  # they begin with the checkpointed request's tokens, as last sent
-                    try:
-                        tokens = self._request_tokens(known) + tokens
-                    except LookupError:  # never expected: the capture mirrors the stand-ins
-                        self.errors += 1
-                        log.warning("kvtrace: the SGLang resolver cannot name an insert's pages; "
-                                    "reporting the device tier invalidated")
-                        shim.drop_ledger(Reason.EXPLICIT)
-                        return
-                key = _Key(tokens, extra, salt, length)
-                slots = _slots(blobs[2], self._step(None))
-                mamba = _slots(blobs[3], 1) if value & 2 else None
-                params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
-            self._open("insert", shim.before_insert, (params,))
+                self.shim.abort_call(top)
+        elif kind == Rec.INSERT:  # an insert without a key or value
+            params = SimpleNamespace(key=None, value=None, mamba_value=None)
+            self._open("insert", self.shim.before_insert, (params,))
         elif kind == Rec.INSERTED:
-            self._close("insert", shim.after_insert, SimpleNamespace(prefix_len=value >> 2, mamba_exist=bool(value & 1)))
-            if value & 2:  # and the checkpoint around it returned
+            self._close("insert", self.shim.after_insert,
+                        SimpleNamespace(prefix_len=value >> 2, mamba_exist=bool(value & MAMBA_EXISTED)))
+            if value & CHECKPOINT_RETURNED:
                 self._end("checkpoint")
-        elif kind == Rec.ACTION:
-            name, component = _META.decode(blobs[0])
-            slots = _slots(blobs[1], value)
-            self.cache.map_window(blobs)
-            action = SimpleNamespace(component_type=component, indices=slots, host_indices=slots)
-            shim.before_action(name, action)
-        elif kind == Rec.ACTED:
-            name = _META.decode(blobs[0])
-            slots = _slots(blobs[1], value)
-            self.cache.map_window(blobs)
-            shim.after_action(name, SimpleNamespace(source_value=slots, kept_full=slots))
-        elif kind == Rec.BACKUP or kind == Rec.RESTORE:
-            # A copy's record carries its source's slots, then its destination's (what the call
-            # returned, which the hook takes first), then each extra pool's, in the same order.
-            node_id, self.now, names = _META.decode(blobs[0])
-            backup, step, hooks = kind == Rec.BACKUP, self._step(None), self._hicache()
-            sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
-            (hooks.after_write if backup else hooks.after_load)(
-                _slots(blobs[2], step), _slots(blobs[1], step), node_id=node_id,
-                extra_pools=self._pools(names, blobs[3:], sides, node_id))
-        elif kind == Rec.BACKED:
-            ack_id, self.now = _META.decode(blobs[0])
-            self._hicache().after_write_ack(None, ack_id)
-        elif kind == Rec.RESTORED:
-            if value & 4:  # nothing happened inside the call: its opening was not recorded
-                self._open("loading_check")
-            before, still, count, self.now = _META.decode(blobs[0])
-            # What `_after_loading_check` reads: the int ids still loading, and whether any is.
-            self.cache.ongoing_load_back = set(still) | ({None} if count > len(still) else set())
-            if self.frames and self.frames[-1][0] == "loading_check":
-                _, top, _, _ = self.frames.pop()
-                shim.end_call("loading_check", top, self._hicache().after_loading_check, None, set(before), (), {})
-        elif kind == Rec.STORE:
-            op_id, self.now, names, states = _META.decode(blobs[0])
-            self._hicache().after_write_storage(op_id, _slots(blobs[1], self._step(None)), None, names,
-                                                 extra_pools=self._pools(states, blobs[2:], ("host_indices",)))
-        elif kind == Rec.STORED:
-            op_id, done, self.now = _META.decode(blobs[0])
-            op = SimpleNamespace(id=op_id) if done is None else SimpleNamespace(id=op_id, completed_tokens=done)
-            self._hicache().after_storage_ack(op)
-        elif kind == Rec.FETCHED:
-            prefix_len, names, root, parent, extra, salt, rid, took, held = _META.decode(blobs[0])
-            tokens = _tokens(blobs[1])
-            self._hicache().landed(prefix_len, names, _Key(tokens, extra, salt, len(tokens)),
-                                   _slots(blobs[2], self._step(None)), root, parent, rid, took, held)
-        elif kind == Rec.STAGED:
-            staged, released = _META.decode(blobs[0])
-            groups = [self.shim.group_named(name) for name in staged + released]
-            moved = [(g, self.shim.page_slots(g, _slots(raw, self._step(name))))
-                     for g, name, raw in zip(groups, staged + released, blobs[1:], strict=True)]
-            self._hicache().prefetched(moved[: len(staged)], moved[len(staged):])
         elif kind == Rec.CLEARED:
             self._hicache().after_clear_storage(True)
-        elif kind == Rec.KEPT:
-            salt, extra = _META.decode(blobs[0])
-            top, _ = shim.begin_call("claim_kv_row", None, (), {})
-            try:
-                shim.session_kept(new_chain(extra, salt), _tokens(blobs[1]), _slots(blobs[2], self._step(None)).slots,
-                                  salt, extra)
-            finally:
-                shim.end_call("claim_kv_row", top, None, None, None, (), {})
-        elif kind == Rec.ADMIT:
-            prompt, device, host, storage, rid, tenant = _META.decode(blobs[0])
-            shim.record_admission(rid, prompt, device=device, host=host, storage=storage, tenant=tenant)
         elif kind == Rec.LOST:
             self.start_afresh()
+
+    def _lookup(self, f: Lookup, blobs: list[memoryview]) -> None:
+        shim = self.shim
+        if not f.opened:  # nothing happened inside the call: its opening was not recorded
+            self._open("match_prefix")
+        req = None
+        if f.request:
+            req = self._request(f.request_id, fresh=f.fresh)
+            if not f.repeat:
+                req.origin_input_ids = _tokens(blobs[1])
+                req.output_ids = _tokens(blobs[2]) if len(blobs) > 2 else array("q")
+            elif shim.reported_lookup(f.request_id) != (f.device, f.host):
+                # A repeat the shim would report (it forgot the request), without tokens to
+                # report it with: ended without a lookup, and counted.
+                self.skipped += 1
+                self._close("match_prefix")
+                return
+            key = _Key(array("q"), f.extra_key, f.cache_salt, 0)
+        else:
+            tokens = _tokens(blobs[1])
+            key = _Key(tokens, f.extra_key, f.cache_salt, len(tokens))
+        if f.counters is not None:  # the capture's clock says a usage sample is due: at this lookup
+            self.cache.counters = f.counters
+            shim.usage_due_ns = 0
+        result = SimpleNamespace(device_prefix_len=f.device, host_hit_length=f.host,
+                                 full_kv_hit_length=f.full)
+        self._close("match_prefix", shim.after_lookup, result, (SimpleNamespace(key=key, req=req),))
+        if shim.usage_due_ns:  # sampled (or never due): the next one waits for the capture's word
+            shim.usage_due_ns = _NEVER
+
+    def _checkpoint(self, f: Checkpoint, blobs: list[memoryview]) -> None:
+        self._open_checkpoint(f.request_id, f.fresh)
+
+    def _insert(self, f: Insert, blobs: list[memoryview]) -> None:
+        if f.checkpoint is not None:  # the checkpoint around it opens here
+            self._open_checkpoint(f.checkpoint, f.fresh)
+        tokens = _tokens(blobs[1])
+        if f.known:  # they begin with the checkpointed request's tokens, as last sent
+            try:
+                tokens = self._request_tokens(f.known) + tokens
+            except LookupError:  # never expected: the capture mirrors the stand-ins
+                self.errors += 1
+                log.warning("kvtrace: the SGLang resolver cannot name an insert's pages; "
+                            "reporting the device tier invalidated")
+                self.shim.drop_ledger(Reason.EXPLICIT)
+                return
+        key = _Key(tokens, f.extra_key, f.cache_salt, f.length)
+        slots = _slots(blobs[2], self._step(None))
+        mamba = _slots(blobs[3], 1) if len(blobs) > 3 else None
+        params = SimpleNamespace(key=key, value=slots, mamba_value=mamba)
+        self._open("insert", self.shim.before_insert, (params,))
+
+    def _action(self, f: Action, blobs: list[memoryview]) -> None:
+        slots = _slots(blobs[1], f.step)
+        self.cache.map_window(blobs)
+        action = SimpleNamespace(component_type=f.component, indices=slots, host_indices=slots)
+        self.shim.before_action(f.name, action)
+
+    def _acted(self, f: Acted, blobs: list[memoryview]) -> None:
+        slots = _slots(blobs[1], f.step)
+        self.cache.map_window(blobs)
+        self.shim.after_action(f.name, SimpleNamespace(source_value=slots, kept_full=slots))
+
+    def _copy(self, f: Backup | Restore, blobs: list[memoryview]) -> None:
+        """A copy's record carries its source's slots, then its destination's (what the call
+        returned, which the hook takes first), then each extra pool's, in the same order."""
+        self.now = f.time_ns
+        backup, step, hooks = type(f) is Backup, self._step(None), self._hicache()
+        sides = ("device_indices", "host_indices") if backup else ("host_indices", "device_indices")
+        (hooks.after_write if backup else hooks.after_load)(
+            _slots(blobs[2], step), _slots(blobs[1], step), node_id=f.node_id,
+            extra_pools=self._pools(f.pools, blobs[3:], sides, f.node_id))
+
+    def _backed(self, f: Backed, blobs: list[memoryview]) -> None:
+        self.now = f.time_ns
+        self._hicache().after_write_ack(None, f.ack_id)
+
+    def _restored(self, f: Restored, blobs: list[memoryview]) -> None:
+        if not f.opened:  # nothing happened inside the call: its opening was not recorded
+            self._open("loading_check")
+        self.now = f.time_ns
+        # What `after_loading_check` reads: the int ids still loading, and whether any is.
+        self.cache.ongoing_load_back = set(f.still) | ({None} if f.loading > len(f.still) else set())
+        if self.frames and self.frames[-1][0] == "loading_check":
+            _, top, _, _ = self.frames.pop()
+            self.shim.end_call("loading_check", top, self._hicache().after_loading_check, None, set(f.before),
+                               (), {})
+
+    def _store(self, f: Store, blobs: list[memoryview]) -> None:
+        self.now = f.time_ns
+        self._hicache().after_write_storage(f.op_id, _slots(blobs[1], self._step(None)), None, f.names,
+                                            extra_pools=self._pools(f.states, blobs[2:], ("host_indices",)))
+
+    def _stored(self, f: Stored, blobs: list[memoryview]) -> None:
+        self.now = f.time_ns
+        done = f.completed_tokens
+        op = (SimpleNamespace(id=f.op_id) if done is None else
+              SimpleNamespace(id=f.op_id, completed_tokens=done))
+        self._hicache().after_storage_ack(op)
+
+    def _fetched(self, f: Fetched, blobs: list[memoryview]) -> None:
+        tokens = _tokens(blobs[1])
+        key = _Key(tokens, f.extra_key, f.cache_salt, len(tokens))
+        self._hicache().landed(f.prefix_len, f.names, key, _slots(blobs[2], self._step(None)), f.root, f.parent,
+                               f.request_id, f.took_ns, f.held)
+
+    def _staged(self, f: Staged, blobs: list[memoryview]) -> None:
+        names = f.staged + f.released
+        groups = [self.shim.group_named(name) for name in names]
+        moved = [(g, self.shim.page_slots(g, _slots(raw, self._step(name))))
+                 for g, name, raw in zip(groups, names, blobs[1:], strict=True)]
+        self._hicache().prefetched(moved[: len(f.staged)], moved[len(f.staged):])
+
+    def _kept(self, f: Kept, blobs: list[memoryview]) -> None:
+        shim = self.shim
+        top, _ = shim.begin_call("claim_kv_row", None, (), {})
+        try:
+            shim.session_kept(new_chain(f.extra_key, f.cache_salt), _tokens(blobs[1]),
+                              _slots(blobs[2], self._step(None)).slots, f.cache_salt, f.extra_key)
+        finally:
+            shim.end_call("claim_kv_row", top, None, None, None, (), {})
+
+    def _admit(self, f: Admit, blobs: list[memoryview]) -> None:
+        self.shim.record_admission(f.request_id, f.prompt_tokens, device=f.device, host=f.host,
+                                   storage=f.storage, tenant=f.tenant)
 
     def _end(self, call: str) -> None:
         shim = self.shim
@@ -320,8 +346,8 @@ class Replayer:
                                 **{side: _slots(blobs[n * i + j], self._step(name)) for j, side in enumerate(sides)})
                 for i, name in enumerate(names)]
 
-    def _open_checkpoint(self, rid: str | None, fresh: bool) -> None:
-        self._open("checkpoint", self.shim.before_checkpoint, (self._request(rid or "", fresh),))
+    def _open_checkpoint(self, rid: str, fresh: bool) -> None:
+        self._open("checkpoint", self.shim.before_checkpoint, (self._request(rid, fresh),))
 
     def _request_tokens(self, count: int) -> array:
         """The first `count` tokens of the request whose checkpoint is open, as its last lookup
