@@ -14,7 +14,6 @@ from operator import attrgetter
 from typing import Any
 
 import msgspec
-import polars as pl
 import pyarrow as pa
 
 from kvtrace.schema.events import SCHEMA_VERSION, Event
@@ -114,8 +113,12 @@ def from_arrow(table: pa.Table) -> list[Event]:
     """Events of a table that already passed validation (the store, our own exports).
 
     The rows go through one columnar JSON encoding (polars, in Rust) and one typed msgspec
-    decode (in C): about twice as fast as building a dict per row in Python.
+    decode (in C): about twice as fast as building a dict per row in Python. polars is imported
+    here, not with the module: an engine that only encodes Arrow (the columns wire) needs
+    pyarrow alone.
     """
+    import polars as pl
+
     if not table.num_rows:
         return []
     return _EVENTS.decode(pl.from_arrow(conform(table)).write_json())  # type: ignore[union-attr]

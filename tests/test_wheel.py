@@ -45,9 +45,9 @@ _STORE = frozenset({"pyarrow", "polars", "clickhouse_connect", "chdb"})  # the `
 # Engine-side modules that need more than the core, and the top-level modules they may find
 # missing there: Arrow and the store (extras `arrow`, `store`), or numpy, which every engine ships.
 BEYOND_CORE: dict[str, frozenset[str]] = {
-    "kvtrace.schema.arrow": frozenset({"pyarrow", "polars"}),
-    "kvtrace.schema.arrow_checks": frozenset({"pyarrow", "polars", "numpy"}),
-    "kvtrace.schema.arrow_wire": frozenset({"pyarrow", "polars"}),
+    "kvtrace.schema.arrow": frozenset({"pyarrow"}),
+    "kvtrace.schema.arrow_checks": frozenset({"pyarrow", "numpy"}),
+    "kvtrace.schema.arrow_wire": frozenset({"pyarrow"}),
     "kvtrace.instrumentation.sinks.store": _STORE,
     "kvtrace.instrumentation.recording": _STORE,
     "kvtrace.instrumentation.page_keys": frozenset({"numpy"}),
@@ -345,8 +345,6 @@ print(type(sink).__name__, sink.wire.value, sorted(loaded & set(sys.argv[1:])))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the columns encoder's kvtrace.schema.arrow imports polars, "
-                                       "which only the store extra brings")
 def test_the_arrow_extra_alone_sends_columns(base: Path, wheel: Path) -> None:
     _pip_install(base / "arrow", f"{wheel}[arrow]", base / "pip-cache")
     env = _env(base / "home", KVTRACE_ENABLED="1", KVTRACE_COLLECTOR_URL="http://127.0.0.1:9",
