@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--write-verdicts", action="store_true",
                          help="also store the per-lookup rows in the verdicts table (what dashboards and alerts read "
                               "when no collector reconstructs live)")
-    analyze.set_defaults(handler=cmd_analyze)
+    analyze.set_defaults(handler=cmd_analyze, extra="analysis")
 
     costs = sub.add_parser("costs", help="load vs recompute: fitted costs, crossovers, seconds lost")
     costs.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
-    costs.set_defaults(handler=cmd_costs)
+    costs.set_defaults(handler=cmd_costs, extra="analysis")
 
     capacity = sub.add_parser("capacity", help="hit rate against cache capacity per group, from stack distances")
     capacity.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
@@ -53,14 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                           help="capacities to evaluate, in blocks of each group (comma-separated)")
     capacity.add_argument("--requests", type=float, default=0.99, help="share of requests to serve (default 0.99)")
     capacity.add_argument("--prefix", type=float, default=0.99, help="share of their reusable prefix (default 0.99)")
-    capacity.set_defaults(handler=cmd_capacity)
+    capacity.set_defaults(handler=cmd_capacity, extra="analysis")
 
     rep = sub.add_parser("report", help="write the HTML report (funnel, reasons, crossover, capacity)")
     rep.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
     rep.add_argument("--recipe", action="append", required=True, metavar=RECIPE_METAVAR)
     rep.add_argument("-o", "--output", default="kvtrace-report.html", help="where (default kvtrace-report.html)")
     rep.add_argument("--bucket-s", type=positive, default=60, help="funnel time buckets (default 60 s)")
-    rep.set_defaults(handler=cmd_report)
+    rep.set_defaults(handler=cmd_report, extra="dashboards")
 
     cal = sub.add_parser("calibrate", help="measure prefill and copy costs on this machine (needs torch)")
     cal.add_argument("--model", required=True, help="the model name events carry (what cost models join on)")
@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--chunks", default="64,128,256,512", help="tokens per timed chunk")
     cal.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128", help="copy sizes for tier bandwidth")
     cal.add_argument("--repeats", type=positive, default=3)
-    cal.set_defaults(handler=cmd_calibrate)
+    cal.set_defaults(handler=cmd_calibrate, extra="analysis")
 
 
 # -- analyze --------------------------------------------------------------------------------

@@ -25,10 +25,14 @@ EXTRA_OF = {
 }
 
 
-def missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """The line to print for a module one of kvtrace's extras provides; None for any other."""
+def missing_extra(exc: ModuleNotFoundError, needs: str = "") -> str | None:
+    """The line to print for a module one of kvtrace's extras provides; None for any other.
+
+    `needs` is the extra the command declares (every command does, when it registers): naming
+    it, rather than the extra of the first module found missing, sends the user to the install
+    that makes the whole command work, not to the next missing module."""
     top = (exc.name or "").split(".")[0]
-    extra = EXTRA_OF.get(top)
-    if extra is None:
+    if top not in EXTRA_OF:
         return None
+    extra = needs or EXTRA_OF[top]
     return f"this command needs kvtrace's {extra!r} extra (no module {top!r} here): pip install 'kvtrace[{extra}]'"

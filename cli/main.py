@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        if (line := missing_extra(exc)) is None:
+        if (line := missing_extra(exc, getattr(args, "extra", ""))) is None:
             raise
         print(f"error: kvtrace {args.command}: {line}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--requests", type=positive, default=200,
                       help="requests of the bundled trace (1-400, default 200)")
     demo.add_argument("--report", help="HTML report path (default: $KVTRACE_HOME/demo-report.html)")
-    demo.set_defaults(handler=cmd_demo)
+    demo.set_defaults(handler=cmd_demo, extra="all")
 
     replay_p = sub.add_parser("replay", help="replay a request trace through an engine into the store")
     _trace_args(replay_p)
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
     replay_p.add_argument("--tenant", default="default", help="tenant for requests whose trace names none")
-    replay_p.set_defaults(handler=cmd_replay)
+    replay_p.set_defaults(handler=cmd_replay, extra="store")
 
     verify = sub.add_parser("verify", help="prove a sample of verdicts by re-executing prompts without the cache "
                                            "(run from the engine's environment)")
@@ -69,13 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("--max-model-len", type=positive, default=4096, help="prompts are cut to fit")
     verify.add_argument("--instance", default="verify", help="instance name the events carry")
     verify.add_argument("--no-store", action="store_true", help="print only; store nothing")
-    verify.set_defaults(handler=cmd_verify)
+    verify.set_defaults(handler=cmd_verify, extra="analysis")
 
     experiment = sub.add_parser("experiment", help="compare retention policies on one trace (no store needed)")
     _trace_args(experiment)
     experiment.add_argument("--policies", default="lru,interval:512,branch", help="comma-separated policies")
     experiment.add_argument("-o", "--output", help="also write the table to this Parquet file")
-    experiment.set_defaults(handler=cmd_experiment)
+    experiment.set_defaults(handler=cmd_experiment, extra="analysis")
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:

@@ -30,12 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
     col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
     col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    col.set_defaults(handler=cmd_collector)
+    col.set_defaults(handler=cmd_collector, extra="collector")
 
     dash = sub.add_parser("dashboard", help="serve the web dashboard over the store")
     dash.add_argument("--host", default="127.0.0.1")
     dash.add_argument("--port", type=positive, default=8050)
-    dash.set_defaults(handler=cmd_dashboard)
+    dash.set_defaults(handler=cmd_dashboard, extra="dashboards")
 
     graf = sub.add_parser("grafana", help="write the Grafana dashboards (ClickHouse data source) as JSON")
     graf.add_argument("-o", "--output", default="grafana", help="directory (default ./grafana)")
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     al.add_argument("--interval-s", type=positive, default=30, help="seconds between evaluations (default 30)")
     al.add_argument("--once", action="store_true", help="evaluate once and exit")
     al.add_argument("--metrics-port", type=positive, help="also serve the rule values as Prometheus metrics here")
-    al.set_defaults(handler=cmd_alerts)
+    al.set_defaults(handler=cmd_alerts, extra="dashboards")
 
 
 def cmd_collector(args: argparse.Namespace) -> int:

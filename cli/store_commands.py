@@ -16,9 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     init = dbsub.add_parser("init", help="create or migrate tables (idempotent)")
     init.add_argument("--ttl-days", type=non_negative, default=0, help="drop data older than N days (0 = keep)")
     init.add_argument("--cluster", default="", help="ClickHouse cluster: replicated tables + Distributed")
-    init.set_defaults(handler=cmd_db_init)
-    dbsub.add_parser("status", help="schema version, row counts, disk use, reported drops").set_defaults(
-        handler=cmd_db_status)
+    init.set_defaults(handler=cmd_db_init, extra="store")
+    status = dbsub.add_parser("status", help="schema version, row counts, disk use, reported drops")
+    status.set_defaults(handler=cmd_db_status, extra="store")
     ddl = dbsub.add_parser("ddl", help="print the DDL without running it")
     ddl.add_argument("--ttl-days", type=non_negative, default=0)
     ddl.add_argument("--cluster", default="")
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     ingest = sub.add_parser("ingest", help="load events from JSONL, Parquet or spool files")
     ingest.add_argument("files", nargs="+", help="files to load (format detected from content)")
-    ingest.set_defaults(handler=cmd_ingest)
+    ingest.set_defaults(handler=cmd_ingest, extra="store")
 
     export = sub.add_parser("export", help="write stored events to Parquet or JSONL")
     export.add_argument("-o", "--output", required=True, help="output file")
@@ -37,11 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--instance", default="")
     export.add_argument("--model", default="")
     export.add_argument("--tenant", default="")
-    export.set_defaults(handler=cmd_export)
+    export.set_defaults(handler=cmd_export, extra="store")
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
     schema.add_argument("--format", choices=["json", "ddl", "arrow", "batch-json"], default="json")
-    schema.set_defaults(handler=cmd_schema)
+    schema.set_defaults(handler=cmd_schema, extra="arrow")
 
 
 def cmd_db_ddl(args: argparse.Namespace) -> int:

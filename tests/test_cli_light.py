@@ -60,10 +60,15 @@ def test_help_loads_nothing_heavy(absent: bool) -> None:
 
 
 def test_a_missing_extra_is_named_in_one_line(tmp_path) -> None:  # noqa: ANN001
+    # Each command names the extra that makes the whole command work, not the extra of the first
+    # module it found missing (a collector without pyarrow needs `collector`, not `arrow`).
     for argv, extra in ((["export", "-o", str(tmp_path / "x.parquet")], "store"),
                         (["replay", str(tmp_path / "t.jsonl")], "store"),
-                        (["analyze", "--recipe", "dense"], "store"),
-                        (["dashboard"], "collector")):
+                        (["analyze", "--recipe", "dense"], "analysis"),
+                        (["report", "--recipe", "dense"], "dashboards"),
+                        (["collector"], "collector"),
+                        (["dashboard"], "dashboards"),
+                        (["alerts", "--once"], "dashboards")):
         code, out, _ = run(["--dsn", f"chdb://{tmp_path}/db", *argv], absent=True)
         assert code == 1, (argv, out)
         assert f"error: kvtrace {argv[0]}: this command needs kvtrace's {extra!r} extra" in out, (argv, out)
