@@ -30,6 +30,7 @@ from kvtrace.instrumentation.api import Emitter, set_emitter
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import Sink
 from kvtrace.instrumentation.sinks.http import Wire
+from kvtrace.instrumentation.switch import OFF
 
 
 class SinkKind(StrEnum):
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
 
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
+_FALSE = OFF
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvtrace.instrumentation.switch import tracing_requested
+
 log = logging.getLogger("kvtrace.vllm")
 _installed = False
 
@@ -20,7 +22,7 @@ _installed = False
 def register() -> None:
     """The entry point vLLM calls; safe to call many times, never raises."""
     global _installed
-    if _installed:
+    if _installed or not tracing_requested():  # off: nothing more of kvtrace is imported
         return
     try:
         from kvtrace.instrumentation.config import enabled_settings
