@@ -1,6 +1,7 @@
 """Packages are found from the tree, never listed by hand: a folder with an `__init__.py` under
-one of kvtrace's rooms is the package `kvtrace.<room>.<...>`, so a new subpackage cannot be left
-out of the wheel. Everything else about the distribution is in pyproject.toml."""
+one of kvtrace's rooms is the package `kvtrace.<room>.<...>` (a folder of data files a namespace
+package that carries them), so a new subpackage cannot be left out of the wheel. Everything else
+about the distribution is in pyproject.toml."""
 
 from pathlib import Path
 
@@ -11,11 +12,19 @@ from setuptools import setup
 ROOMS = ("schema", "store", "instrumentation", "collector", "analysis", "dashboards", "cli")
 
 here = Path(__file__).parent
-packages = sorted(
-    "kvtrace." + ".".join(init.parent.relative_to(here).parts)
-    for room in ROOMS
-    for init in (here / room).rglob("__init__.py")
-    if "__pycache__" not in init.parts
-)
+
+
+def _packages(room: Path) -> list[str]:
+    """The room's packages: its folders with an `__init__.py`, and its data folders (files other
+    than Python's), which travel as namespace packages with the files package-data names."""
+    found = []
+    for folder in (room, *(d for d in room.rglob("*") if d.is_dir() and d.name != "__pycache__")):
+        files = [f for f in folder.iterdir() if f.is_file()]
+        if (folder / "__init__.py").exists() or any(f.suffix not in (".py", ".pyc") for f in files):
+            found.append("kvtrace." + ".".join(folder.relative_to(here).parts))
+    return found
+
+
+packages = sorted(p for room in ROOMS for p in _packages(here / room))
 # kvtrace.<room> lives in ./<room>: the mapping of the namespace onto the repository root.
 setup(packages=packages, package_dir={"kvtrace": "."})
