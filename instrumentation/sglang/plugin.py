@@ -31,6 +31,8 @@ import os
 from enum import StrEnum
 from typing import Any
 
+from kvtrace.instrumentation.switch import tracing_requested
+
 log = logging.getLogger("kvtrace.sglang")
 CACHE_TARGET = "sglang.srt.mem_cache.registry.create_tree_cache"
 ADMIT_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
@@ -60,12 +62,10 @@ def mode_from_env(env: Any = None) -> Mode:
 def register() -> None:
     """The entry point SGLang calls; safe to call many times, never raises."""
     global _installed, _settings
-    if _installed:
+    if _installed or not tracing_requested():  # off: nothing more of kvtrace is imported
         return
     try:
-        from kvtrace.instrumentation.config import enabled_settings
-
-        from kvtrace.instrumentation.config import ConfigError
+        from kvtrace.instrumentation.config import ConfigError, enabled_settings
 
         settings = enabled_settings(log)
         if settings is None:
