@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.records import CalibrationSample
@@ -92,6 +93,21 @@ def calibrate_prefill(shape: ModelShape, model: str, starts: Sequence[int] = (0,
     run_id = run_id or uuid.uuid4().hex[:12]
     name = device_name(device)
     shape_json = json.dumps(asdict(shape), sort_keys=True)
+
+    # one chunk of n new tokens after the cached ones, bound to each chunk's tensors below
+    def forward(x0: torch.Tensor, n: int, cache_k: torch.Tensor, cache_v: torch.Tensor, mask: torch.Tensor) -> None:
+        x = x0
+        with torch.inference_mode():
+            for _ in range(shape.layers):
+                q = (x @ wq).view(n, nh, hd).transpose(0, 1).unsqueeze(0)
+                k = torch.cat([cache_k, (x @ wk).view(n, nkv, hd).transpose(0, 1).unsqueeze(0)], dim=2)
+                v = torch.cat([cache_v, (x @ wv).view(n, nkv, hd).transpose(0, 1).unsqueeze(0)], dim=2)
+                k = k.repeat_interleave(nh // nkv, dim=1)
+                v = v.repeat_interleave(nh // nkv, dim=1)
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                x = x + a.squeeze(0).transpose(0, 1).reshape(n, nh * hd) @ wo
+                x = x + (F.silu(x @ wg) * (x @ wu)) @ wd
+
     out = []
     for start in starts:
         cache_k = torch.randn(1, nkv, start, hd, generator=gen).to(dev, dtype)
@@ -100,21 +116,7 @@ def calibrate_prefill(shape: ModelShape, model: str, starts: Sequence[int] = (0,
             x0 = torch.randn(n, h, generator=gen).to(dev, dtype)
             # token i of the chunk sees the cache and chunk tokens up to itself
             mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
-
-            def forward() -> None:
-                x = x0
-                with torch.inference_mode():
-                    for _ in range(shape.layers):
-                        q = (x @ wq).view(n, nh, hd).transpose(0, 1).unsqueeze(0)
-                        k = torch.cat([cache_k, (x @ wk).view(n, nkv, hd).transpose(0, 1).unsqueeze(0)], dim=2)
-                        v = torch.cat([cache_v, (x @ wv).view(n, nkv, hd).transpose(0, 1).unsqueeze(0)], dim=2)
-                        k = k.repeat_interleave(nh // nkv, dim=1)
-                        v = v.repeat_interleave(nh // nkv, dim=1)
-                        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                        x = x + a.squeeze(0).transpose(0, 1).reshape(n, nh * hd) @ wo
-                        x = x + (F.silu(x @ wg) * (x @ wu)) @ wd
-
-            seconds = _timed(forward, device, repeats)
+            seconds = _timed(partial(forward, x0, n, cache_k, cache_v, mask), device, repeats)
             out.append(CalibrationSample(ts_ns=time.time_ns(), run_id=run_id, device=name, model=model,
                                          shape=shape_json, kind="prefill", start=start, tokens=n, seconds=seconds))
     return out
@@ -132,12 +134,12 @@ def calibrate_transfers(model: str, sizes: Sequence[int] = (1 << 20, 4 << 20, 16
         if device.startswith("cuda"):
             host = torch.empty(count, dtype=torch.float32).pin_memory()
             gpu = torch.empty(count, dtype=torch.float32, device=device)
-            paths = [(Tier.HOST, Tier.DEVICE, lambda: gpu.copy_(host, non_blocking=True)),
-                     (Tier.DEVICE, Tier.HOST, lambda: host.copy_(gpu, non_blocking=True))]
+            paths = [(Tier.HOST, Tier.DEVICE, partial(gpu.copy_, host, non_blocking=True)),
+                     (Tier.DEVICE, Tier.HOST, partial(host.copy_, gpu, non_blocking=True))]
         else:
             src = torch.ones(count, dtype=torch.float32)
             dst = torch.empty(count, dtype=torch.float32)
-            paths = [(Tier.HOST, Tier.DEVICE, lambda: dst.copy_(src))]
+            paths = [(Tier.HOST, Tier.DEVICE, partial(dst.copy_, src))]
         for s, d, fn in paths:
             seconds = _timed(fn, device, repeats)
             out.append(CalibrationSample(ts_ns=time.time_ns(), run_id=run_id, device=name, model=model,

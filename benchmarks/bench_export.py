@@ -176,32 +176,33 @@ def main() -> int:
         ratios_big, ratios_bp, ratios_thr = [], [], []
         stats_calls = 0
         bp_waits = 0
+        # each path emits one round's events and notes its time in that round's `rt`
+        def run_big(evs: list[Event], rt: dict[str, float]) -> None:
+            emit_s, total_s = emit_all(em_big, evs)
+            tot["big_emit"] += emit_s
+            tot["big"] += total_s
+            rt["big"] = total_s
+
+        def run_bp(evs: list[Event], rt: dict[str, float]) -> None:
+            nonlocal bp_waits
+            total_s, waits = emit_backpressure(em_bp, evs, bp_cfg.max_queue_size)
+            tot["bp"] += total_s
+            bp_waits += waits
+            rt["bp"] = total_s
+
+        def run_thr(evs: list[Event], rt: dict[str, float]) -> None:
+            _, total_s = emit_all(em_thr, evs)
+            tot["thr"] += total_s
+            rt["thr"] = total_s
+
         for r, evs in enumerate(chunks):
-            def run_big() -> None:
-                emit_s, total_s = emit_all(em_big, evs)
-                tot["big_emit"] += emit_s
-                tot["big"] += total_s
-                rt["big"] = total_s
-
-            def run_bp() -> None:
-                nonlocal bp_waits
-                total_s, waits = emit_backpressure(em_bp, evs, bp_cfg.max_queue_size)
-                tot["bp"] += total_s
-                bp_waits += waits
-                rt["bp"] = total_s
-
-            def run_thr() -> None:
-                _, total_s = emit_all(em_thr, evs)
-                tot["thr"] += total_s
-                rt["thr"] = total_s
-
             rt: dict[str, float] = {}
             paths = [run_big, run_bp, run_thr]
             for i, path in enumerate(paths[r % 3:] + paths[:r % 3]):  # rotate the order per round
                 if i:
                     for ev in evs:  # the first path stamped them; a shim hands over ts_ns=0
                         ev.ts_ns = 0
-                path()
+                path(evs, rt)
 
             # raw baseline on the same (now stamped) rows, in the emitter's chunk size
             t = time.perf_counter()

@@ -183,7 +183,7 @@ def profile(prompts: list[tuple[str, array]], config: DriverConfig, top: int) ->
     inner = {f for f in ours if f[2] not in WRAPPERS}
     own = {f: table[f][2] for f in ours}
     entered = 0.0
-    for f, (_cc, _nc, tt, _ct, callers) in table.items():
+    for f, (_cc, _nc, _tt, _ct, callers) in table.items():
         for caller, (_cnc, _ccc, ctt, cct) in callers.items():
             if f in inner and caller not in inner:
                 entered += cct  # kvtrace entered from outside: all of it, callees included

@@ -31,6 +31,7 @@ from kvtrace.schema.kinds import (
 U16 = st.integers(0, 2**16 - 1)
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
+NONZERO_U64 = st.integers(1, 2**64 - 1)
 NONNEG_I64 = st.integers(0, 2**63 - 1)
 TS_NS = st.integers(1, 2**63 - 1)
 # Measurements: finite and not negative (validation refuses the rest).
@@ -48,6 +49,7 @@ LABEL = st.one_of(st.sampled_from(["", "vllm", "sglang", "demo-0", "llama-3-8b"]
 
 COMPONENTS = [c for c in ComponentKind if c is not ComponentKind.NONE]
 TIERS = [t for t in Tier if t is not Tier.NONE]
+KINDS = st.sampled_from(list(EventKind))
 _EVICT = sorted(EVICT_REASONS)
 _INVALIDATE = sorted(INVALIDATE_REASONS)
 
@@ -100,7 +102,7 @@ _OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
 # Strategies for the fields a kind requires: never their empty default.
 _REQUIRED: dict[str, st.SearchStrategy[Any]] = {
     "component": st.sampled_from(COMPONENTS),
-    "block_key": st.integers(1, 2**64 - 1),
+    "block_key": NONZERO_U64,
     "tier": st.sampled_from(TIERS),
     "src_tier": st.sampled_from(TIERS),
     "dst_tier": st.sampled_from(TIERS),
@@ -113,9 +115,9 @@ _REQUIRED: dict[str, st.SearchStrategy[Any]] = {
 @st.composite
 def events(
     draw: st.DrawFn,
-    kinds: st.SearchStrategy[EventKind] = st.sampled_from(list(EventKind)),
+    kinds: st.SearchStrategy[EventKind] = KINDS,
     ts_ns: st.SearchStrategy[int] = TS_NS,
-    source_id: st.SearchStrategy[int] = st.integers(1, 2**64 - 1),
+    source_id: st.SearchStrategy[int] = NONZERO_U64,
     seq: st.SearchStrategy[int] = U64,
 ) -> Event:
     """One valid event of any kind (or of the kinds `kinds` draws)."""

@@ -158,7 +158,7 @@ def test_every_page_draws_in_headless_chromium(store: Store) -> None:
     interval = max(1, (hi - lo) // 120)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with Served(store) as served:
-        for path, (title, keys) in PAGES.items():
+        for path, (_title, keys) in PAGES.items():
             url = f"{served.url}/{path}?from={lo}&to={hi}"
             args = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                     "--enable-logging=stderr", "--v=0", "--virtual-time-budget=15000"]

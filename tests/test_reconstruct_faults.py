@@ -287,7 +287,7 @@ def test_lookup_without_adopt_and_bounded_pending() -> None:
 
 def test_state_memory_is_bounded_by_live_objects() -> None:
     s = Scenario(BUILTIN["dense"])
-    for round_ in range(50):
+    for _ in range(50):
         s.commit_all(upto=256)
         for key in s.keys(0, 256):
             s.ev(kind=EventKind.EVICT, component=ComponentKind.FULL_ATTENTION, block_key=key,

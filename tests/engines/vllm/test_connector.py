@@ -65,7 +65,7 @@ def child(root: str, wrapped: str) -> None:
 
 def run(root: Path, wrapped: str) -> dict:
     proc = subprocess.run([sys.executable, __file__, str(root), wrapped], capture_output=True, text=True, timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(line[7:])
 

@@ -74,7 +74,7 @@ def child(root: str) -> None:
 
 def test_costs_fit_a_real_engines_reloads_and_price_them(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=900)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(line[7:])
     assert out["cached"] == [32 * n for n in BLOCKS]  # every prefix came back whole from the host
