@@ -417,8 +417,8 @@ def main() -> None:
             print("rows, each step alone, CPU per event: " + ", ".join(f"{k} {v:.2f} us" for k, v in stages.items())
                   + f"; total {sum(stages.values()):.2f} us")
     for wire in wires:
-        ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs[wire])]
-        same_format = [c["events_per_s"] / r["json" if wire == "rows" else "arrow_ipc"] for r, c in zip(raws, runs[wire])]
+        ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs[wire], strict=True)]
+        same_format = [c["events_per_s"] / r["json" if wire == "rows" else "arrow_ipc"] for r, c in zip(raws, runs[wire], strict=True)]
         print(f"{wire}: median collector / fastest raw ClickHouse insert of the same rows: "
               f"{statistics.median(ratios):.2f} (target >= 0.50); / raw insert in the collector's own insert format "
               f"({'JSON lines' if wire == 'rows' else 'Arrow IPC'}): {statistics.median(same_format):.2f}")

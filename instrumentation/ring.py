@@ -239,7 +239,7 @@ class Ring:
         if count:
             _LENGTHS[count].pack_into(buf, base + _HEAD.size, *sizes)
             pos = base + head
-            for v, n in zip(views, sizes):
+            for v, n in zip(views, sizes, strict=True):
                 if not n:
                     continue
                 t = type(v)

@@ -499,7 +499,7 @@ def test_many_threads_emit_exactly_once() -> None:
     for t in range(threads_n):
         mine = [e for e in got if e.block_key >> 32 == t]
         assert [e.block_key & 0xFFFFFFFF for e in mine] == list(range(1, per_thread + 1))
-        assert all(a.seq < b.seq for a, b in zip(mine, mine[1:]))
+        assert all(a.seq < b.seq for a, b in zip(mine, mine[1:], strict=False))
     st = em.stats()
     assert st.emitted == st.exported == total and st.dropped == 0
     assert em.shutdown() is True

@@ -93,12 +93,12 @@ def test_engine_block_hashing_sees_exactly_the_trace_sharing(block_size: int) ->
     keys = {r.line: block_keys(recipe, tokens_of(r))[0] for r in reqs}
     checked = 0
     for a, b in itertools.combinations(reqs, 2):
-        shared_ids = next((i for i, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)) if x != y),
+        shared_ids = next((i for i, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids, strict=False)) if x != y),
                           min(len(a.hash_ids), len(b.hash_ids)))
         if not shared_ids:
             continue
         ka, kb = keys[a.line], keys[b.line]
-        shared_keys = next((i for i, (x, y) in enumerate(zip(ka, kb)) if x != y), min(len(ka), len(kb)))
+        shared_keys = next((i for i, (x, y) in enumerate(zip(ka, kb, strict=False)) if x != y), min(len(ka), len(kb)))
         full = min(shared_ids * 512, a.input_length, b.input_length) // block_size
         assert shared_keys == full, (a.line, b.line, shared_ids)
         checked += 1

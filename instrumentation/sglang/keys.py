@@ -86,7 +86,7 @@ class StorageNames:
         return int(name[:16], 16)
 
     def learn(self, names: list[str], keys: np.ndarray) -> None:
-        for name, key in zip(names, keys.tolist()):
+        for name, key in zip(names, keys.tolist(), strict=False):
             if key:
                 short = self.short(name)
                 self._keys[short] = key

@@ -127,11 +127,11 @@ class _Run:
         lists = out.new_logprobs
         if lists is not None:
             ids, lps = lists.logprob_token_ids, lists.logprobs
-            self.generated.extend(dict(zip(ids[i].tolist(), lps[i].tolist())) for i in range(len(ids)))
+            self.generated.extend(dict(zip(ids[i].tolist(), lps[i].tolist(), strict=False)) for i in range(len(ids)))
         tensors = out.new_prompt_logprobs_tensors
         if tensors is not None:
             ids, lps = tensors.logprob_token_ids.tolist(), tensors.logprobs.tolist()
-            self.prompt_rows.extend(dict(zip(i, v)) for i, v in zip(ids, lps))
+            self.prompt_rows.extend(dict(zip(i, v, strict=False)) for i, v in zip(ids, lps, strict=False))
         stats = out.prefill_stats
         if stats is not None:
             self.cached_tokens = int(stats.num_cached_tokens)

@@ -239,7 +239,7 @@ class _Observing(KVConnectorBase_V1):
             raise ValueError(f"a transfer spec lists {len(sizes)} groups; the KV-cache config has "
                              f"{len(self._group_base)}")
         at = 0
-        for group, n, start in zip(groups, sizes, spec.block_indices):
+        for group, n, start in zip(groups, sizes, spec.block_indices, strict=False):
             if n:
                 yield int(group), int(start), ids[at : at + int(n)]
             at += int(n)

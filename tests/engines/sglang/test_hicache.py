@@ -118,7 +118,7 @@ def test_tiers_round_trip_with_their_events(core: str, tmp_path: Path) -> None:
     load = next(e for e in events if e.kind is EventKind.LOAD)
     assert (load.src_tier, load.dst_tier, _keys(load)) == (Tier.HOST, Tier.DEVICE, KEYS)
     adopt = next(e for e in events if e.kind is EventKind.ADOPT)
-    assert list(zip(adopt.reused_tiers, adopt.reused_tokens)) == [(Tier.HOST, 16)]
+    assert list(zip(adopt.reused_tiers, adopt.reused_tokens, strict=True)) == [(Tier.HOST, 16)]
 
     cache.evict(EvictParams(num_tokens=256))
     assert cache.evict_host(256) == 16  # now only the storage tier has the prefix

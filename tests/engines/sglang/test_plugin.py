@@ -92,11 +92,11 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
         emitter.shutdown()
     adopts = [e for e in sink.events if e.kind is EventKind.ADOPT]
     assert len(adopts) == 2
-    assert list(zip(adopts[1].reused_tiers, adopts[1].reused_tokens)) == [(Tier.DEVICE, 32)]
+    assert list(zip(adopts[1].reused_tiers, adopts[1].reused_tokens, strict=True)) == [(Tier.DEVICE, 32)]
     assert adopts[1].recomputed_tokens == 43 - 32
     a = adopts[0]
     assert a.engine == "sglang" and a.model == "tiny-llama" and a.request_id == "q1"
-    assert list(zip(a.reused_tiers, a.reused_tokens)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]
+    assert list(zip(a.reused_tiers, a.reused_tokens, strict=True)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]
     assert a.recomputed_tokens == 12
 
 

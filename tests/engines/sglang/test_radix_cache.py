@@ -180,7 +180,7 @@ def test_state_matches_sglangs_own_kv_events(core: str) -> None:
             prior = state[e.parent_block_hash] if e.parent_block_hash is not None else 0
             states = page_states(e.token_ids, e.block_size, prior)
             assert len(states) == len(e.block_hashes)
-            state.update(zip(e.block_hashes, states.tolist()))
+            state.update(zip(e.block_hashes, states.tolist(), strict=True))
             theirs |= set(finalize(states).tolist())
         elif isinstance(e, BlockRemoved):
             theirs -= set(finalize(np.array([state[h] for h in e.block_hashes], dtype=np.uint64)).tolist())

@@ -60,7 +60,7 @@ def test_reconstruction_matches_vllm_hits_request_by_request(layout: Layout) -> 
         # on its own, the others up to the hit so far.
         probed = lookups[r.request_id].group_hit_tokens
         assert len(probed) == len(s.group_hits) and probed[0] == s.group_hits[0], r.request_id
-        assert all(p <= g for p, g in zip(probed, s.group_hits)), r.request_id
+        assert all(p <= g for p, g in zip(probed, s.group_hits, strict=True)), r.request_id
         assert not r.unsafe_reuse
     assert stats.hits > 0
     kinds = {e.kind for e in events}

@@ -72,7 +72,7 @@ class HostCopyWorker(OffloadingWorker):
         if len(device_ids) != len(host_ids):
             raise ValueError(f"{len(device_ids)} blocks for {len(host_ids)} chunks: one block per chunk only")
         blocks, nbytes, at = [], [], 0
-        for refs, n in zip(self.refs, gpu.group_sizes):
+        for refs, n in zip(self.refs, gpu.group_sizes, strict=True):
             rows = torch.tensor(device_ids[at : at + n], dtype=torch.long)
             chunk_rows = torch.tensor(host_ids[at : at + n], dtype=torch.long)
             at += n
@@ -205,7 +205,7 @@ def worker_totals(wrapped: dict[str, Any], store: bool) -> tuple[Counter[int], C
     nbytes: Counter[int] = Counter()
     for job in wrapped["moved"]:
         if job["store"] is store:
-            for group, n, b in zip(wrapped["spec_groups"], job["blocks"], job["bytes"]):
+            for group, n, b in zip(wrapped["spec_groups"], job["blocks"], job["bytes"], strict=True):
                 blocks[group] += n
                 nbytes[group] += b
     return +blocks, +nbytes
