@@ -136,7 +136,8 @@ def _fill(samples: pl.DataFrame, measured: pl.DataFrame, keys: list[str], min_sa
     if measured.is_empty():
         return samples
     enough = samples.group_by(keys).len().filter(pl.col("len") >= min_samples).select(keys)
-    return pl.concat([samples, measured.join(enough, on=keys, how="anti").select(samples.columns)], how="vertical_relaxed")
+    return pl.concat([samples, measured.join(enough, on=keys, how="anti").select(samples.columns)],
+                     how="vertical_relaxed")
 
 
 def calibration_transfer_samples(calibrations: pl.DataFrame) -> pl.DataFrame:

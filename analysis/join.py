@@ -91,7 +91,8 @@ def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
         prompt_tokens=e.prompt_tokens, device_logical_tokens=e.logical_hit_tokens,
         device_recoverable_tokens=e.recoverable_hit_tokens, store_logical_tokens=s_logical,
         store_recoverable_tokens=s_recoverable, logical_hit_tokens=logical, recoverable_hit_tokens=recoverable,
-        adopted_tokens=adopted, store_adopted_tokens=s.adopted_tokens if s else 0, verdict=verdict, reason=reason, reason_side=side,
+        adopted_tokens=adopted, store_adopted_tokens=s.adopted_tokens if s else 0, verdict=verdict, reason=reason,
+        reason_side=side,
         unsafe_reuse=e.adopt_seen and adopted > recoverable,
         missed_reuse=e.adopt_seen and recoverable > adopted, restore_bytes=restore,
     )

@@ -95,7 +95,8 @@ def bytes_per_token(events: pl.DataFrame) -> dict[str, float]:
     """What restoring one token moves, per model: over its groups, a committed block's typical
     size over the group's block size."""
     commits = events.filter((pl.col("kind") == "commit") & (pl.col("nbytes") > 0) & (pl.col("block_size") > 0))
-    per_group = commits.group_by("model", "group_id").agg((pl.col("nbytes") / pl.col("block_size")).median().alias("bpt"))
+    per_group = commits.group_by("model", "group_id").agg(
+        (pl.col("nbytes") / pl.col("block_size")).median().alias("bpt"))
     return {str(m): float(v) for m, v in per_group.group_by("model").agg(pl.col("bpt").sum()).iter_rows()}
 
 

@@ -99,7 +99,8 @@ class Dialect:
     def explode_chain(self, select: str, source: str) -> str:
         """`select` plus `key` and 0-based `i` for every element of `chain` in `source`."""
         if self.clickhouse:
-            return f"SELECT {select}, key, toInt64(i1) - 1 AS i FROM {source} ARRAY JOIN chain AS key, arrayEnumerate(chain) AS i1"
+            return (f"SELECT {select}, key, toInt64(i1) - 1 AS i FROM {source}"
+                    " ARRAY JOIN chain AS key, arrayEnumerate(chain) AS i1")
         return f"SELECT {select}, unnest(chain) AS key, unnest(range(len)) AS i FROM {source}"
 
     def quote(self, text: str) -> str:
@@ -210,7 +211,10 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         f"arrayFill(v -> v >= 0, arrayMap(e -> if(e.{n['wtier']} = '{tier.value}', e.{n['present']}, -1), evs))"
         for tier in TIER_ORDER
     ]
-    copies = f"arrayMap((a, b, c, x) -> greatest(a, 0) + greatest(b, 0) + greatest(c, 0) + greatest(x, 0), {', '.join(filled)})"
+    copies = (
+        "arrayMap((a, b, c, x) -> greatest(a, 0) + greatest(b, 0) + greatest(c, 0) + greatest(x, 0),"
+        f" {', '.join(filled)})"
+    )
     out = ", ".join(f"w.{n[f]} AS {f}" for f in fields if f != "present")
     return (
         f"SELECT instance, group_id, block_key, {out}, gen FROM ("
@@ -236,13 +240,16 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str]
     rkey = "l.model"
     if qualified:  # lookups whose ENGINE:MODEL has a recipe of its own use it (see RecipeBook.key)
         names = ", ".join("'" + k.replace("'", "''") + "'" for k in qualified)
-        rkey = f"CASE WHEN concat(l.engine, ':', l.model) IN ({names}) THEN concat(l.engine, ':', l.model) ELSE l.model END"
+        rkey = (f"CASE WHEN concat(l.engine, ':', l.model) IN ({names})"
+                " THEN concat(l.engine, ':', l.model) ELSE l.model END")
     points = []
-    for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"), (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):
+    for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"),
+                                       (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):
         points.append(
             f"SELECT l.ord AS lid, {phase} AS phase, {at_ord} AS at_ord, {at_ts} AS at_ts, l.instance AS instance,"
             f" l.tenant AS tenant, {ids}, l.next_adopted AS adopted,"
-            " r.g AS g, r.comp AS comp, r.b AS b, r.win AS win, r.ratio AS ratio, r.align AS align, r.ngroups AS ngroups,"
+            " r.g AS g, r.comp AS comp, r.b AS b, r.win AS win, r.ratio AS ratio, r.align AS align,"
+            " r.ngroups AS ngroups,"
             f" greatest(l.prompt_tokens - {keep}, 0) AS cap, l.group_block_keys[r.g + 1] AS chain,"
             f" CAST({d.list_len('l.group_block_keys[r.g + 1]')} AS BIGINT) AS len"
             f" FROM {d.table(t.lk)} l JOIN {d.table(t.rc)} r ON r.model = {rkey} WHERE {cond}"
@@ -259,7 +266,8 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str]
         x = tier.value[:3]
         tier_cols.append(
             f"coalesce({x}.{x}_ord, 0) AS {x}_ord, coalesce({x}.{x}_kind, '') AS {x}_kind,"
-            f" coalesce({x}.{x}_nb, 0) AS {x}_nb, coalesce({x}.{x}_ck, 0) AS {x}_ck, coalesce({x}.{x}_gen, -1) AS {x}_gen"
+            f" coalesce({x}.{x}_nb, 0) AS {x}_nb, coalesce({x}.{x}_ck, 0) AS {x}_ck,"
+            f" coalesce({x}.{x}_gen, -1) AS {x}_gen"
         )
         tier_joins.append(
             f" ASOF LEFT JOIN (SELECT instance AS {x}_i, group_id AS {x}_g, block_key AS {x}_k, ord AS {x}_ord,"
@@ -329,7 +337,8 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
             f" WHEN p.{x}_kind = 'create' THEN 2"
             f" WHEN p.c_ck <> 0 AND p.{x}_ck <> 0 AND p.{x}_ck <> p.c_ck THEN 3 ELSE 4 END AS st_{x}"
         )
-        inv_pick.append(f"CASE WHEN p.{x}_ord > 0 AND p.{x}_kind <> 'evict' AND {inv} > p.{x}_ord THEN {inv} ELSE 0 END")
+        inv_pick.append(f"CASE WHEN p.{x}_ord > 0 AND p.{x}_kind <> 'evict' AND {inv} > p.{x}_ord"
+                        f" THEN {inv} ELSE 0 END")
     ps = (
         f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
         f" FROM {d.table(t.pc)} p LEFT JOIN {d.table(t.bk)} bk"
@@ -377,7 +386,9 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         detail.append(f"WHEN {differs} THEN '{f}: ' || {shown}")
     code.append(f"WHEN p.lease <> 0 AND p.lease <= p.at_ts THEN '{GapReason.LEASE_EXPIRED.value}'")
     detail.append("WHEN 1 = 1 THEN ''")
-    restore_tier = "CASE WHEN st_dev = 4 THEN 'device' WHEN st_hos = 4 THEN 'host' WHEN st_dis = 4 THEN 'disk' ELSE 'remote' END"
+    restore_tier = (
+        "CASE WHEN st_dev = 4 THEN 'device' WHEN st_hos = 4 THEN 'host' WHEN st_dis = 4 THEN 'disk' ELSE 'remote' END"
+    )
     restore_nb = (
         "CASE WHEN st_hos = 4 THEN hos_nb WHEN st_dis = 4 THEN dis_nb ELSE rem_nb END"
     )
@@ -396,10 +407,14 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     grp = "PARTITION BY lid, phase, g ORDER BY i"
     pw = (
         "SELECT *,"
-        f" max(CASE WHEN usable = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lb,"
-        f" max(CASE WHEN resident = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lr,"
-        f" min(CASE WHEN usable = 1 THEN len ELSE i END) OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb,"
-        f" max(CASE WHEN present = 1 THEN -1 ELSE i END) OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lq"
+        f" max(CASE WHEN usable = 1 THEN -1 ELSE i END)"
+        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lb,"
+        f" max(CASE WHEN resident = 1 THEN -1 ELSE i END)"
+        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lr,"
+        f" min(CASE WHEN usable = 1 THEN len ELSE i END)"
+        f" OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb,"
+        f" max(CASE WHEN present = 1 THEN -1 ELSE i END)"
+        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lq"
         f" FROM {d.table(t.bs)}"
     )
     return [(t.ps, ps), (t.bs, bst), (t.pw, pw)]
@@ -437,7 +452,8 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lb, -1) < c.st) THEN 1 ELSE 0 END) AS ok,"
         " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lr, -1) < c.st) THEN 1 ELSE 0 END) AS rok,"
         " any_value(c.ngroups) AS ngroups FROM ("
-        f"  SELECT g.*, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j, {_start(d, 'cp.p')} AS st FROM {d.table(t.gs)} g JOIN ("
+        f"  SELECT g.*, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j, {_start(d, 'cp.p')} AS st"
+        f" FROM {d.table(t.gs)} g JOIN ("
         f"   SELECT lid, phase, {d.series('align', f'{top} + 1', 'align')} AS p FROM {d.table(t.pp)}) cp"
         "   ON cp.lid = g.lid AND cp.phase = g.phase) c"
         f" LEFT JOIN {d.table(t.pw)} w ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
@@ -446,7 +462,8 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
     if d.clickhouse:
         cand = cand.replace("any_value(", "any(")
     rec = (
-        "SELECT p.lid AS lid, p.phase AS phase, p.logical AS logical, p.align AS align, p.group_logical AS group_logical,"
+        "SELECT p.lid AS lid, p.phase AS phase, p.logical AS logical, p.align AS align,"
+        " p.group_logical AS group_logical,"
         f" {d.idiv('p.logical', 'p.align')} * p.align AS top,"
         " coalesce(r.rec, 0) AS rec, coalesce(r.res, 0) AS res"
         f" FROM {d.table(t.pp)} p LEFT JOIN (SELECT lid, phase,"
@@ -494,7 +511,8 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         "  WHERE pa > 0) n ON n.lid = w.lid AND n.g = w.g"
         " WHERE w.phase = 1 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
     )
-    return [(t.gh, hits), (t.gs, gs), (t.pp, pts), (t.cd, cand), (t.rb, rec), (t.fl, fail), (t.rs, restore), (t.cx, cross)]
+    return [(t.gh, hits), (t.gs, gs), (t.pp, pts), (t.cd, cand), (t.rb, rec), (t.fl, fail), (t.rs, restore),
+            (t.cx, cross)]
 
 
 def _final(d: Dialect, t: _Plan) -> str:
@@ -504,7 +522,8 @@ def _final(d: Dialect, t: _Plan) -> str:
     adopted = "CASE WHEN k.next_kind = 'adopt' THEN k.next_adopted ELSE 0 END"
     seen = "k.next_kind = 'adopt'"
     lookup_reason = (
-        f"CASE WHEN l.rec < l.top THEN coalesce(lf.code, '') WHEN l.top < l.logical THEN '{GapReason.MISALIGNED.value}' ELSE '' END"
+        "CASE WHEN l.rec < l.top THEN coalesce(lf.code, '')"
+        f" WHEN l.top < l.logical THEN '{GapReason.MISALIGNED.value}' ELSE '' END"
     )
     lookup_group = "CASE WHEN l.rec < l.top THEN coalesce(lf.g, -1) ELSE -1 END"
     lookup_detail = (
@@ -538,7 +557,9 @@ def _final(d: Dialect, t: _Plan) -> str:
     )
 
 
-_RECIPE_COLUMNS = "model VARCHAR, g BIGINT, comp VARCHAR, b BIGINT, win BIGINT, ratio BIGINT, align BIGINT, ngroups BIGINT"
+_RECIPE_COLUMNS = (
+    "model VARCHAR, g BIGINT, comp VARCHAR, b BIGINT, win BIGINT, ratio BIGINT, align BIGINT, ngroups BIGINT"
+)
 
 
 def _recipe_rows(d: Dialect, recipes: Mapping[str, Recipe]) -> str:
@@ -614,7 +635,8 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
         else:
             dtype = pl.Int64
         col = pl.col(name)
-        out.append((col.cast(pl.Int64) != 0).alias(name) if dtype == pl.Boolean and frame[name].dtype != pl.Boolean else col.cast(dtype))
+        out.append((col.cast(pl.Int64) != 0).alias(name) if dtype == pl.Boolean and frame[name].dtype != pl.Boolean
+                   else col.cast(dtype))
     return frame.select(out)
 
 
@@ -653,7 +675,8 @@ def duckdb_results(
         columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
         if "more_keys" not in columns:
             source = f"(SELECT *, CAST([] AS UBIGINT[]) AS more_keys FROM {source})"
-        return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql), lambda sql: con.sql(sql).pl())
+        return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql),
+                    lambda sql: con.sql(sql).pl())
     finally:
         if connection is None:
             con.close()

@@ -145,7 +145,8 @@ def main() -> None:
     store = Store(f"chdb://{args.home / 'chdb'}?database=bench_{tag}")
     store.init()
     parquet = args.home / f"{tag}.parquet"
-    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, target {args.events:,} events")
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, "
+          f"target {args.events:,} events")
     if store.count_events() < args.events or not parquet.exists():
         store.command(f"TRUNCATE TABLE {store.db}.events")
         requests, events, seconds = generate(store, args.recipe, args.events, args.trace)

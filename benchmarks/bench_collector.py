@@ -386,7 +386,8 @@ def main() -> None:
         t = time.process_time()
         encode, _, compress, encoding = WIRES[wire]
         bodies[wire] = [compress(encode(events[i:i + BATCH], i // BATCH + 1)) for i in range(0, len(events), BATCH)]
-        print(f"  {wire:<8} sender's CPU to encode + {encoding}: {(time.process_time() - t) / len(events) * 1e6:.2f} us/event, "
+        print(f"  {wire:<8} sender's CPU to encode + {encoding}: "
+              f"{(time.process_time() - t) / len(events) * 1e6:.2f} us/event, "
               f"{sum(map(len, bodies[wire])) / len(events):.0f} B/event on the wire")
     if args.formats:
         with tempfile.TemporaryDirectory(prefix="kvt-bench-formats-") as tmp:
@@ -418,7 +419,8 @@ def main() -> None:
                   + f"; total {sum(stages.values()):.2f} us")
     for wire in wires:
         ratios = [c["events_per_s"] / max(r.values()) for r, c in zip(raws, runs[wire], strict=True)]
-        same_format = [c["events_per_s"] / r["json" if wire == "rows" else "arrow_ipc"] for r, c in zip(raws, runs[wire], strict=True)]
+        same_format = [c["events_per_s"] / r["json" if wire == "rows" else "arrow_ipc"]
+                       for r, c in zip(raws, runs[wire], strict=True)]
         print(f"{wire}: median collector / fastest raw ClickHouse insert of the same rows: "
               f"{statistics.median(ratios):.2f} (target >= 0.50); / raw insert in the collector's own insert format "
               f"({'JSON lines' if wire == 'rows' else 'Arrow IPC'}): {statistics.median(same_format):.2f}")

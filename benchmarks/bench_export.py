@@ -224,7 +224,8 @@ def main() -> int:
             ratios_bp.append((len(evs) / rt["bp"]) / (len(evs) / raw_s))
             ratios_thr.append((len(evs) / rt["thr"]) / (len(evs) / raw_s))
             print(f"  round {r + 1}/{len(chunks)}: {len(evs)} events; big queue {len(evs) / rt['big']:,.0f}/s, "
-                  f"back-pressure {len(evs) / rt['bp']:,.0f}/s, throttled stats {len(evs) / rt['thr']:,.0f}/s, raw insert {len(evs) / raw_s:,.0f}/s",
+                  f"back-pressure {len(evs) / rt['bp']:,.0f}/s, throttled stats {len(evs) / rt['thr']:,.0f}/s, "
+                  f"raw insert {len(evs) / raw_s:,.0f}/s",
                   file=sys.stderr)
 
         em_big.shutdown()

@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kvtrace-bench-lmcache-"))
     try:
         base = replace(GEOMETRY[args.geometry], cpu_gb=args.cpu_gb, disk_gb=64.0)
-        specs = {name: replace(base, disk_path="" if args.no_disk else str(folder / name)) for name in ("off", "kvtrace")}
+        specs = {name: replace(base, disk_path="" if args.no_disk else str(folder / name))
+                 for name in ("off", "kvtrace")}
         engines = {name: build_engine(spec, f"bench-{name}") for name, spec in specs.items()}
         sink = CountingSink()
         emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
         shim = LMCacheShim(engines["kvtrace"], emitter, instance="bench").install()
-        requests = [(r.request_id, tokens_of(r)[: args.max_tokens]) for r in read_trace(args.trace, limit=args.requests)]
+        requests = [(r.request_id, tokens_of(r)[: args.max_tokens])
+                    for r in read_trace(args.trace, limit=args.requests)]
         prompts = [(rid, tokens, kv_for(base, tokens)) for rid, tokens in requests]
         chunks = sum(-(-len(t) // base.chunk_size) for _, t, _ in prompts)
         print(f"{len(prompts)} requests, {sum(len(t) for _, t, _ in prompts)} tokens, {chunks} chunks of "
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'variant':<10}{'seconds':>10}{'ratio':>8}")
         for name in ("off", "kvtrace"):
             print(f"{name:<10}{times[name]:>10.2f}{times[name] / times['off']:>8.3f}")
-        print(f"per-round ratios: {' '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})")
+        print(f"per-round ratios: {' '.join(f'{r:.3f}' for r in per_round)} "
+              f"(median {statistics.median(per_round):.3f})")
         print(f"events {sink.events} ({sink.events / times['kvtrace']:.0f}/s), dropped {stats.dropped}, "
               f"shim errors {shim.errors}; target <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'}")
         emitter.shutdown()

@@ -337,7 +337,8 @@ def capture_floor(prompts: list[tuple[str, array]], config: DriverConfig, rounds
             seconds[name] += time.perf_counter() - started
     ring.close()
     n = len(prompts)
-    print(f"capture floor: {n} requests, mix {config.mix.value}, {config.route} route, {rounds} rounds: off {seconds['off'] / n * 1e6:.0f} us "
+    print(f"capture floor: {n} requests, mix {config.mix.value}, {config.route} route, {rounds} rounds: "
+          f"off {seconds['off'] / n * 1e6:.0f} us "
           f"a request, copying to a ring {seconds['capture'] / n * 1e6:.0f} us = "
           f"{seconds['capture'] / seconds['off']:.3f}x off")
 
@@ -381,7 +382,8 @@ def main() -> None:
 
     mix = Mix(args.mix)
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else args.page_size  # SGLang's Mamba mixes need page 1
-    route = Route(args.route) if mix is Mix.FULL and not args.hicache else Route.CACHE  # the driver takes HiCache by the cache route
+    # the driver takes HiCache by the cache route
+    route = Route(args.route) if mix is Mix.FULL and not args.hicache else Route.CACHE
     config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.kv_tokens, tree_core=args.core, route=route)
     trace = list(read_trace(args.trace, limit=args.requests))
     # Token ids as SGLang's scheduler receives them (array("q"), built in its tokenizer process):
@@ -409,7 +411,8 @@ def main() -> None:
     process = None
     cache, allocator, req_pool = _built(config, tiers)
     if unsupported(cache) is None:
-        process = ProcessShim(cache, Identity(instance="bench", model="m"), sink=f"counting_sink:{SINKS[args.sink].__name__}")
+        process = ProcessShim(cache, Identity(instance="bench", model="m"),
+                              sink=f"counting_sink:{SINKS[args.sink].__name__}")
         process.start().flush(120)  # the resolver is up and has imported what it needs
         drivers["kvtrace-process"] = Driver(cache, allocator, req_pool, config, shim=process)
     names = list(drivers)
@@ -454,8 +457,8 @@ def main() -> None:
     if len(set(hits.values())) != 1:
         raise SystemExit(f"the variants disagree on hits: {hits}")
 
-    print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {route} route, {args.core} core, page {page}, "
-          f"{args.kv_tokens:,} KV slots, {args.rounds} rounds, sink {args.sink}; "
+    print(f"{len(prompts)} requests of {args.trace.name}, mix {mix.value}, {route} route, {args.core} core, "
+          f"page {page}, {args.kv_tokens:,} KV slots, {args.rounds} rounds, sink {args.sink}; "
           f"SGLang reused {hits['off']:,} tokens in every variant")
     print(f"{'variant':<16} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")
     for name in names:

@@ -87,8 +87,10 @@ def main() -> None:
     print(f"{'variant':<10} {'seconds':>8} {'x off':>7} {'x off (median round)':>21}")
     for name in drivers:
         ratios = [a / b for a, b in zip(per_round[name], per_round["off"], strict=True)]
-        print(f"{name:<10} {seconds[name]:>8.2f} {seconds[name] / seconds['off']:>7.3f} {statistics.median(ratios):>21.3f}")
-    print(f"kvtrace: {stats.emitted:,} events emitted ({stats.emitted / seconds['kvtrace']:,.0f} per second of replay), "
+        print(f"{name:<10} {seconds[name]:>8.2f} {seconds[name] / seconds['off']:>7.3f} "
+              f"{statistics.median(ratios):>21.3f}")
+    print(f"kvtrace: {stats.emitted:,} events emitted "
+          f"({stats.emitted / seconds['kvtrace']:,.0f} per second of replay), "
           f"{stats.exported:,} exported, {stats.dropped} dropped, shim errors 0 expected")
     print(f"vLLM KV events drained: {kv_events:,}")
 

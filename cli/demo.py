@@ -35,7 +35,8 @@ from kvtrace.store.dsn import default_dsn, parse_dsn
 DEMO_DATABASE = "kvtrace_demo"
 RECIPE = "mamba-hybrid"
 POLICIES = ("lru", "interval:512", "branch")
-ENGINE_POLICY = "branch"  # the replayed engine keeps Mamba state like SGLang's hybrid radix cache: ends and branch points
+# the replayed engine keeps Mamba state like SGLang's hybrid radix cache: ends and branch points
+ENGINE_POLICY = "branch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,5 +143,6 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     print(f"next       kvtrace --dsn '{shown}' analyze --recipe demo-jamba={RECIPE} --by instance")
     print(f"           kvtrace --dsn '{shown}' export -o demo.parquet")
     print("           kvtrace analyze --path duckdb --recipe mamba-hybrid demo.parquet   # no ClickHouse needed")
-    print("           python -c \"import duckdb; duckdb.sql(\\\"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\\\").show()\"")
+    print("           python -c \"import duckdb; "
+          "duckdb.sql(\\\"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\\\").show()\"")
     return 0

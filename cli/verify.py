@@ -161,6 +161,7 @@ def _verify(args: Namespace, llm: Any, recipe: Any, prompts: list[list[int]], sc
     print(f"verified {len(rows)} of {len(prompts)} requests (run {run_id}, {seconds:.1f} s): noise floor "
           f"{floor:.3g}; " + ", ".join(f"{a.value} {counts[a]}" for a in Agreement if counts[a]))
     for r in rows:
-        print(f"  {r.request_id:<16} {r.verdict.value:<7} adopted {r.adopted_tokens:>6}  {r.agreement.value:<22} {r.detail}")
+        print(f"  {r.request_id:<16} {r.verdict.value:<7} adopted {r.adopted_tokens:>6}  "
+              f"{r.agreement.value:<22} {r.detail}")
     bad = counts[Agreement.DIVERGED] + counts[Agreement.ALARM_CONFIRMED]
     return 1 if bad else 0

@@ -233,12 +233,13 @@ class Evaluator:
         window = _rates(frame.filter(pl.col("ts_ns") >= since), rule.by)
         out = []
         if rule.kind is RuleKind.RECOVERABLE_DROP:
-            base = _rates(frame.filter((pl.col("ts_ns") >= now - int(rule.baseline_s * 1e9)) & (pl.col("ts_ns") < since)),
-                          rule.by)
+            base = _rates(frame.filter((pl.col("ts_ns") >= now - int(rule.baseline_s * 1e9))
+                                       & (pl.col("ts_ns") < since)), rule.by)
             baseline = {_labels(r, rule.by): r for r in base.iter_rows(named=True)}
             for r in window.iter_rows(named=True):
                 b = baseline.get(_labels(r, rule.by))
-                if b is None or b["lookups"] < rule.min_lookups or r["lookups"] < rule.min_lookups or not b["recoverable_rate"]:
+                if (b is None or b["lookups"] < rule.min_lookups or r["lookups"] < rule.min_lookups
+                        or not b["recoverable_rate"]):
                     continue
                 drop = 1.0 - r["recoverable_rate"] / b["recoverable_rate"]
                 out.append(Sample(rule.name, _labels(r, rule.by), drop, drop > rule.threshold))

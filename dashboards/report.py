@@ -26,7 +26,8 @@ def funnel_over_time(results: pl.DataFrame, bucket_ns: int) -> go.Figure:
     by_time = funnel(results, bucket_ns=bucket_ns)
     minutes = ((by_time["bucket_ns"] - by_time["bucket_ns"].min()) / 60e9).to_list() if by_time.height else []
     fig = go.Figure(
-        [go.Scatter(x=minutes, y=(by_time[col] * 100).to_list(), name=label, mode="lines+markers") for col, label in _RATES]
+        [go.Scatter(x=minutes, y=(by_time[col] * 100).to_list(), name=label, mode="lines+markers")
+         for col, label in _RATES]
     )
     fig.update_layout(title="Hit funnel over time (% of prompt tokens)", xaxis_title="minutes into the trace",
                       yaxis_title="% of prompt tokens")

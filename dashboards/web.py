@@ -101,7 +101,8 @@ _STYLE = ("body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1200px}n
 
 def _page(title: str, view: View, choices: dict[str, list[str]], body: str) -> str:
     nav = "".join(f"<a href='/{path}?{view.query()}'>{html.escape(name)}</a>" for path, (name, _) in PAGES.items())
-    fields = [f"from <input name='from' value='{view.from_s}' size='11'> to <input name='to' value='{view.to_s}' size='11'>"]
+    fields = [f"from <input name='from' value='{view.from_s}' size='11'> "
+              f"to <input name='to' value='{view.to_s}' size='11'>"]
     for name in ("model", "instance", "tenant", "engine"):
         options = "".join(f"<option value='{html.escape(v)}'{' selected' if v == view.variables.get(name) else ''}>"
                           f"{html.escape(v) or 'all'}</option>" for v in ["", *choices.get(name, [])])
@@ -160,7 +161,8 @@ def create_dashboard_app(store: Store) -> FastAPI:
         return _page(title, view, choices(), "".join(parts))
 
     def route(path: str) -> Any:
-        async def handler(start: int | None = Query(None, alias="from", ge=0), end: int | None = Query(None, alias="to", ge=0),
+        async def handler(start: int | None = Query(None, alias="from", ge=0),
+                          end: int | None = Query(None, alias="to", ge=0),
                           model: str = "", instance: str = "", tenant: str = "", engine: str = "",
                           interval_s: int | None = Query(None, ge=1)) -> HTMLResponse:
             view = view_of(start, end, model, instance, tenant, engine, interval_s)

@@ -237,7 +237,8 @@ class CacheSimulator:
         kind = EventKind.OFFLOAD if STORE_TIERS.index(dst) > STORE_TIERS.index(src) else EventKind.LOAD
         value = block.tiers[src] if checksum is None else checksum
         self._place(block, dst, value)
-        self._emit(kind, block, src_tier=src, dst_tier=dst, checksum=value, duration_ns=self._transfer_ns(block, src, dst))
+        self._emit(kind, block, src_tier=src, dst_tier=dst, checksum=value,
+                   duration_ns=self._transfer_ns(block, src, dst))
 
     def _transfer_ns(self, block: _Block, src: Tier, dst: Tier) -> int:
         slow = max(STORE_TIERS.index(src), STORE_TIERS.index(dst))
@@ -428,7 +429,8 @@ class CacheSimulator:
                 if g.component is ComponentKind.UNCOMPRESSED_TAIL and end <= prompt // g.ratio * g.ratio:
                     continue  # covered by a compressed block
                 block = self._write(g, chain[i], i, request)
-                if policy is CheckpointPolicy.BRANCH_POINTS and i == branch_index and g.component is ComponentKind.MAMBA:
+                if (policy is CheckpointPolicy.BRANCH_POINTS and i == branch_index
+                        and g.component is ComponentKind.MAMBA):
                     block.branch = True
             if g.component is ComponentKind.SLIDING_WINDOW and self.config.free_outside_window:
                 keep = set(g.needed(len(chain) * b))
@@ -442,7 +444,8 @@ class CacheSimulator:
         block = self.blocks.get((g.group_id, key))
         if block is None:
             nbytes = c.bytes_per_token * g.block_size
-            block = self.blocks[(g.group_id, key)] = _Block(g, key, index, nbytes, checksum=(key * 0x9E3779B1) & _MASK or 1)
+            block = self.blocks[(g.group_id, key)] = _Block(g, key, index, nbytes,
+                                                            checksum=(key * 0x9E3779B1) & _MASK or 1)
         elif Tier.DEVICE in block.tiers and block.committed and not block.invalidated:
             self._lru[Tier.DEVICE].move_to_end((g.group_id, key))
             return block  # already cached: the engine reuses it
@@ -554,7 +557,8 @@ class CacheSimulator:
                 self._commit(block, request.tenant, request.adapter + "-other")
         elif fault is Fault.CHANGE_REVISION:
             for block in later:
-                self._commit(block, request.tenant, request.adapter, model_revision=self.config.model_revision + "-next")
+                self._commit(block, request.tenant, request.adapter,
+                             model_revision=self.config.model_revision + "-next")
         elif fault is Fault.SWITCH_TENANT:
             for block in later:
                 self._commit(block, request.tenant + "-other", request.adapter)

@@ -12,10 +12,11 @@ are the event schema's (`arrow.arrow_schema`), with the batch envelope (`wire_ve
 `source_id`, `batch_seq`, `sent_ns`, `stats`) as JSON under the schema metadata key
 `kvtrace.batch`. Any Arrow writer can produce it. Readers take a column of another width of
 the same kind of value (see `_plain_fit`), fill columns an older writer lacked (and nulls,
-outside the fields every row must carry) with their defaults and ignore unknown ones. Buffers inside the stream must not be compressed: the stream is compressed as a whole by
-HTTP Content-Encoding, which the collector inflates within its size limit, whereas an IPC body
-codec declares its own inflated sizes, so a small request could allocate without bound before
-anything could check it.
+outside the fields every row must carry) with their defaults and ignore unknown ones. Buffers
+inside the stream must not be compressed: the stream is compressed as a whole by HTTP
+Content-Encoding, which the collector inflates within its size limit, whereas an IPC body codec
+declares its own inflated sizes, so a small request could allocate without bound before anything
+could check it.
 """
 
 from __future__ import annotations

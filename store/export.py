@@ -45,7 +45,10 @@ class EventFilter:
 
 
 def export_events(
-    store: Store, out: str | os.PathLike[str], fmt: ExportFormat = ExportFormat.PARQUET, flt: EventFilter = EventFilter()
+    store: Store,
+    out: str | os.PathLike[str],
+    fmt: ExportFormat = ExportFormat.PARQUET,
+    flt: EventFilter = EventFilter(),
 ) -> int:
     """Stream de-duplicated events, in stream order, into one file; returns the row count."""
     path = Path(out)

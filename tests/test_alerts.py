@@ -185,4 +185,5 @@ rules:
 """)
     samples = Evaluator(store, rules).evaluate()
     breaching = sorted((s.rule, dict(s.labels)["instance"], s.value) for s in samples if s.breaching)
-    assert breaching == [("drops", "steady", 5.0), ("gaps", "gappy", 3.0), ("silent", "quiet", pytest.approx(190, abs=1))]
+    assert breaching == [("drops", "steady", 5.0), ("gaps", "gappy", 3.0),
+                         ("silent", "quiet", pytest.approx(190, abs=1))]

@@ -212,7 +212,8 @@ def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path, tmp
     # The printed numbers are what the analysis API says about the same store.
     with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
         assert s.count_events() == first
-        kinds = dict(s.client.query(f"SELECT kind, count() FROM {DEMO_DATABASE}.events FINAL GROUP BY kind").result_rows)
+        kinds = dict(s.client.query(
+            f"SELECT kind, count() FROM {DEMO_DATABASE}.events FINAL GROUP BY kind").result_rows)
         assert kinds["lookup"] == kinds["adopt"] == 30
         assert {"create", "commit", "evict", "offload"} <= set(kinds)
         rates = funnel(clickhouse_results(s, BUILTIN["mamba-hybrid"])).row(0, named=True)

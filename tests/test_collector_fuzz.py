@@ -124,7 +124,8 @@ def test_mutated_batches_never_fail_the_server(batch: dict, as_json: bool, gz: b
 
 @given(body=st.binary(max_size=2048), ctype=st.sampled_from([CONTENT_TYPE, ARROW_TYPE, "application/json",
                                                               "application/x-protobuf", "text/plain", ""]),
-       encoding=st.sampled_from(["", "gzip", "deflate", "zstd", "br"]), path=st.sampled_from(["/v1/batches", "/v1/logs"]))
+       encoding=st.sampled_from(["", "gzip", "deflate", "zstd", "br"]),
+       path=st.sampled_from(["/v1/batches", "/v1/logs"]))
 @settings(max_examples=EXAMPLES * 5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=FIXED)
 def test_random_bytes_are_refused_with_a_reason(body: bytes, ctype: str, encoding: str, path: str) -> None:
     headers = {**AUTH, "Content-Type": ctype}

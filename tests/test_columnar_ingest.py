@@ -113,7 +113,8 @@ def test_other_widths_of_the_same_values_are_read_and_missing_columns_take_defau
     full = to_arrow(events)
     keep = ["kind", "ts_ns", "source_id", "seq", "request_id", "prompt_tokens", "instance", "model"]
     table = full.select(keep)
-    table = table.set_column(keep.index("prompt_tokens"), "prompt_tokens", table.column("prompt_tokens").cast(pa.int64()))
+    table = table.set_column(keep.index("prompt_tokens"), "prompt_tokens",
+                             table.column("prompt_tokens").cast(pa.int64()))
     table = table.set_column(keep.index("kind"), "kind", table.column("kind").cast(pa.large_string()))
     table = table.append_column("from_a_newer_writer", pa.array([1, 2, 3, 4]).dictionary_encode())
     intake = intake_batch(stream(table), ARROW_TYPE, OPEN)
@@ -195,7 +196,8 @@ def test_columns_land_in_the_tokens_namespace() -> None:
     body = encode_columns(ENVELOPE, [lookup(0), lookup(1, tenant="zeta")])
     intake = intake_batch(body, ARROW_TYPE, grant)
     assert intake.table.column("tenant").to_pylist() == ["acme", "zeta"]
-    body = encode_columns(ENVELOPE, [lookup(0), lookup(1, tenant="beta", reported_hit_tokens=64), lookup(2, tenant="beta")])
+    body = encode_columns(ENVELOPE, [lookup(0), lookup(1, tenant="beta", reported_hit_tokens=64),
+                                     lookup(2, tenant="beta")])
     with pytest.raises(IntakeError) as err:  # row 2 is bad anyway; row 3 is the accepted one that reaches out
         intake_batch(body, ARROW_TYPE, grant)
     assert err.value.status == 403 and "row 3" in err.value.message and "'beta'" in err.value.message

@@ -60,7 +60,8 @@ def replay(store: Store) -> None:
                            max_abs_diff=2.5 if r["unsafe_reuse"] else 0.0,
                            agreement=Agreement.ALARM_CONFIRMED if r["unsafe_reuse"] else Agreement.IDENTICAL)
               for inst in ("engine-a", "engine-b")
-              for r in verdicts.filter((pl.col("instance") == inst) & (pl.col("adopted_tokens") > 0)).head(2).to_dicts()]
+              for r in verdicts.filter((pl.col("instance") == inst)
+                                       & (pl.col("adopted_tokens") > 0)).head(2).to_dicts()]
     store.insert_arrow("verifications", to_arrow(checks, Verification))
 
 
@@ -88,7 +89,8 @@ class Served:
 
 
 def bounds(store: Store) -> tuple[int, int]:
-    lo, hi = store.query_arrow(f"SELECT min(ts_ns) AS lo, max(ts_ns) AS hi FROM {store.db}.events").to_pylist()[0].values()
+    lo, hi = store.query_arrow(
+        f"SELECT min(ts_ns) AS lo, max(ts_ns) AS hi FROM {store.db}.events").to_pylist()[0].values()
     return lo // S, hi // S + 1
 
 
@@ -123,7 +125,8 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     assert {r["instance"] for r in rows["unsafe"]} == {"engine-b"}
     assert any(r["reason"] == "no_checkpoint_at_boundary" for r in rows["reasons"])
     assert {r["tier"] for r in rows["tiers"]} >= {"device", "host"}
-    one = client.get("/api/panels/tiers", params={"from": lo, "to": hi, "interval_s": 30, "instance": "engine-a"}).json()
+    one = client.get("/api/panels/tiers",
+                     params={"from": lo, "to": hi, "interval_s": 30, "instance": "engine-a"}).json()
     device = [r["resident_gib"] for r in one if r["tier"] == "device"]
     assert max(device) == pytest.approx(12 / 1024)  # one engine's device tier fills to its 12 MiB and stays there
     both = [r["resident_gib"] for r in rows["tiers"] if r["tier"] == "device"]

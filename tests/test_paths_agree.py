@@ -125,7 +125,8 @@ def test_an_engine_qualified_recipe_wins_in_every_path(store: Store, tmp_path: P
     gives LMCache's lookups their own recipe (4-token chunks here), in all three paths."""
     from kvtrace.schema.recipes import GroupSpec, Recipe
 
-    chunks = Recipe(name="chunks", groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=4),))
+    chunks = Recipe(name="chunks",
+                    groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=4),))
     recipes = RecipeBook({**RECIPES, "lmcache:dense": chunks})
     frames = three_paths(store, tmp_path, _two_blocks_each("dense", 8), recipes=recipes)
     assert_same(frames)

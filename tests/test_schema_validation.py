@@ -127,8 +127,8 @@ def test_envelope_and_wire_version_are_always_encoded():
     assert (shim_made.ts_ns, shim_made.source_id, shim_made.seq) == (0, 0, 0)
     first = Event(kind=EventKind.INVALIDATE, reason=Reason.RESET, ts_ns=5, source_id=3, seq=0)
     assert msgspec.json.decode(msgspec.json.encode(first)) == {
-        "kind": "invalidate", "ts_ns": 5, "source_id": 3, "seq": 0, "schema_version": SCHEMA_VERSION, "transform": "exact",
-        "reason": "reset"}
+        "kind": "invalidate", "ts_ns": 5, "source_id": 3, "seq": 0, "schema_version": SCHEMA_VERSION,
+        "transform": "exact", "reason": "reset"}
     assert event_from_json(msgspec.json.encode(first)) == first
     payload = encode_batch(Batch(source_id=3, batch_seq=0, sent_ns=0, events=[first]))
     assert msgspec.msgpack.decode(payload)["wire_version"] == 1

@@ -148,7 +148,8 @@ def test_three_paths_agree_on_a_simulated_workload_with_pressure(store: Store, t
     store.insert_events(events)
     parquet = tmp_path / "sim.parquet"
     export_events(store, parquet)
-    py = conform_results(results_frame(reconstruct(sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq)), recipe)))
+    py = conform_results(results_frame(reconstruct(
+        sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq)), recipe)))
     sort = ["ts_ns", "source_id", "seq"]
     frames = [py.sort(sort), clickhouse_results(store, recipe).sort(sort), duckdb_results(parquet, recipe).sort(sort)]
     assert_same(frames)

@@ -273,7 +273,8 @@ def test_http_sink_posts_columns_zstd_compressed(collector: Collector) -> None:
     events = stamped(5)
     events[0].block_key = 2**64 - 1
     stats = EmitterStats(ts_ns=9, source_id=0xABCDEF, emitted=5)
-    assert sink.export(Batch(source_id=0xABCDEF, batch_seq=3, sent_ns=11, events=events, stats=stats)).status is ExportStatus.SUCCESS
+    assert sink.export(Batch(source_id=0xABCDEF, batch_seq=3, sent_ns=11, events=events,
+                             stats=stats)).status is ExportStatus.SUCCESS
     req = collector.requests[0]
     assert req.headers["Content-Type"] == ARROW_TYPE and req.headers["Content-Encoding"] == "zstd"
     envelope, table = read_stream(pa.CompressedInputStream(pa.BufferReader(req.body), "zstd").read())

@@ -79,7 +79,8 @@ def build_engine(spec: EngineSpec, instance_id: str = "kvtrace") -> LMCacheEngin
         kwargs.update(local_disk=f"file://{spec.disk_path.rstrip('/')}/", max_local_disk_size=spec.disk_gb)
     config = LMCacheEngineConfig.from_defaults(**kwargs)
     metadata = LMCacheMetadata(model_name=spec.model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                               kv_dtype=spec.dtype, kv_shape=(spec.layers, 2, spec.chunk_size, spec.heads, spec.head_size),
+                               kv_dtype=spec.dtype,
+                               kv_shape=(spec.layers, 2, spec.chunk_size, spec.heads, spec.head_size),
                                chunk_size=spec.chunk_size)
     engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata,
                                                 FlatKVConnector(spec.layers, spec.heads, spec.head_size),

@@ -279,7 +279,8 @@ class HiCacheHooks:
         if device is None:
             return
         moves = [(self.full, host_indices, device)]
-        moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools, load=True)]  # device side now resolved
+        # device side now resolved
+        moves += [(group, hst, dev) for group, dev, hst in self._extra(extra_pools, load=True)]
         now, loads = self.clock(), []
         for group, hst, dev in moves:
             book = self.shim.ledger.get((group, Tier.HOST))

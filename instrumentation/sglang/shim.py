@@ -91,7 +91,8 @@ class _Scope:
 
     freed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)  # (group, tier) -> keys
     installed: dict[tuple[int, Tier], list[np.ndarray]] = field(default_factory=dict)
-    installed_ints: dict[tuple[int, Tier], tuple[int, ...]] = field(default_factory=dict)  # a lone install's keys as ints
+    # a lone install's keys as ints
+    installed_ints: dict[tuple[int, Tier], tuple[int, ...]] = field(default_factory=dict)
     reason: Reason = Reason.CAPACITY
     insert_slots: np.ndarray | None = None  # ledger slots of the insert in progress, by page
     insert_pos: np.ndarray | None = None  # ledger slot -> page position, built when a rebuild needs it

@@ -76,7 +76,8 @@ def build_manager(config: DriverConfig, enable_kv_cache_events: bool = False) ->
             block_size=b, num_kv_heads=2, head_size=32, dtype=torch.float16, sliding_window=config.window)))
     elif config.layout is Layout.MAMBA:
         groups.append(KVCacheGroupSpec(["layers.1.mixer"], MambaSpec(
-            block_size=b, shapes=((4, 8), (2, 16, 8)), dtypes=(torch.float16, torch.float32), mamba_cache_mode="align")))
+            block_size=b, shapes=((4, 8), (2, 16, 8)), dtypes=(torch.float16, torch.float32),
+            mamba_cache_mode="align")))
     kv_config = KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                               prefix_cache_retention_interval=config.retention_interval)
     return KVCacheManager(kv_cache_config=kv_config, max_model_len=config.max_model_len, scheduler_block_size=b,

@@ -96,7 +96,8 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
     assert adopts[1].recomputed_tokens == 43 - 32
     a = adopts[0]
     assert a.engine == "sglang" and a.model == "tiny-llama" and a.request_id == "q1"
-    assert list(zip(a.reused_tiers, a.reused_tokens, strict=True)) == [(Tier.DEVICE, 16), (Tier.HOST, 8), (Tier.DISK, 4)]
+    assert list(zip(a.reused_tiers, a.reused_tokens, strict=True)) == [(Tier.DEVICE, 16), (Tier.HOST, 8),
+                                                                       (Tier.DISK, 4)]
     assert a.recomputed_tokens == 12
 
 

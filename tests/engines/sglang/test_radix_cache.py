@@ -378,7 +378,8 @@ def test_an_aborted_session_turn_hands_its_row_to_the_tree(core: str) -> None:
     assert evicted == [("explicit", 2)]
     results = {r.request_id: r for r in reconstruct(sink.events, recipe_from_cache(cache))}
     for rid, hit in (("aborted", 21), ("turn-2", 30)):
-        assert results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens and not results[rid].unsafe_reuse
+        assert (results[rid].recoverable_hit_tokens == hit == results[rid].adopted_tokens
+                and not results[rid].unsafe_reuse)
 
 
 @pytest.mark.parametrize("page", [16, 1])

@@ -119,7 +119,8 @@ def child(root: str, mode: str) -> None:
     print("RESULT " + json.dumps({
         "served": served, "references": references, "stale": stale, "stats_clean": stats_clean,
         "abandoned": abandoned, "extra": extra,
-        "stats": dataclasses.asdict(canary.stats) if canary else None, "model": next(e.model for e in events if e.model),
+        "stats": dataclasses.asdict(canary.stats) if canary else None,
+        "model": next(e.model for e in events if e.model),
         "probes": [json.loads(msgspec.json.encode(p)) for p in probes],
         "rows": json.loads(msgspec.json.encode(rows))}))
 

@@ -58,7 +58,8 @@ def child(root: str, wrapped: str) -> None:
         llm.reset_prefix_cache()  # the device cache only: b must come back from disk
     get_emitter().force_flush(timeout_millis=30_000)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    out["recipe"] = json.loads(msgspec.json.encode(recipe_from_kv_cache_config(scheduler.kv_cache_manager.kv_cache_config)))
+    out["recipe"] = json.loads(msgspec.json.encode(
+        recipe_from_kv_cache_config(scheduler.kv_cache_manager.kv_cache_config)))
     out["bytes_per_block"] = scheduler.connector._bytes_per_block[0] if wrapped == "yes" else 0
     print("RESULT " + json.dumps(out))
 

@@ -72,7 +72,8 @@ def test_plugin_events_reconstruct_the_engines_cached_tokens(name: str, config: 
 
     recipe = recipe_from_kv_cache_config(scheduler.kv_cache_manager.kv_cache_config)
     if name == "gemma3":
-        assert [g.component for g in recipe.groups] == [ComponentKind.SLIDING_WINDOW] * 3 + [ComponentKind.FULL_ATTENTION]
+        assert [g.component for g in recipe.groups] == ([ComponentKind.SLIDING_WINDOW] * 3
+                                                        + [ComponentKind.FULL_ATTENTION])
     events = sorted((e for f in sorted(spool.iterdir()) for e in iter_file_events(f) if e.model == str(model)),
                     key=lambda e: (e.ts_ns, e.source_id, e.seq))
     assert {EventKind.LOOKUP, EventKind.ADOPT, EventKind.COMMIT, EventKind.USAGE} <= {e.kind for e in events}

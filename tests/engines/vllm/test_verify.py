@@ -126,7 +126,8 @@ def child(kind: str, root: str) -> None:
     spool = Path(root) / "spool"
     events = sorted((e for f in sorted(spool.iterdir()) for e in iter_file_events(f)),
                     key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    recipe = recipe_from_kv_cache_config(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config)
+    recipe = recipe_from_kv_cache_config(
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config)
     results = list(reconstruct(events, recipe))
     floor = noise_floor(noise)
     rows = {}
