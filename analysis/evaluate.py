@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from itertools import accumulate
 
-from kvtrace.schema.recipes import GroupSpec, Recipe
 from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, ObjectState, identity_of
-from kvtrace.schema.verdicts import MISSING_REASON, GapReason
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, Reason, Tier
+from kvtrace.schema.recipes import GroupSpec, Recipe
+from kvtrace.schema.verdicts import MISSING_REASON, GapReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
-from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.analysis.state import CacheState
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
+from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 
 
 @dataclass(slots=True)

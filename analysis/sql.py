@@ -34,11 +34,11 @@ from typing import Any
 import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.schema.fields import field_specs
+from kvtrace.schema.kinds import TIER_ORDER, ComponentKind, Reason
+from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult
-from kvtrace.schema.kinds import ComponentKind, Reason, TIER_ORDER
 
 # -- dialects -----------------------------------------------------------------------------------
 

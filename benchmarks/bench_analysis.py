@@ -137,9 +137,9 @@ def main() -> None:
         return
 
     os.environ["KVTRACE_HOME"] = str(args.home)
-    from kvtrace.store.export import export_events
-    from kvtrace.store.client import Store
     from kvtrace.schema.recipes import BUILTIN
+    from kvtrace.store.client import Store
+    from kvtrace.store.export import export_events
 
     tag = f"{args.recipe.replace('-', '_')}_{args.events}"
     store = Store(f"chdb://{args.home / 'chdb'}?database=bench_{tag}")

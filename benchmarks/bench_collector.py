@@ -157,8 +157,8 @@ def insert_formats(events: list[Event], root: Path) -> dict[str, float]:
     import msgspec
     import pyarrow.json as pj
 
-    from kvtrace.store.client import Store
     from kvtrace.schema.arrow import arrow_schema
+    from kvtrace.store.client import Store
 
     store = Store(f"chdb://{root}/formats?database=formats_{int(time.time() * 1000)}")
     store.init()

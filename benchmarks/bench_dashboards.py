@@ -30,11 +30,11 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["KVTRACE_HOME"] = str(args.home)
     from kvtrace.analysis.sql import clickhouse_results
-    from kvtrace.store.client import Store
     from kvtrace.dashboards.queries import PANELS, render
     from kvtrace.schema.arrow import conform
     from kvtrace.schema.recipes import BUILTIN
     from kvtrace.schema.verdicts import LookupResult
+    from kvtrace.store.client import Store
 
     tag = f"{args.recipe.replace('-', '_')}_{args.events}"
     store = Store(f"chdb://{args.home / 'chdb'}?database=bench_{tag}")

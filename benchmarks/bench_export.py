@@ -38,7 +38,6 @@ from importlib import metadata
 
 import msgspec
 
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import ExportResult
 from kvtrace.instrumentation.sinks.store import StoreSink
@@ -46,6 +45,7 @@ from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.wire import Batch
+from kvtrace.store.client import Store
 
 BLOCK = 16
 CHAIN = 64

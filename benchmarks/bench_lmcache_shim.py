@@ -32,7 +32,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from counting_sink import CountingSink  # beside this script
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter

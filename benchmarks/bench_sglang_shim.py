@@ -79,7 +79,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from counting_sink import CountingSink, EncodingSink  # beside this script
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -223,7 +222,8 @@ STEPS = (("shim", "_emit_run"), ("shim", "_chain_of"), ("shim", "install_slots")
 
 def breakdown(prompts: list[tuple[str, array]], config: DriverConfig) -> None:
     """Per-request cost of each hook, timed in place; the steps are inside the hooks."""
-    from kvtrace.instrumentation.sglang import keys, ledger, shim as shim_module
+    from kvtrace.instrumentation.sglang import keys, ledger
+    from kvtrace.instrumentation.sglang import shim as shim_module
 
     spent: dict[str, float] = {}
     modules = {"shim": shim_module, "keys": keys, "ledger": ledger}

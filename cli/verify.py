@@ -110,15 +110,15 @@ def run_verify(args: Namespace) -> int:
 
 def _verify(args: Namespace, llm: Any, recipe: Any, prompts: list[list[int]], scratch: Path) -> int:
     from kvtrace.analysis.oracle import engine_request, sample_by_class, verification
-    from kvtrace.schema.divergence import noise_floor
     from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.store.ingest import iter_file_events
-    from kvtrace.store.client import Store
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, noise_pairs, serve_prompt, verify_prompts
     from kvtrace.schema.arrow import to_arrow
     from kvtrace.schema.clickhouse import VERIFICATIONS
+    from kvtrace.schema.divergence import noise_floor
     from kvtrace.schema.verdicts import Agreement, Verification
+    from kvtrace.store.client import Store
+    from kvtrace.store.ingest import iter_file_events
 
     def events() -> list:
         get_emitter().force_flush(timeout_millis=60_000)

@@ -23,8 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtrace.collector.auth import Grant
-from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, media_type
-from kvtrace.collector.intake import Unavailable
+from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, Unavailable, media_type
 from kvtrace.collector.service import Collector
 from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.clickhouse import EVENTS, VERDICTS

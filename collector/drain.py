@@ -22,11 +22,11 @@ import pyarrow as pa
 from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
-from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector.drain")
 _decode_events = msgspec.json.Decoder(Event).decode_lines

@@ -27,8 +27,15 @@ from kvtrace.schema.arrow_checks import clean_rows
 from kvtrace.schema.arrow_wire import ARROW_TYPE, TooLarge, read_stream
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.records import EmitterStats, Rejection
-from kvtrace.schema.validation import (clean, event_from_builtins, event_from_json, problems, range_problems,
-                                       validate_numbered, validate_rows)
+from kvtrace.schema.validation import (
+    clean,
+    event_from_builtins,
+    event_from_json,
+    problems,
+    range_problems,
+    validate_numbered,
+    validate_rows,
+)
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch, WireError, decode_batch, decode_raw_event
 
 JSON_TYPE = "application/json"

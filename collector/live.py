@@ -20,20 +20,19 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.store.client import Store
 from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.recipes import Recipe, RecipeBook, UnknownModel
 from kvtrace.schema.verdicts import LookupResult, Verification
+from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector.live")
 _MAX_ROWS = 10_000  # verification rows held while their inserts fail (probes are few: rate-limited)

@@ -31,13 +31,13 @@ from kvtrace.collector.intake import (
 )
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.subscribe import KvEventSource, Subscription
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
-from kvtrace.schema.paths import data_dir
-from kvtrace.store.client import Store
+from kvtrace.collector.subscribe import KvEventSource, Subscription
 from kvtrace.schema.arrow_wire import write_stream
+from kvtrace.schema.paths import data_dir
 from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.wire import Batch
+from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector")
 json_lines = msgspec.json.Encoder().encode_lines

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import html
 import json
-from urllib.parse import urlencode
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlencode
 
 import msgspec
 import polars as pl
@@ -22,8 +22,8 @@ from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from kvtrace.store.client import Store
 from kvtrace.dashboards.queries import PANELS, Panel, PanelKind, by_key, filters, render, substitute
+from kvtrace.store.client import Store
 
 PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("Hit funnel", ("funnel",)),

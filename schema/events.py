@@ -19,11 +19,11 @@ from typing import Annotated
 import msgspec
 
 from kvtrace.schema.columns import (
+    F64,
     U16,
     U32,
     U64,
     DurationNs,
-    F64,
     Flag,
     Hash64,
     Label,

@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
-from kvtrace.store.client import Store
 from kvtrace.schema.arrow import arrow_schema, from_arrow
+from kvtrace.store.client import Store
 
 
 class ExportFormat(StrEnum):

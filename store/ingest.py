@@ -16,11 +16,11 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
-from kvtrace.store.client import Store
 from kvtrace.schema.events import Event
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.schema.validation import event_from_builtins, event_from_json, validate_numbered, validate_rows
 from kvtrace.schema.wire import SPOOL_MAGIC, WireError, decode_batch, decode_raw_event, read_spool
+from kvtrace.store.client import Store
 
 CHUNK_ROWS = 65536
 

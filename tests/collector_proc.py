@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
-from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 
 SOURCE = 0x5EED

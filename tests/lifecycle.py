@@ -14,8 +14,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvtrace.schema.recipes import GroupSpec, Recipe
 from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier
+from kvtrace.schema.recipes import GroupSpec, Recipe
 
 SMALL = Recipe(
     name="small-hybrid",

@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvtrace.store.client import Store
 from kvtrace.dashboards.alerts import (
     AlertLoop,
     AlertState,
@@ -26,6 +25,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.store import StoreSink
 from kvtrace.schema.recipes import BUILTIN
+from kvtrace.store.client import Store
 
 RULES = """
 rules:

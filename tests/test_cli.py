@@ -13,12 +13,12 @@ from strategies import STORE_TS_BASE
 
 from kvtrace.cli.demo import DEMO_DATABASE
 from kvtrace.cli.main import main
-from kvtrace.store.client import Store
-from kvtrace.store.dsn import default_dsn
 from kvtrace.schema.arrow import from_arrow
 from kvtrace.schema.clickhouse import TABLES
 from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import EventKind, Reason
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import default_dsn
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

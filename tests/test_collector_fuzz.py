@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 from kvtrace.collector.app import create_app
 from kvtrace.collector.auth import TokenTable
 from kvtrace.collector.service import Collector, CollectorConfig
+from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
-from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.wire import CONTENT_TYPE
 
 TOKEN = "fuzz-token"

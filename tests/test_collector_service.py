@@ -10,16 +10,16 @@ from pathlib import Path
 
 import httpx
 import msgspec
-from msgspec.structs import replace
 import pytest
 import uvicorn
+from msgspec.structs import replace
+from strategies import event_key, seeded_events
 
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.collector.app import create_app
 from kvtrace.collector.auth import TokenTable
 from kvtrace.collector.service import Collector, CollectorConfig
 from kvtrace.collector.spool import SpoolRecord, encode_record
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.base import ExportStatus
@@ -30,8 +30,8 @@ from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
 from kvtrace.schema.verdicts import LookupResult
-from strategies import event_key, seeded_events
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
+from kvtrace.store.client import Store
 
 TOKENS = "tok-acme=acme;tok-beta=beta;tok-op=*"
 

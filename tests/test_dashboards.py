@@ -18,7 +18,6 @@ import pytest
 import uvicorn
 
 from kvtrace.analysis.sql import clickhouse_results
-from kvtrace.store.client import Store
 from kvtrace.dashboards.grafana import dashboard
 from kvtrace.dashboards.queries import PANELS, PanelKind, substitute
 from kvtrace.dashboards.web import PAGES, create_dashboard_app
@@ -28,6 +27,7 @@ from kvtrace.instrumentation.sinks.store import StoreSink
 from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.recipes import BUILTIN
 from kvtrace.schema.verdicts import Agreement, LookupResult, Verdict, Verification
+from kvtrace.store.client import Store
 
 ARTIFACTS = Path(os.environ.get("KVTRACE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 S = 10**9

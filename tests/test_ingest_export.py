@@ -13,9 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 from strategies import STORE_TS_BASE, event_key, seeded_events
 
-from kvtrace.store.export import EventFilter, ExportFormat, export_events
-from kvtrace.store.ingest import FileFormat, detect_format, ingest_file, iter_file_events
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.spool import SpoolSink
 from kvtrace.schema.arrow import conform, from_arrow, to_arrow
@@ -23,6 +20,9 @@ from kvtrace.schema.events import FIELD_NAMES, Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.schema.wire import SPOOL_HEADER, Batch, WireError, encode_batch, frame
+from kvtrace.store.client import Store
+from kvtrace.store.export import EventFilter, ExportFormat, export_events
+from kvtrace.store.ingest import FileFormat, detect_format, ingest_file, iter_file_events
 
 
 def stored(store: Store) -> list[Event]:

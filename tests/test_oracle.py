@@ -7,11 +7,11 @@ import math
 import pytest
 
 from kvtrace.analysis.oracle import judge, sample_by_class, verification
-from kvtrace.schema.divergence import Scores, divergence, noise_floor, tolerance
-from kvtrace.store.client import Store
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.clickhouse import VERIFICATIONS
+from kvtrace.schema.divergence import Scores, divergence, noise_floor, tolerance
 from kvtrace.schema.verdicts import Agreement, GapReason, LookupResult, Verdict, Verification
+from kvtrace.store.client import Store
 
 
 def scores(tokens: list[int], shift: float = 0.0, generated: int = 0) -> Scores:

@@ -18,10 +18,10 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
-from kvtrace.store.export import export_events
-from kvtrace.store.client import Store
 from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 from kvtrace.schema.recipes import RecipeBook, UnknownModel
+from kvtrace.store.client import Store
+from kvtrace.store.export import export_events
 
 SORT = ["ts_ns", "source_id", "seq"]
 BOOK = RecipeBook(RECIPES)  # each lifecycle model's own recipe

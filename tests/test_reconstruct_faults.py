@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.schema.recipes import BUILTIN, Recipe, RecipeError, load_recipe
 from kvtrace.analysis.reconstruct import Reconstructor, reconstruct
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier
+from kvtrace.schema.recipes import BUILTIN, Recipe, RecipeError, load_recipe
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 
 PROMPT = 1024 + 7  # 1031 tokens: the engine must compute at least the last one
 

@@ -7,8 +7,6 @@ import time
 
 import pytest
 
-from kvtrace.store.client import Store
-from kvtrace.store.dsn import StoreError
 from kvtrace.schema.arrow import arrow_schema, arrow_type, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import (
     EMITTER_STATS,
@@ -27,6 +25,8 @@ from kvtrace.schema.fields import field_specs
 from kvtrace.schema.jsonschema import batch_json_schema, event_json_schema
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import StoreError
 
 _COLUMN_LINE = re.compile(r"^\s*`([^`]+)` ", re.MULTILINE)
 

@@ -11,9 +11,26 @@ import pytest
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.page_keys import page_keys
-from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, Acted, Action, Backed, Backup,
-                                                    Checkpoint, Fetched, Insert, Lookup, Rec, ResolverSpec, Restore,
-                                                    Restored, Staged, Store, Stored, encode)
+from kvtrace.instrumentation.sglang.records import (
+    CALLS,
+    CHECKPOINT_RETURNED,
+    Acted,
+    Action,
+    Backed,
+    Backup,
+    Checkpoint,
+    Fetched,
+    Insert,
+    Lookup,
+    Rec,
+    ResolverSpec,
+    Restore,
+    Restored,
+    Staged,
+    Store,
+    Stored,
+    encode,
+)
 from kvtrace.instrumentation.sglang.resolver import Replayer
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind

@@ -13,14 +13,14 @@ from test_paths_agree import assert_same
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
-from kvtrace.store.export import export_events
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import Event, EventKind, Tier
 from kvtrace.schema.recipes import BUILTIN
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.store.client import Store
+from kvtrace.store.export import export_events
 
 PREFIX = list(range(10_000, 11_024))
 

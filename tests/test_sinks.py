@@ -18,7 +18,6 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sinks.base import ExportStatus
 from kvtrace.instrumentation.sinks.http import INGEST_PATH, HttpSink, _retry_after
@@ -42,6 +41,7 @@ from kvtrace.schema.wire import (
     encode_batch,
     read_spool,
 )
+from kvtrace.store.client import Store
 
 QUIET = dict(max_queue_size=10_000, max_export_batch_size=1_000, schedule_delay_millis=60_000)
 

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from strategies import event_key, seeded_events, stored_events
 
-from kvtrace.store.client import Store
-from kvtrace.store.dsn import Dsn, StoreError, parse_dsn
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import DEFAULT_DATABASE, zero_when_omitted
 from kvtrace.schema.columns import I64, U32
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.store.client import Store
+from kvtrace.store.dsn import Dsn, StoreError, parse_dsn
 
 
 def read_all(store: Store, where: str = "1", parameters: dict | None = None) -> list[Event]:

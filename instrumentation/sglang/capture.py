@@ -41,17 +41,44 @@ import msgspec
 import numpy as np
 
 from kvtrace.instrumentation.api import key_sampled, request_key
-from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.hooks import HookSet
+from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
-from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, MAMBA_EXISTED, REQUESTS_KEPT,
-                                                    Acted, Action, Admit, Backed, Backup, Checkpoint, Fetched,
-                                                    Insert, Kept, Lookup, Rec, ResolverSpec, Restore, Restored,
-                                                    Staged, Store, Stored, encode)
-from kvtrace.instrumentation.sglang.shim import (RadixCacheShim, component_name, component_types, host_values,
-                                                kept_row, row_pages, usage_counters)
+from kvtrace.instrumentation.sglang.records import (
+    CALLS,
+    CHECKPOINT_RETURNED,
+    MAMBA_EXISTED,
+    REQUESTS_KEPT,
+    Acted,
+    Action,
+    Admit,
+    Backed,
+    Backup,
+    Checkpoint,
+    Fetched,
+    Insert,
+    Kept,
+    Lookup,
+    Rec,
+    ResolverSpec,
+    Restore,
+    Restored,
+    Staged,
+    Store,
+    Stored,
+    encode,
+)
+from kvtrace.instrumentation.sglang.shim import (
+    RadixCacheShim,
+    component_name,
+    component_types,
+    host_values,
+    kept_row,
+    row_pages,
+    usage_counters,
+)
 
 log = logging.getLogger("kvtrace.sglang")
 

@@ -40,16 +40,16 @@ from kvtrace.instrumentation.sglang.cpu import install_vision_stand_in
 install_vision_stand_in()
 os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
 
-import torch  # noqa: E402
 import sglang.test.kits.unified_radix_cache.fixtures as kit  # noqa: E402
+import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
-from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
     InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
 )
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402

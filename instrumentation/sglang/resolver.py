@@ -29,10 +29,31 @@ from kvtrace.instrumentation.ring import Ring, RingCorrupt
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.ledger import LedgerSlots, ledger_of_starts, scatter, slot_step
-from kvtrace.instrumentation.sglang.records import (CALLS, CHECKPOINT_RETURNED, MAMBA_EXISTED, REQUESTS_KEPT,
-                                                    Acted, Action, Admit, Backed, Backup, Checkpoint, Fetched,
-                                                    Fields, Insert, Kept, Lookup, Rec, ResolverSpec, Restore,
-                                                    Restored, Staged, Store, Stored, decode)
+from kvtrace.instrumentation.sglang.records import (
+    CALLS,
+    CHECKPOINT_RETURNED,
+    MAMBA_EXISTED,
+    REQUESTS_KEPT,
+    Acted,
+    Action,
+    Admit,
+    Backed,
+    Backup,
+    Checkpoint,
+    Fetched,
+    Fields,
+    Insert,
+    Kept,
+    Lookup,
+    Rec,
+    ResolverSpec,
+    Restore,
+    Restored,
+    Staged,
+    Store,
+    Stored,
+    decode,
+)
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.schema.kinds import Reason
 

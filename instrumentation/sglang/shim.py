@@ -35,13 +35,12 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-
-import numpy as np
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from kvtrace.store.client import Store
 from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
 from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.records import Rejection
 from kvtrace.schema.validation import Problem, problems
 from kvtrace.schema.wire import Batch
-from kvtrace.schema.records import Rejection
+from kvtrace.store.client import Store
 
 
 class StoreSink:

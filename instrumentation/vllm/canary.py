@@ -42,11 +42,11 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from kvtrace.schema.divergence import Scores, divergence
 from kvtrace.instrumentation.config import ConfigError
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.vllm.verify import VERIFY_SALT, scores_from
 from kvtrace.instrumentation.vllm.weights import adapter_label
+from kvtrace.schema.divergence import Scores, divergence
 from kvtrace.schema.events import PROBE_PREFIX
 from kvtrace.schema.kinds import EventKind
 

@@ -65,7 +65,8 @@ def _patch_engine_core() -> None:
     core's own process (`vllm serve`) plugins are loaded inside `EngineCore.__init__`, too late
     to wrap that constructor, while a method patched on the class reaches the instance."""
     from kvtrace.instrumentation.config import ConfigError
-    from kvtrace.instrumentation.vllm.canary import CanarySettings, attach as attach_canary
+    from kvtrace.instrumentation.vllm.canary import CanarySettings
+    from kvtrace.instrumentation.vllm.canary import attach as attach_canary
 
     try:
         canary = CanarySettings.from_env()

@@ -19,10 +19,11 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 import torch
+from vllm.v1.request import RequestStatus
 
 from kvtrace.analysis.join import join_store
-from kvtrace.cli.main import main
 from kvtrace.analysis.reconstruct import reconstruct
+from kvtrace.cli.main import main
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.lmcache.cpu import EngineSpec, build_engine, destroy_engine
 from kvtrace.instrumentation.lmcache.driver import kv_for, wait_for_disk
@@ -36,7 +37,6 @@ from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.recipes import dense
 from kvtrace.schema.verdicts import Verdict
-from vllm.v1.request import RequestStatus
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema import EventKind
+from kvtrace.store.ingest import iter_file_events
 
 
 def child(root: str, enabled: str) -> None:

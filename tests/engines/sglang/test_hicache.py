@@ -17,12 +17,12 @@ from typing import Any
 import polars as pl
 import pytest
 
-from kvtrace.instrumentation.sglang.cpu import patch_hicache_for_cpu
-from kvtrace.instrumentation.sglang.driver import COMPONENTS, Driver, DriverConfig, Mix, build_cache, enable_hicache
 from kvtrace.analysis.costs import transfer_samples
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.sglang.cpu import patch_hicache_for_cpu
+from kvtrace.instrumentation.sglang.driver import COMPONENTS, Driver, DriverConfig, Mix, build_cache, enable_hicache
 from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
@@ -32,6 +32,9 @@ from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.kinds import Reason, Tier
 from kvtrace.schema.verdicts import GapReason, Verdict
 
+# After kvtrace's SGLang driver, which puts a torchvision stand-in in place before the first
+# `import sglang` (SGLang's config package imports torchvision).
+# isort: split
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -324,7 +327,6 @@ def test_the_page_first_stand_ins_move_what_the_kernels_would(shape: tuple[int, 
     of its kernels: K and V apart (MHA), one latent buffer (MLA), Mamba's state layout; device
     slots that start off a page boundary; every byte of both sides compared."""
     import torch
-
     from sglang.srt.mem_cache.pool_host import mha
 
     patch_hicache_for_cpu()  # what `enable_hicache` installs

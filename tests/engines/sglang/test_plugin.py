@@ -13,10 +13,10 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
-from kvtrace.instrumentation.sglang.driver import DriverConfig, Mix, build_cache
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.api import set_emitter
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sglang import plugin
+from kvtrace.instrumentation.sglang.driver import DriverConfig, Mix, build_cache
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind
 from kvtrace.schema.kinds import Tier
@@ -54,9 +54,10 @@ def test_sglang_loads_the_plugin_and_applies_its_hooks(tmp_path) -> None:  # noq
 def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> None:  # noqa: ANN001
     """In-process (`KVTRACE_SGLANG_MODE=inline`): the shim on the scheduler thread, sending to
     the process's emitter."""
+    from array import array
+
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from array import array
 
     monkeypatch.setenv("KVTRACE_SGLANG_MODE", "inline")
     sink = MemorySink()
@@ -107,14 +108,14 @@ def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_pat
     saying why, for one it does not (an older single-component tree)."""
     from array import array
 
+    import msgspec
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from kvtrace.instrumentation.sglang.capture import ProcessShim
     from kvtrace.instrumentation.sglang.shim import RadixCacheShim
-    from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
-    import msgspec
     from kvtrace.schema.events import Event
+    from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
 
     for name, value in {"KVTRACE_SINK": "spool", "KVTRACE_SPOOL_DIR": str(tmp_path), "KVTRACE_ENABLED": "1"}.items():
         monkeypatch.setenv(name, value)

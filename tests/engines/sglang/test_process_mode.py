@@ -24,8 +24,16 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.sglang.capture import CaptureStats, ProcessShim, unsupported
-from kvtrace.instrumentation.sglang.driver import (COMPONENTS, ComponentType, Driver, DriverConfig, Mix, Route,
-                                                  build_cache, enable_hicache)
+from kvtrace.instrumentation.sglang.driver import (
+    COMPONENTS,
+    ComponentType,
+    Driver,
+    DriverConfig,
+    Mix,
+    Route,
+    build_cache,
+    enable_hicache,
+)
 from kvtrace.instrumentation.sglang.keys import new_chain
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink

@@ -13,11 +13,11 @@ from importlib import resources
 
 import pytest
 
-from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
+from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, Route, build_cache
 from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim, resident_keys
 from kvtrace.instrumentation.sinks.memory import MemorySink
@@ -26,6 +26,9 @@ from kvtrace.schema import ComponentKind, EventKind
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.verdicts import GapReason
 
+# After kvtrace's SGLang driver, which puts a torchvision stand-in in place before the first
+# `import sglang` (SGLang's config package imports torchvision).
+# isort: split
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -166,7 +169,6 @@ def test_state_matches_sglangs_own_kv_events(core: str) -> None:
     page keys, so each stored block is renamed by keying its tokens after its parent block: that
     also checks that kvtrace's chain follows SGLang's tree."""
     import numpy as np
-
     from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
     from kvtrace.instrumentation.page_keys import finalize, page_states

@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.store.ingest import iter_file_events
-from kvtrace.schema.verdicts import Verdict
 from kvtrace.schema import EventKind, Tier
 from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.verdicts import Verdict
+from kvtrace.store.ingest import iter_file_events
 
 PREFIX = list(range(10, 266))  # 256 tokens: 8 blocks of 32
 

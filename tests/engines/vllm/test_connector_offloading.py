@@ -32,10 +32,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema import ComponentKind, EventKind, Tier
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
+from kvtrace.store.ingest import iter_file_events
 
 PREFIX = list(range(10, 266))  # 256 tokens: 8 blocks of 32
 SPEC_MODULE = Path(__file__).stem  # the engine imports the spec below by module name

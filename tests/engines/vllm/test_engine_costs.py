@@ -13,19 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import polars as pl
+import pytest
 
 from kvtrace.analysis.calibrate import ModelShape, calibrate_prefill
 from kvtrace.analysis.costs import PrefillModel, crossover_tokens, fit_prefill, fit_transfers, restore_decisions
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.planning import empty_events
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.store.ingest import iter_file_events
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.recipes import Recipe
 from kvtrace.schema.records import CalibrationSample
+from kvtrace.store.ingest import iter_file_events
 
 BLOCKS = range(2, 12)  # prefixes of 2..11 blocks of 32 tokens
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

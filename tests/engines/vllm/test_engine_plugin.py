@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.store.ingest import iter_file_events
 from kvtrace.instrumentation.api import get_emitter
 from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
 from kvtrace.schema import ComponentKind, EventKind
+from kvtrace.store.ingest import iter_file_events
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,

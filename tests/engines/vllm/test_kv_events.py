@@ -11,9 +11,9 @@ import msgspec
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.kv_events import KvEventBridge, translate_all
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
-from kvtrace.instrumentation.kv_events import KvEventBridge, translate_all
 from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
 from kvtrace.schema import EventKind
 

@@ -70,12 +70,12 @@ def child(kind: str, root: str) -> None:
     from vllm import LLM
 
     from kvtrace.analysis.oracle import engine_request, verification
-    from kvtrace.schema.divergence import noise_floor
     from kvtrace.analysis.reconstruct import reconstruct
-    from kvtrace.store.ingest import iter_file_events
     from kvtrace.instrumentation.api import get_emitter
     from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
     from kvtrace.instrumentation.vllm.verify import noise_pairs, verify_prompts
+    from kvtrace.schema.divergence import noise_floor
+    from kvtrace.store.ingest import iter_file_events
 
     model = Path(root) / "model"
     save_checkpoint(kind.split("-")[0], model, seed=0)
