@@ -7,6 +7,7 @@ isolates itself with its own database.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,11 @@ os.environ["KVTRACE_HOME"] = str(_SESSION_HOME)
 os.environ.pop("KVTRACE_DSN", None)
 
 from kvtrace.store.client import Store  # noqa: E402
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's engine directory goes with the session: every run made one and left it."""
+    shutil.rmtree(_SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
