@@ -155,16 +155,20 @@ def test_the_canary_probes_live_reuse_and_catches_stale_weights(mode: str, tmp_p
     # (168 tokens: 5 whole blocks of 32), all of which the probe checks.
     assert [p["reported_hit_tokens"] for p in probes] == [256, 160] + [256] * (len(probes) - 2)
     assert all(p["request_id"].startswith("kvtrace-verify-") for p in probes)
-    assert all(p.get("noise_floor", 0.0) == 0.0 for p in probes)  # CPU: two fresh runs are bit-identical
+    # Two fresh runs of one prompt in different batches agree bit for bit on some CPUs (AMD EPYC
+    # here once) and not on others (an Intel Xeon gave 0.03): the floor is measured, never assumed.
+    floors = [p.get("noise_floor", 0.0) for p in probes]
+    assert all(0.0 <= f < 0.1 for f in floors), floors
 
     rows = [msgspec.convert(r, Verification) for r in got["rows"]]
     assert len(rows) == len(probes)
-    for r in rows[:-1]:  # clean hits: identical to recompute, bit for bit on CPU
-        assert r.agreement is Agreement.IDENTICAL and r.max_abs_diff == 0.0 and r.positions > 0, r.detail
+    for r in rows[:-1]:  # clean hits: identical to recompute, within the measured noise
+        assert r.agreement is Agreement.IDENTICAL and r.max_abs_diff <= r.tolerance and r.positions > 0, r.detail
         assert not r.unsafe_reuse and r.detail.startswith("probe of ")
     stale = rows[-1]
     assert stale.adopted_tokens == 256 and stale.unsafe_reuse and stale.reason is GapReason.IDENTITY_MISMATCH
     assert stale.agreement is Agreement.ALARM_CONFIRMED and stale.max_abs_diff > 0.5, stale.detail
+    assert stale.max_abs_diff > 10 * max(floors)  # stale weights stand far above any batch noise
 
     # The same judgement from the store: `kvtrace analyze --write-verdicts` writes the rows.
     from kvtrace.cli.main import main
