@@ -23,7 +23,7 @@ from kvtrace.schema.arrow import arrow_schema
 from kvtrace.schema.events import REQUIRED_BY_KIND, SCHEMA_VERSION, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
 from kvtrace.schema.kinds import EVICT_REASONS, INVALIDATE_REASONS, EventKind
-from kvtrace.schema.validation import MEASUREMENTS
+from kvtrace.schema.validation import MEASUREMENTS, recipe_problem
 
 _FLOAT_MAX = sys.float_info.max
 
@@ -162,4 +162,8 @@ def clean_rows(table: pa.Table) -> np.ndarray:
         bad |= has_more & (lookup_or_adopt | _true(pc.equal(col["block_key"], _lit(col["block_key"], 0))) | zero)
     bad |= _true(pc.and_(pc.equal(kind, EventKind.LOOKUP.value),
                          pc.greater(col["reported_hit_tokens"], col["prompt_tokens"])))
+    attach = np.flatnonzero(_true(pc.equal(kind, EventKind.ATTACH.value)))
+    if attach.size:  # rare (one per engine start): each recipe decoded as the row check does
+        recipes = col["recipe"].take(pa.array(attach)).to_pylist()
+        bad[attach] |= np.array([bool(text) and bool(recipe_problem(text)) for text in recipes], dtype=bool)
     return ~bad

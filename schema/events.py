@@ -33,7 +33,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bump when fields are added; readers accept every version up to this one."""
 
 
@@ -155,6 +155,16 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
         F64, _doc("Largest difference between two cache-free runs of one prompt, measured by the prober (probe).")
     ] = 0.0
 
+    # -- the engine, as a shim found it when it attached (schema version 5) ---------------------
+    # engine, engine_version, model, model_revision, kv_dtype and block_size (the engine's own
+    # block size, where it has one) keep their meaning.
+    max_model_len: Annotated[U32, _doc("Longest request, prompt and output, the engine serves (attach).")] = 0
+    recipe: Annotated[
+        Text,
+        _doc("The engine's cache groups as a kvtrace recipe, JSON (attach): what its lookups are judged by "
+             "when no recipe is given."),
+    ] = ""
+
 
 PROBE_PREFIX = "kvtrace-verify-"
 """Request ids of the re-runs a correctness canary sends: what tells them from users' requests
@@ -178,6 +188,7 @@ REQUIRED_BY_KIND: dict[EventKind, tuple[str, ...]] = {
     EventKind.ADOPT: ("request_id",),
     EventKind.USAGE: ("tier",),
     EventKind.PROBE: ("request_id", "probe_of"),
+    EventKind.ATTACH: ("engine", "model", "recipe"),
 }
 """Fields that must differ from their empty default for each kind."""
 

@@ -23,6 +23,7 @@ class EventKind(StrEnum):
     ADOPT = "adopt"  # the engine reused and/or recomputed tokens for a request
     USAGE = "usage"  # a tier's occupancy at one moment: locked, evictable and free bytes (sampled)
     PROBE = "probe"  # a request's cached run compared with a cache-free recompute (correctness canary)
+    ATTACH = "attach"  # a shim attached to an engine: what the engine is and how it caches (its recipe)
 
 
 OBJECT_KINDS = frozenset(
@@ -94,6 +95,7 @@ class Reason(StrEnum):
     CORRUPTION = "corruption"
     RESET = "reset"  # the whole cache was cleared
     ROLLBACK = "rollback"  # speculative tokens rejected
+    RESTART = "restart"  # the engine process started: nothing its memory held before survives
 
 
 EVICT_REASONS = frozenset({Reason.CAPACITY, Reason.POLICY, Reason.REQUEST_FINISHED, Reason.EXPLICIT})
@@ -106,6 +108,7 @@ INVALIDATE_REASONS = frozenset(
         Reason.CORRUPTION,
         Reason.RESET,
         Reason.ROLLBACK,
+        Reason.RESTART,
         Reason.EXPLICIT,
     }
 )

@@ -21,6 +21,7 @@ import msgspec
 from kvtrace.schema.events import REQUIRED_BY_KIND, SCHEMA_VERSION, WIRE_REQUIRED, Event
 from kvtrace.schema.fields import field_specs
 from kvtrace.schema.kinds import EVICT_REASONS, INVALIDATE_REASONS, EventKind
+from kvtrace.schema.recipes import RecipeError, recipe_from_json
 from kvtrace.schema.records import Rejection
 
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
@@ -162,7 +163,19 @@ def problems(event: Event, msgpack_decoded: bool = False) -> list[Problem]:
                 f"hit {event.reported_hit_tokens} exceeds prompt_tokens {event.prompt_tokens}",
             )
         )
+    if event.kind is EventKind.ATTACH and event.recipe and (why := recipe_problem(event.recipe)):
+        out.append(Problem("recipe", why))
     return out
+
+
+def recipe_problem(text: str) -> str:
+    """Why an attach event's recipe is no recipe; "" when it is one (the analysis would judge the
+    engine's lookups by it, so a broken one is refused here rather than there)."""
+    try:
+        recipe_from_json(text)
+    except RecipeError as exc:
+        return str(exc)
+    return ""
 
 
 _INT64_MAX = 2**63 - 1
@@ -197,6 +210,8 @@ def clean(event: Event) -> bool:
         if kind is EventKind.INVALIDATE and e.reason not in INVALIDATE_REASONS:
             return False
     if e.more_keys and (kind in _LOOKUP_ADOPT or not e.block_key or 0 in e.more_keys):
+        return False
+    if kind is EventKind.ATTACH and recipe_problem(e.recipe):
         return False
     return not (kind is EventKind.LOOKUP and e.reported_hit_tokens > e.prompt_tokens)
 

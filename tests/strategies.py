@@ -27,6 +27,7 @@ from kvtrace.schema.kinds import (
     Tier,
     Transform,
 )
+from kvtrace.schema.recipes import BUILTIN, recipe_json
 
 U16 = st.integers(0, 2**16 - 1)
 U32 = st.integers(0, 2**32 - 1)
@@ -109,6 +110,9 @@ _REQUIRED: dict[str, st.SearchStrategy[Any]] = {
     "request_id": st.text(min_size=1, max_size=16),
     "prompt_tokens": st.integers(1, 2**32 - 1),
     "probe_of": st.text(min_size=1, max_size=16),
+    "engine": st.sampled_from(["vllm", "sglang", "lmcache", "sim"]),
+    "model": st.text(min_size=1, max_size=16),
+    "recipe": st.sampled_from([recipe_json(r) for r in BUILTIN.values()]),
 }
 
 
@@ -248,6 +252,12 @@ def seeded_events(n: int, seed: int = 0, sources: int = 4, ts_base: int = STORE_
             f["probe_max_kl"] = rng.choice([0.0, rng.random() * 5])
             f["probe_first_token_differs"] = rng.random() < 0.5
             f["noise_floor"] = rng.choice([0.0, rng.random() * 1e-3])
+        if kind is EventKind.ATTACH:
+            f["engine"] = rng.choice(["vllm", "sglang", "lmcache", "sim"])
+            f["model"] = f["model"] or "m"
+            f["engine_version"] = rng.choice(["", "0.32.0", _text(rng)])
+            f["max_model_len"] = u(32)
+            f["recipe"] = recipe_json(rng.choice(list(BUILTIN.values())))
         jump = rng.randint(0, 2) * DAY_NS if rng.random() < 0.05 else 0  # a few events days later
         ts = ts_base + seq * 1_000 + rng.randint(0, 999) + jump
         out.append(Event(kind=kind, ts_ns=ts, source_id=src, seq=seq, **f))

@@ -15,6 +15,7 @@ from kvtrace.schema import validation
 from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.events import FIELD_NAMES, REQUIRED_BY_KIND, SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import EVICT_REASONS, INVALIDATE_REASONS, ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.recipes import dense, recipe_json
 from kvtrace.schema.records import EmitterStats
 from kvtrace.schema.validation import (
     InvalidEvent,
@@ -40,6 +41,8 @@ GOOD: dict[EventKind, dict] = {
     EventKind.PROBE: {"request_id": "kvtrace-verify-1", "probe_of": "r1", "prompt_tokens": 64,
                       "reported_hit_tokens": 32, "probe_positions": 36, "probe_max_abs_diff": 0.25,
                       "probe_max_kl": 0.01, "noise_floor": 1e-5},
+    EventKind.ATTACH: {"engine": "vllm", "model": "m", "engine_version": "0.32.0", "max_model_len": 4096,
+                       "block_size": 32, "recipe": recipe_json(dense(32))},
 }
 
 
@@ -391,3 +394,20 @@ def test_clean_agrees_with_problems(event: Event, fields: dict, data: st.DataObj
     """The ingest fast path's `clean` accepts exactly the events `problems` finds nothing wrong with."""
     changed = msgspec.structs.replace(event, **{name: data.draw(EDGES[name], label=name) for name in fields})
     assert validation.clean(changed) == (not problems(changed, msgpack_decoded=True)), problems(changed)
+
+
+@pytest.mark.parametrize("recipe", ['{"name": "x"}', "not json", '{"name": "x", "groups": []}',
+                                    '{"name": "x", "groups": [{"group_id": 1, "component": "full_attention",'
+                                    ' "block_size": 16}]}'])
+def test_an_attach_event_carries_a_recipe_that_is_one(recipe: str) -> None:
+    """The analysis judges the engine's lookups by it: a broken one is refused with the row, by
+    every check that decides what gets stored."""
+    good = event_from_builtins({"kind": "attach", "ts_ns": 5, "source_id": 3, "seq": 0, **GOOD[EventKind.ATTACH]})
+    assert problems(good) == [] and validation.clean(good)
+    bad = msgspec.structs.replace(good, recipe=recipe)
+    assert [p.field for p in problems(bad)] == ["recipe"]
+    assert not validation.clean(bad)
+    from kvtrace.schema.arrow import to_arrow
+    from kvtrace.schema.arrow_checks import clean_rows
+
+    assert clean_rows(to_arrow([good, bad])).tolist() == [True, False]
