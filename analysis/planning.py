@@ -25,7 +25,8 @@ from kvtrace.analysis.costs import (
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import CALIBRATIONS
 from kvtrace.schema.events import Event
-from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.recipes import Recipe, RecipeBook, recipe_from_json
 from kvtrace.schema.records import CalibrationSample
 from kvtrace.store.client import Store
 
@@ -166,28 +167,50 @@ class CapacityReport:
     block_bytes: dict[int, float]  # group -> bytes per block
 
 
-def capacity_report(events: pl.DataFrame, recipes: RecipeBook | Recipe,
-                    capacities: Sequence[int], requests: float = 0.99, prefix: float = 0.99) -> list[CapacityReport]:
-    """A curve per recipe key: the lookups of one model share a cache, unless the book gives an
-    engine its own recipe for the model (an engine and the KV store behind it). Models the book
-    has no recipe for are left out."""
-    book = RecipeBook.of(recipes)
-    members: dict[str, list[str]] = {}  # recipe key -> the "engine\x00model" pairs it serves
-    for engine, model in events.select("engine", "model").unique(maintain_order=True).iter_rows():
-        if book.get(str(model), str(engine)) is not None:
-            members.setdefault(book.key(str(model), str(engine)), []).append(f"{engine}\x00{model}")
-    pair = pl.concat_str("engine", "model", separator="\x00")
+def capacity_report(events: pl.DataFrame, recipes: RecipeBook | Recipe | None = None,
+                    capacities: Sequence[int] = (), requests: float = 0.99,
+                    prefix: float = 0.99) -> list[CapacityReport]:
+    """A curve per model and recipe: the lookups of one model share a cache, unless an engine
+    has a recipe of its own for the model (an engine and the KV store behind it). With no recipe
+    given, each engine's own (from its attach events); models with neither are left out."""
+    book = book_for(events, recipes)
+    members: dict[tuple[str, Recipe], list[str]] = {}  # (label, recipe) -> "source\x00engine\x00model"
+    for src, engine, model in events.select("source_id", "engine", "model").unique(maintain_order=True).iter_rows():
+        recipe = book.get(str(model), str(engine), int(src))
+        if recipe is not None:  # named by the key, without the publishing process
+            label = book.key(str(model), str(engine), int(src)).partition("@")[0]
+            members.setdefault((label, recipe), []).append(f"{src}\x00{engine}\x00{model}")
+    source = pl.concat_str(pl.col("source_id").cast(pl.Utf8), "engine", "model", separator="\x00")
     out = []
-    for key, pairs in members.items():
-        part = events.filter(pair.is_in(pairs))
+    for (label, recipe), triples in members.items():
+        part = events.filter(source.is_in(triples))
         if not part.filter(pl.col("kind") == "lookup").height:
             continue
-        model, engine = str(part["model"][0]), str(part["engine"][0])
-        recipe = book.resolve(model, engine)
         distances = request_distances(iter_events(part.sort(ORDER)), recipe)
         commits = part.filter((pl.col("kind") == "commit") & (pl.col("nbytes") > 0))
         block_bytes = {int(g): float(v) for g, v in
                        commits.group_by("group_id").agg(pl.col("nbytes").median()).iter_rows()}
-        out.append(CapacityReport(str(key), capacity_curve(distances, recipe, capacities),
+        out.append(CapacityReport(label, capacity_curve(distances, recipe, capacities),
                                   capacity_needed(distances, recipe, requests, prefix), block_bytes))
     return out
+
+
+def book_for(events: pl.DataFrame, recipes: RecipeBook | Recipe | None = None) -> RecipeBook:
+    """The book the events are judged by: the one given, with each engine's own recipe from its
+    attach events; a given recipe the events contradict is refused (`RecipeMismatch`), as the
+    streaming and SQL paths refuse it."""
+    book = RecipeBook.of(recipes)
+    attach = events.filter(pl.col("kind") == EventKind.ATTACH.value).sort(ORDER)
+    for src, engine, model, instance, text in attach.select("source_id", "engine", "model", "instance",
+                                                           "recipe").iter_rows():
+        book = book.publish(int(src), str(engine), str(model), recipe_from_json(text), str(instance))
+    if book.scoped or book.default is not None:
+        blocks = 1 + pl.col("more_keys").list.len()
+        spans = (events.filter(pl.col("kind") == EventKind.COMMIT.value)
+                 .group_by("engine", "model", "group_id")
+                 .agg(((pl.col("token_end") - pl.col("token_start")) // blocks).max().alias("span"),
+                      pl.len().alias("n"))
+                 .sort("engine", "model", "group_id"))
+        for engine, model, group_id, span, n in spans.iter_rows():
+            book.check_commits(str(engine), str(model), int(group_id), int(span), int(n))
+    return book

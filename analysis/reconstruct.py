@@ -17,7 +17,7 @@ from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
-from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.recipes import Recipe, RecipeBook, recipe_from_json
 from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
 
 
@@ -29,11 +29,16 @@ class _Pending:
 
 
 class Reconstructor:
-    """Feed events in (ts_ns, source_id, seq) order; collect LookupResults as they complete."""
+    """Feed events in (ts_ns, source_id, seq) order; collect LookupResults as they complete.
+
+    The recipes are the book given, with every engine's own recipe added as its attach event
+    arrives; a given recipe the events contradict (the engine's own recipe, or a commit's block
+    span or group) raises `RecipeMismatch` rather than judge lookups by a wrong recipe.
+    """
 
     def __init__(
         self,
-        recipes: RecipeBook | Recipe,
+        recipes: RecipeBook | Recipe | None = None,
         policy: Policy = Policy(),
         max_pending: int = 100_000,
     ) -> None:
@@ -42,12 +47,14 @@ class Reconstructor:
         self.state = CacheState()
         self.max_pending = max_pending
         self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
+        # The block size of each group of a given recipe, by (engine, model); None: none given.
+        self._limits: dict[tuple[str, str], tuple[int, ...] | None] = {}
         self.events_seen = 0
         self.unmatched_adopts = 0
         self.pending_overflow = 0
 
-    def recipe_for(self, model: str, engine: str = "") -> Recipe:
-        return self.recipes.resolve(model, engine)
+    def recipe_for(self, model: str, engine: str = "", source_id: int = 0) -> Recipe:
+        return self.recipes.resolve(model, engine, source_id)
 
     def feed(self, event: Event) -> list[LookupResult]:
         self.events_seen += 1
@@ -60,15 +67,33 @@ class Reconstructor:
                 self.unmatched_adopts += 1
                 return []
             return [self._result(pending, event)]
+        if kind is EventKind.COMMIT:
+            self._check_commit(event)
+        elif kind is EventKind.ATTACH:
+            self.recipes = self.recipes.publish(event.source_id, event.engine, event.model,
+                                                recipe_from_json(event.recipe), event.instance)
         self.state.apply(event, self.events_seen)
         return []
+
+    def _check_commit(self, event: Event) -> None:
+        """A commit's blocks must fit the recipe given for its model (see RecipeBook.check_commits)."""
+        scope = (event.engine, event.model)
+        limits = self._limits.get(scope, ())
+        if limits == ():
+            given = self.recipes.given(event.model, event.engine)
+            limits = self._limits[scope] = None if given is None else tuple(g.block_size for g in given.groups)
+        if limits is None:
+            return
+        span = (event.token_end - event.token_start) // (1 + len(event.more_keys))
+        if event.group_id >= len(limits) or span > limits[event.group_id]:
+            self.recipes.check_commits(event.engine, event.model, event.group_id, span)
 
     def _on_lookup(self, event: Event) -> list[LookupResult]:
         out = []
         key = (event.instance, event.request_id)
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
-        recipe = self.recipe_for(event.model, event.engine)
+        recipe = self.recipe_for(event.model, event.engine, event.source_id)
         self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy))
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
@@ -159,7 +184,7 @@ class Reconstructor:
 
 
 def reconstruct(
-    events: Iterable[Event], recipes: RecipeBook | Recipe, policy: Policy = Policy()
+    events: Iterable[Event], recipes: RecipeBook | Recipe | None = None, policy: Policy = Policy()
 ) -> list[LookupResult]:
     """Every lookup's result, for events already in stream order."""
     return list(Reconstructor(recipes, policy).run(events))

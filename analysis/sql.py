@@ -26,7 +26,7 @@ differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,8 @@ import polars as pl
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.schema.fields import field_specs
-from kvtrace.schema.kinds import TIER_ORDER, ComponentKind, Reason
-from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.kinds import TIER_ORDER, ComponentKind, EventKind, Reason
+from kvtrace.schema.recipes import Recipe, RecipeBook, SourceKey, recipe_from_json
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult
 
 # -- dialects -----------------------------------------------------------------------------------
@@ -231,17 +231,12 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     )
 
 
-def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str] = ()) -> list[tuple[str, str]]:
+def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
     keep = "1" if policy.keep_one_token else "0"
     if policy.keep_one_token and policy.stores:
         stores = ", ".join("'" + name.replace("'", "''") + "'" for name in sorted(policy.stores))
         keep = f"CASE WHEN l.engine IN ({stores}) THEN 0 ELSE 1 END"
     ids = ", ".join(f"l.{f} AS r_{f}" for f in (*_IDENTITY_STR, "epoch"))
-    rkey = "l.model"
-    if qualified:  # lookups whose ENGINE:MODEL has a recipe of its own use it (see RecipeBook.key)
-        names = ", ".join("'" + k.replace("'", "''") + "'" for k in qualified)
-        rkey = (f"CASE WHEN concat(l.engine, ':', l.model) IN ({names})"
-                " THEN concat(l.engine, ':', l.model) ELSE l.model END")
     points = []
     for phase, at_ord, at_ts, cond in ((0, "l.ord", "l.ts_ns", "1 = 1"),
                                        (1, "l.next_ord", "l.next_ts", "l.next_kind = 'adopt'")):
@@ -252,7 +247,9 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, qualified: Sequence[str]
             " r.ngroups AS ngroups,"
             f" greatest(l.prompt_tokens - {keep}, 0) AS cap, l.group_block_keys[r.g + 1] AS chain,"
             f" CAST({d.list_len('l.group_block_keys[r.g + 1]')} AS BIGINT) AS len"
-            f" FROM {d.table(t.lk)} l JOIN {d.table(t.rc)} r ON r.model = {rkey} WHERE {cond}"
+            f" FROM {d.table(t.lk)} l"
+            f" JOIN {d.table(t.rm)} m ON m.src = l.source_id AND m.engine = l.engine AND m.model = l.model"
+            f" JOIN {d.table(t.rc)} r ON r.model = m.rkey WHERE {cond}"
         )
     pg = " UNION ALL ".join(points)
     cols = "lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(
@@ -562,6 +559,39 @@ _RECIPE_COLUMNS = (
 )
 
 
+_KEY_COLUMNS = "src {u64}, engine VARCHAR, model VARCHAR, rkey VARCHAR"
+
+
+def _key_rows(d: Dialect, keyed: Mapping[SourceKey, tuple[str, Recipe]]) -> str:
+    """Which recipe each source's lookups of a model use (see RecipeBook.key)."""
+    return ", ".join(f"({src}, {d.quote(engine)}, {d.quote(model)}, {d.quote(key)})"
+                     for (src, engine, model), (key, _) in keyed.items())
+
+
+def _published(d: Dialect, source: str, recipes: RecipeBook, read: Reader) -> RecipeBook:
+    """The book with every engine's own recipe from its attach events, in stream order."""
+    attach = read(f"SELECT source_id, engine, model, instance, recipe FROM {source}"
+                  f" WHERE kind = '{EventKind.ATTACH.value}' ORDER BY ts_ns, source_id, seq")
+    for src, engine, model, instance, text in attach.iter_rows():
+        recipes = recipes.publish(int(src), str(engine), str(model), recipe_from_json(text), str(instance))
+    return recipes
+
+
+def _check_commits(d: Dialect, source: str, recipes: RecipeBook, read: Reader) -> None:
+    """Refuse a given recipe the commits contradict: the longest block of each group's commits
+    (see RecipeBook.check_commits); only models a recipe was given for are read."""
+    if not (recipes.scoped or recipes.default is not None):
+        return
+    tokens = "token_end - token_start"
+    blocks = f"1 + {d.list_len('more_keys')}"
+    span = f"intDiv({tokens}, {blocks})" if d.clickhouse else f"({tokens}) // ({blocks})"
+    spans = read(f"SELECT engine, model, group_id, max({span}) AS span, count(*) AS n FROM {source}"
+                 f" WHERE kind = '{EventKind.COMMIT.value}' GROUP BY engine, model, group_id"
+                 " ORDER BY engine, model, group_id")
+    for engine, model, group_id, longest, n in spans.iter_rows():
+        recipes.check_commits(str(engine), str(model), int(group_id), int(longest), int(n))
+
+
 def _recipe_rows(d: Dialect, recipes: Mapping[str, Recipe]) -> str:
     rows = []
     for model, r in recipes.items():
@@ -599,16 +629,19 @@ def _run(
     try:
         for name, select in _steps_events(d, t, source):
             step(name, select)
-        pairs = read(f"SELECT DISTINCT engine, model FROM {d.table(t.lk)}")
-        keyed = recipes.keyed(sorted(zip(map(str, pairs["engine"].to_list()), map(str, pairs["model"].to_list()),
-                                         strict=True)))
+        recipes = _published(d, source, recipes, read)
+        _check_commits(d, source, recipes, read)
+        triples = read(f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
+        keyed = recipes.keyed(sorted((int(src), str(engine), str(model)) for src, engine, model in triples.iter_rows()))
         chosen = dict(keyed.values())
-        qualified = sorted({key for (_, model), (key, _) in keyed.items() if key != model})
-        execute(d.create(t.rc, _RECIPE_COLUMNS))
-        created.append(t.rc)
-        if chosen:
-            execute(f"INSERT INTO {d.table(t.rc)} VALUES {_recipe_rows(d, chosen)}")
-        for name, select in (*_steps_blocks(d, t, policy, qualified), *_steps_boundaries(d, t)):
+        for table, columns, rows in ((t.rc, _RECIPE_COLUMNS, _recipe_rows(d, chosen)),
+                                     (t.rm, _KEY_COLUMNS.format(u64="UInt64" if d.clickhouse else "UBIGINT"),
+                                      _key_rows(d, keyed))):
+            execute(d.create(table, columns))
+            created.append(table)
+            if rows:
+                execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
+        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
             step(name, select)
         return conform_results(read(_final(d, t)))
     finally:
@@ -641,7 +674,7 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def clickhouse_results(
-    store: Any, recipes: RecipeBook | Recipe, policy: Policy = Policy(), where: str = "1"
+    store: Any, recipes: RecipeBook | Recipe | None = None, policy: Policy = Policy(), where: str = "1"
 ) -> pl.DataFrame:
     """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events."""
     d = Dialect("clickhouse", store.db)
@@ -658,7 +691,7 @@ def clickhouse_results(
 
 def duckdb_results(
     parquet: str | Path | Iterable[str | Path],
-    recipes: RecipeBook | Recipe,
+    recipes: RecipeBook | Recipe | None = None,
     policy: Policy = Policy(),
     connection: Any = None,
 ) -> pl.DataFrame:
@@ -671,10 +704,13 @@ def duckdb_results(
     listed = ", ".join(d.quote(p) for p in paths)
     source = f"read_parquet([{listed}], union_by_name = true)"
     try:
-        # Exports written before schema version 2 have no more_keys column: single blocks, then.
+        # Exports written before a schema version lack its columns: single blocks before version 2
+        # (more_keys), no attach events before version 5 (recipe).
         columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
-        if "more_keys" not in columns:
-            source = f"(SELECT *, CAST([] AS UBIGINT[]) AS more_keys FROM {source})"
+        added = [f"{default} AS {name}" for name, default in (("more_keys", "CAST([] AS UBIGINT[])"), ("recipe", "''"))
+                 if name not in columns]
+        if added:
+            source = f"(SELECT *, {', '.join(added)} FROM {source})"
         return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql),
                     lambda sql: con.sql(sql).pl())
     finally:

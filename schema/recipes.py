@@ -170,36 +170,97 @@ def load_recipe(source: str) -> Recipe:
 
 
 class UnknownModel(KeyError):
-    """A lookup for a model no recipe was given for."""
+    """A lookup for a model no recipe was given for, and whose engine published none."""
+
+
+class RecipeMismatch(RecipeError):
+    """A recipe given for a model contradicts what its engine reported or what its events show."""
+
+
+def recipe_from_json(text: str | bytes) -> Recipe:
+    """A recipe as an attach event carries it (msgspec JSON of `Recipe`)."""
+    try:
+        return msgspec.json.decode(text, type=Recipe)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise RecipeError(f"not a recipe: {exc}") from None
+
+
+def recipe_json(recipe: Recipe) -> str:
+    return msgspec.json.encode(recipe).decode()
+
+
+_COMPARED = ("component", "block_size", "window", "ratio", "indexes")
+
+
+def _shown(value: object) -> object:
+    return value.value if isinstance(value, ComponentKind) else value
+
+
+def contradiction(given: Recipe, engine: Recipe) -> str:
+    """How `given` contradicts the engine's own recipe, in words; "" when they agree on every
+    group (names and descriptions may differ)."""
+    if len(given.groups) != len(engine.groups):
+        return f"the recipe has {len(given.groups)} cache group(s), the engine {len(engine.groups)}"
+    for g, e in zip(given.groups, engine.groups, strict=True):
+        for name in _COMPARED:
+            mine, theirs = getattr(g, name), getattr(e, name)
+            if mine != theirs:
+                return f"group {g.group_id}: the recipe's {name} is {_shown(mine)}, the engine's {_shown(theirs)}"
+    return ""
+
+
+def span_contradiction(given: Recipe, group_id: int, span: int, commits: int) -> str:
+    """How commits of up to `span` tokens a block in `group_id` contradict `given`; "" when they
+    fit (a group the recipe has, blocks no longer than its block size)."""
+    if group_id >= len(given.groups):
+        return (f"commits name cache group {group_id} ({commits} of them), the recipe has groups "
+                f"0-{len(given.groups) - 1}")
+    g = given.groups[group_id]
+    if span > g.block_size:
+        return (f"group {group_id} ({g.component.value}): the recipe's block_size is {g.block_size}, the engine's "
+                f"commits span {span} tokens a block ({commits} commits)")
+    return ""
+
+
+SourceKey = tuple[int, str, str]  # source_id, engine, model: one engine process's model
 
 
 class RecipeBook:
     """Which recipe judges each lookup: the one place the rule lives.
 
     A lookup of `model` reported by `engine` uses the recipe given for `ENGINE:MODEL`, else the
-    one for `MODEL`, else the book's default. An engine and the KV store behind it report the
-    same model (vLLM and LMCache) but cache it in different units (16-token blocks, 256-token
-    chunks), so each may need its own recipe. Every path (streaming, live, ClickHouse, DuckDB,
-    capacity) asks the book, so they cannot disagree on which recipe a lookup got.
+    one for `MODEL`, else the book's default, else the recipe its engine published when its shim
+    attached (an `attach` event: the engine says what it is). So a given recipe is an override,
+    and with none given every lookup is judged by its own engine's cache groups. An engine and
+    the KV store behind it report the same model (vLLM and LMCache) but cache it in different
+    units (16-token blocks, 256-token chunks), so each may need its own recipe. Every path
+    (streaming, live, ClickHouse, DuckDB, capacity) asks the book, so they cannot disagree on
+    which recipe a lookup got.
+
+    A book is a value: `publish` returns a new book, so one given to several runs stays as given.
     """
 
-    __slots__ = ("_scoped", "default")
+    __slots__ = ("_scoped", "default", "_published", "_instances")
 
     def __init__(self, scoped: Mapping[str, Recipe] | None = None, default: Recipe | None = None) -> None:
         self._scoped: dict[str, Recipe] = dict(scoped or {})
         self.default = default
-        if not self._scoped and default is None:
-            raise RecipeError("a recipe book needs a default recipe or at least one MODEL=RECIPE")
+        self._published: dict[SourceKey, Recipe] = {}
+        self._instances: dict[SourceKey, str] = {}
 
     @classmethod
-    def of(cls, recipes: RecipeBook | Recipe) -> RecipeBook:
-        """A book as given, or one recipe for every model (the common case of one model)."""
+    def of(cls, recipes: RecipeBook | Recipe | None) -> RecipeBook:
+        """A book as given, one recipe for every model (the common case of one model), or, for
+        None, an empty book: every lookup judged by the recipe its engine published."""
+        if recipes is None:
+            return cls()
         return recipes if isinstance(recipes, RecipeBook) else cls(default=recipes)
 
     @classmethod
     def parse(cls, specs: Iterable[str]) -> RecipeBook:
         """Command-line `--recipe` values: `RECIPE` (the default, for every model named by no
-        other) or `[ENGINE:]MODEL=RECIPE`; a RECIPE is a built-in name or a .json/.toml file."""
+        other) or `[ENGINE:]MODEL=RECIPE`; a RECIPE is a built-in name or a .json/.toml file.
+        No value at all is an empty book: the engines' own recipes."""
         scoped: dict[str, Recipe] = {}
         default: Recipe | None = None
         for spec in specs:
@@ -221,28 +282,80 @@ class RecipeBook:
         """The recipes given for one `MODEL` or `ENGINE:MODEL` (a read-only view)."""
         return MappingProxyType(self._scoped)
 
-    def key(self, model: str, engine: str = "") -> str:
-        """The name the lookup's recipe goes by: `ENGINE:MODEL` when that was given, else `MODEL`
-        (also when the default serves it): what the SQL paths key their recipe rows on."""
+    @property
+    def published(self) -> Mapping[SourceKey, Recipe]:
+        """The recipes engines published, by (source_id, engine, model) (a read-only view)."""
+        return MappingProxyType(self._published)
+
+    def given(self, model: str, engine: str = "") -> Recipe | None:
+        """The recipe given for the model (scoped, else the default); None when none was given."""
         qualified = f"{engine}:{model}"
-        return qualified if engine and qualified in self._scoped else model
+        if engine and qualified in self._scoped:
+            return self._scoped[qualified]
+        return self._scoped.get(model, self.default)
 
-    def get(self, model: str, engine: str = "") -> Recipe | None:
-        return self._scoped.get(self.key(model, engine), self.default)
+    def publish(self, source_id: int, engine: str, model: str, recipe: Recipe, instance: str = "") -> RecipeBook:
+        """This book with an engine's own recipe added, as its attach event reported it.
 
-    def resolve(self, model: str, engine: str = "") -> Recipe:
+        A recipe given for the same model that contradicts it is refused: `RecipeMismatch` names
+        the model, the engine and instance, the group and both values. Judging that engine's
+        lookups by the given recipe would report made-up gaps (or hide real ones)."""
+        given = self.given(model, engine)
+        if given is not None and (why := contradiction(given, recipe)):
+            raise RecipeMismatch(
+                f"recipe {given.name!r} given for model {model!r} contradicts what its engine reported "
+                f"({engine} instance {instance or '?'}, source {source_id:016x}): {why}")
+        key = (source_id, engine, model)
+        if self._published.get(key) == recipe:
+            return self
+        out = RecipeBook(self._scoped, self.default)
+        out._published = {**self._published, key: recipe}
+        out._instances = {**self._instances, key: instance}
+        return out
+
+    def check_commits(self, engine: str, model: str, group_id: int, span: int, commits: int = 1) -> None:
+        """Refuse a given recipe that a commit of `span` tokens a block in `group_id` contradicts
+        (`RecipeMismatch`): a group the recipe lacks, or blocks longer than its block size (a
+        shorter one can be a store's partial last chunk). The engines' own recipes are not
+        checked against their events."""
+        given = self.given(model, engine)
+        if given is not None and (why := span_contradiction(given, group_id, span, commits)):
+            raise RecipeMismatch(f"recipe {given.name!r} given for model {model!r} contradicts the events of "
+                                 f"engine {engine or '?'}: {why}")
+
+    def key(self, model: str, engine: str = "", source_id: int = 0) -> str:
+        """The name the lookup's recipe goes by, what the SQL paths key their recipe rows on:
+        `ENGINE:MODEL` when that was given, else `MODEL` (also when the default serves it), else
+        `ENGINE:MODEL@SOURCE` for a recipe its engine published."""
+        qualified = f"{engine}:{model}"
+        if engine and qualified in self._scoped:
+            return qualified
+        if model in self._scoped or self.default is not None or (source_id, engine, model) not in self._published:
+            return model
+        return f"{qualified}@{source_id:016x}"
+
+    def get(self, model: str, engine: str = "", source_id: int = 0) -> Recipe | None:
+        given = self.given(model, engine)
+        return given if given is not None else self._published.get((source_id, engine, model))
+
+    def resolve(self, model: str, engine: str = "", source_id: int = 0) -> Recipe:
         """The lookup's recipe; `UnknownModel` names the model when the book has none for it."""
-        recipe = self.get(model, engine)
+        recipe = self.get(model, engine, source_id)
         if recipe is None:
-            raise UnknownModel(f"no recipe for model {model!r} (have: {', '.join(self._scoped)})")
+            have = [*self._scoped, *(f"{e}:{m}" for _, e, m in self._published)]
+            raise UnknownModel(f"no recipe for model {model!r} from engine {engine or '?'} (have: "
+                               f"{', '.join(dict.fromkeys(have)) or 'none given, none published'}); give one with "
+                               "--recipe MODEL=RECIPE or run an engine whose shim publishes its own")
         return recipe
 
-    def keyed(self, pairs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple[str, Recipe]]:
-        """Each (engine, model) pair's recipe key and recipe, for paths that resolve once per
-        pair instead of once per lookup; `UnknownModel` on the first pair without one."""
-        return {(engine, model): (self.key(model, engine), self.resolve(model, engine)) for engine, model in pairs}
+    def keyed(self, triples: Iterable[tuple[int, str, str]]) -> dict[SourceKey, tuple[str, Recipe]]:
+        """Each (source_id, engine, model)'s recipe key and recipe, for paths that resolve once
+        per source instead of once per lookup; `UnknownModel` on the first without one."""
+        return {(src, engine, model): (self.key(model, engine, src), self.resolve(model, engine, src))
+                for src, engine, model in triples}
 
     def __repr__(self) -> str:
         named = ", ".join(f"{k}={r.name}" for k, r in self._scoped.items())
         default = f"default={self.default.name}" if self.default is not None else ""
-        return f"RecipeBook({', '.join(x for x in (named, default) if x)})"
+        published = f"published={len(self._published)}" if self._published else ""
+        return f"RecipeBook({', '.join(x for x in (named, default, published) if x)})"

@@ -10,7 +10,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema.arrow import to_arrow
-from kvtrace.schema.recipes import BUILTIN, RecipeBook, RecipeError, UnknownModel, dense
+from kvtrace.schema.recipes import BUILTIN, RecipeBook, RecipeError, RecipeMismatch, UnknownModel, dense
 
 HYBRID = BUILTIN["mamba-hybrid"]
 CHUNKS = dense(256)
@@ -22,8 +22,8 @@ def test_engine_model_then_model_then_the_default() -> None:
     assert book.resolve("llama", "vllm") is HYBRID and book.key("llama", "vllm") == "llama"
     assert book.resolve("llama") is HYBRID
     assert book.resolve("other", "vllm") is BUILTIN["dense"] and book.key("other", "vllm") == "other"
-    assert book.keyed([("vllm", "llama"), ("lmcache", "llama")]) == {
-        ("vllm", "llama"): ("llama", HYBRID), ("lmcache", "llama"): ("lmcache:llama", CHUNKS)}
+    assert book.keyed([(1, "vllm", "llama"), (2, "lmcache", "llama")]) == {
+        (1, "vllm", "llama"): ("llama", HYBRID), (2, "lmcache", "llama"): ("lmcache:llama", CHUNKS)}
 
 
 def test_a_model_without_a_recipe_is_named() -> None:
@@ -32,7 +32,7 @@ def test_a_model_without_a_recipe_is_named() -> None:
     with pytest.raises(UnknownModel, match="'llama'.*vllm:llama"):
         book.resolve("llama", "sglang")
     with pytest.raises(UnknownModel, match="mystery"):
-        book.keyed([("vllm", "llama"), ("vllm", "mystery")])
+        book.keyed([(1, "vllm", "llama"), (1, "vllm", "mystery")])
 
 
 def test_command_line_values() -> None:
@@ -43,7 +43,7 @@ def test_command_line_values() -> None:
     assert RecipeBook.of(book) is book
     for specs, message in ((["dense", "mamba-hybrid"], "second unscoped"), (["=dense"], "ENGINE:"),
                            (["llama="], "ENGINE:"), (["m=dense", "m=dense"], "given twice"),
-                           (["m=no-such"], "no-such"), ([], "needs a default")):
+                           (["m=no-such"], "no-such")):
         with pytest.raises(RecipeError, match=message):
             RecipeBook.parse(specs)
 
@@ -66,4 +66,47 @@ def test_capacity_takes_a_recipe_given_for_the_engine_and_model() -> None:
     assert scoped.model == "sim:m" and by_model[0].model == "m"
     assert scoped.curve.equals(by_model[0].curve) and scoped.needs == by_model[0].needs
     assert scoped.curve["hit_tokens"].max() > 0
-    assert capacity_report(events, RecipeBook({"vllm:m": HYBRID}), [64]) == []
+    # No recipe given for the simulator's model: the one it published when it attached serves.
+    (own,) = capacity_report(events, RecipeBook({"vllm:m": BUILTIN["dense"]}), [64, 1024])
+    assert own.model == "sim:m" and own.curve.equals(by_model[0].curve)
+    (unnamed,) = capacity_report(events, None, [64, 1024])
+    assert unnamed.model == "sim:m" and unnamed.needs == by_model[0].needs
+
+
+def test_with_none_given_each_engine_is_judged_by_the_recipe_it_published() -> None:
+    empty = RecipeBook.parse([])
+    with pytest.raises(UnknownModel, match="none given, none published"):
+        empty.resolve("llama", "vllm", 7)
+    book = empty.publish(7, "vllm", "llama", HYBRID, "i0").publish(8, "lmcache", "llama", CHUNKS, "i0")
+    assert empty.published == {}  # a book is a value: publishing makes a new one
+    assert book.resolve("llama", "vllm", 7) is HYBRID and book.key("llama", "vllm", 7) == f"vllm:llama@{7:016x}"
+    assert book.resolve("llama", "lmcache", 8) is CHUNKS
+    with pytest.raises(UnknownModel, match="vllm:llama"):
+        book.resolve("llama", "vllm", 9)  # another process of the engine, which published nothing
+    overridden = RecipeBook({"llama": HYBRID}).publish(7, "vllm", "llama", HYBRID)
+    assert overridden.key("llama", "vllm", 7) == "llama"  # a given recipe the engine agrees with serves
+
+
+def test_a_given_recipe_the_engine_contradicts_is_refused() -> None:
+    """The user's case: dense (16-token blocks) given for an engine running 32-token blocks."""
+    with pytest.raises(RecipeMismatch, match=r"'dense' given for model 'llama'.*vllm instance i0.*group 0: "
+                                             r"the recipe's block_size is 16, the engine's 32"):
+        RecipeBook.parse(["llama=dense"]).publish(7, "vllm", "llama", dense(32), "i0")
+    with pytest.raises(RecipeMismatch, match="the recipe has 1 cache group"):
+        RecipeBook.parse(["dense"]).publish(7, "vllm", "llama", HYBRID, "i0")
+    with pytest.raises(RecipeMismatch, match="group 1: the recipe's component is mamba, the engine's sliding_window"):
+        RecipeBook(default=HYBRID).publish(7, "vllm", "m", BUILTIN["sliding-window-hybrid"])
+    # Only the given recipe's model is checked; an engine of another model publishes freely.
+    RecipeBook.parse(["llama=dense"]).publish(7, "vllm", "other", dense(32))
+
+
+def test_commits_longer_than_the_given_blocks_or_in_a_group_it_lacks_are_refused() -> None:
+    book = RecipeBook.parse(["llama=dense"])
+    book.check_commits("vllm", "llama", 0, 16)
+    book.check_commits("lmcache", "llama", 0, 9)  # a partial last chunk fits
+    book.check_commits("vllm", "other", 3, 512)  # no recipe given for it: nothing to contradict
+    with pytest.raises(RecipeMismatch, match=r"engine vllm: group 0 \(full_attention\): the recipe's block_size is "
+                                             r"16, the engine's commits span 32 tokens a block \(12 commits\)"):
+        book.check_commits("vllm", "llama", 0, 32, 12)
+    with pytest.raises(RecipeMismatch, match="commits name cache group 1"):
+        book.check_commits("vllm", "llama", 1, 16)
