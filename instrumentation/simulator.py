@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.attach import attach_events, distribution_version
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.recipes import GroupSpec, Recipe
@@ -179,6 +180,7 @@ class CacheSimulator:
         self.bytes_written: dict[Tier, int] = dict.fromkeys(STORE_TIERS, 0)
         self.events = 0
         self._rng = random.Random(config.start_ns)
+        self._attached()
 
     @property
     def used_bytes(self) -> dict[Tier, int]:
@@ -186,6 +188,18 @@ class CacheSimulator:
         return dict(self._used)
 
     # -- emitting ------------------------------------------------------------------------------
+    def _attached(self) -> None:
+        """What an engine's shim says when it attaches (see `kvtrace.instrumentation.attach`),
+        stamped at the start time, before the first event of the run."""
+        if not self._emitter.enabled:
+            return
+        c = self.config
+        base = Event(kind=EventKind.ATTACH, ts_ns=c.start_ns, engine="sim", instance=c.instance, model=c.model,
+                     model_revision=c.model_revision, kv_dtype=c.kv_dtype, layout=c.layout, epoch=c.epoch)
+        for event in attach_events(base, self.recipe, engine_version=distribution_version("kvtrace")):
+            self.events += 1
+            self._emitter.emit(event)
+
     def _emit(self, kind: EventKind, block: _Block | None = None, **fields: object) -> None:
         self.now_ns += self.config.step_ns
         c = self.config

@@ -45,7 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtrace.instrumentation.api import get_emitter
 from kvtrace.instrumentation.config import engine_instance
-from kvtrace.instrumentation.vllm.shim import bytes_per_block, component_of, key_of, key_of_pool_key
+from kvtrace.instrumentation.vllm.recipe import component_of
+from kvtrace.instrumentation.vllm.shim import bytes_per_block, key_of, key_of_pool_key
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind, Tier
 

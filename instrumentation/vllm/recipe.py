@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtrace.instrumentation.vllm.shim import component_of
 from kvtrace.schema.kinds import ComponentKind
 from kvtrace.schema.recipes import GroupSpec, Recipe
+
+
+def component_of(spec: Any) -> ComponentKind:
+    """The kind of state a vLLM KV-cache spec holds, by its class (and a window it names)."""
+    name = type(spec).__name__
+    if "Mamba" in name:
+        return ComponentKind.MAMBA
+    if "SlidingWindow" in name or getattr(spec, "sliding_window", None):
+        return ComponentKind.SLIDING_WINDOW
+    if "CrossAttention" in name:
+        return ComponentKind.CROSS_ATTENTION
+    if "ChunkedLocal" in name:
+        return ComponentKind.OTHER
+    return ComponentKind.FULL_ATTENTION
 
 
 def recipe_from_kv_cache_config(config: Any, name: str = "vllm") -> Recipe:

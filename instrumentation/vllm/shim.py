@@ -40,11 +40,13 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
+from kvtrace.instrumentation.attach import attach_events, distribution_version
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.instrumentation.vllm.recipe import component_of, recipe_from_kv_cache_config
 from kvtrace.instrumentation.vllm.weights import adapter_label
 from kvtrace.schema.events import PROBE_PREFIX, Event
-from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
@@ -107,19 +109,6 @@ def bytes_per_block(group: Any) -> int:
     return int(getattr(spec, "page_size_bytes", 0)) * layers
 
 
-def component_of(spec: Any) -> ComponentKind:
-    name = type(spec).__name__
-    if "Mamba" in name:
-        return ComponentKind.MAMBA
-    if "SlidingWindow" in name or getattr(spec, "sliding_window", None):
-        return ComponentKind.SLIDING_WINDOW
-    if "CrossAttention" in name:
-        return ComponentKind.CROSS_ATTENTION
-    if "ChunkedLocal" in name:
-        return ComponentKind.OTHER
-    return ComponentKind.FULL_ATTENTION
-
-
 class CacheManagerShim:
     """Instruments one vLLM `KVCacheManager`; `install()` once, `uninstall()` to restore."""
 
@@ -176,7 +165,23 @@ class CacheManagerShim:
         self.hooks.wrap_after(m, "reset_prefix_cache", self._after_reset)
         self._wrap_cache_full_blocks(pool)
         self._wrap_evict(pool)
+        self._attached()
         return self
+
+    def _attached(self) -> None:
+        """The engine, its recipe and its empty memory, once (see `kvtrace.instrumentation.attach`)."""
+        if not self.emitter.enabled:
+            return
+        try:
+            recipe = recipe_from_kv_cache_config(self.manager.kv_cache_config)
+            events = attach_events(self._base, recipe, engine_version=distribution_version("vllm"),
+                                   max_model_len=int(getattr(self.manager, "max_model_len", 0) or 0),
+                                   block_size=self.hash_block_size)
+        except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+            self._failed("attach")
+            return
+        for event in events:
+            self.emitter.emit(event)
 
     def uninstall(self) -> None:
         self.hooks.restore()
