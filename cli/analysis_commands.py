@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from kvtrace.cli.arguments import RECIPE_METAVAR, int_list, non_negative, positive
+from kvtrace.cli.arguments import add_recipe_option, int_list, non_negative, positive
 
 if TYPE_CHECKING:
     import polars as pl
@@ -21,9 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze = sub.add_parser("analyze", help="hit funnel and gap reasons per lookup, by any of three paths")
     analyze.add_argument("parquet", nargs="*", help="event files for the duckdb path: Parquet exports, JSONL or "
                                                     "spool files")
-    analyze.add_argument("--recipe", action="append", required=True, metavar=RECIPE_METAVAR,
-                         help="built-in recipe name or .json/.toml file; MODEL= (or ENGINE:MODEL=) scopes it to one "
-                              "model, an unscoped one serves every other model (repeatable)")
+    add_recipe_option(analyze)
     analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
                          help="where to compute: in the store (default), replayed in Python, or DuckDB on Parquet")
     analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
@@ -39,8 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     costs = sub.add_parser("costs", help="load vs recompute: fitted costs, crossovers, seconds lost")
     costs.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    costs.add_argument("--recipe", action="append", required=True, metavar=RECIPE_METAVAR,
-                       help="as for analyze: the verdicts say what each lookup could have restored")
+    add_recipe_option(costs)
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
@@ -48,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     capacity = sub.add_parser("capacity", help="hit rate against cache capacity per group, from stack distances")
     capacity.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    capacity.add_argument("--recipe", action="append", required=True, metavar=RECIPE_METAVAR)
+    add_recipe_option(capacity)
     capacity.add_argument("--capacities", default="64,256,1024,4096,16384,65536",
                           help="capacities to evaluate, in blocks of each group (comma-separated)")
     capacity.add_argument("--requests", type=float, default=0.99, help="share of requests to serve (default 0.99)")
@@ -57,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rep = sub.add_parser("report", help="write the HTML report (funnel, reasons, crossover, capacity)")
     rep.add_argument("parquet", nargs="*", help="Parquet exports to read instead of the store")
-    rep.add_argument("--recipe", action="append", required=True, metavar=RECIPE_METAVAR)
+    add_recipe_option(rep)
     rep.add_argument("-o", "--output", default="kvtrace-report.html", help="where (default kvtrace-report.html)")
     rep.add_argument("--bucket-s", type=positive, default=60, help="funnel time buckets (default 60 s)")
     rep.set_defaults(handler=cmd_report, extra="dashboards")

@@ -52,3 +52,13 @@ def int_list(text: str, name: str) -> list[int]:
     if not values or min(values) < 0:
         raise ValueError(f"{name}: expected non-negative integers, got {text!r}")
     return values
+
+
+RECIPE_HELP = ("override the recipe each engine published when it attached: a built-in recipe name or a "
+               ".json/.toml file; MODEL= (or ENGINE:MODEL=) scopes it to one model, an unscoped one serves every "
+               "model (repeatable). A recipe the events contradict is refused")
+
+
+def add_recipe_option(parser: argparse.ArgumentParser, help: str = RECIPE_HELP) -> None:
+    """`--recipe`, optional everywhere: with none, lookups are judged by their engine's own recipe."""
+    parser.add_argument("--recipe", action="append", default=[], metavar=RECIPE_METAVAR, help=help)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtrace.cli.arguments import RECIPE_METAVAR, non_negative, positive
+from kvtrace.cli.arguments import RECIPE_METAVAR, add_recipe_option, non_negative, positive
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     col.add_argument("--max-spool-mib", type=positive, default=1024, help="spool bound; 429 near it (default 1024)")
     col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
                                            "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
-    col.add_argument("--recipe", action="append", default=[], metavar=RECIPE_METAVAR,
-                     help="turn on live reconstruction with these recipes (repeatable, as for analyze)")
+    add_recipe_option(col, help="live verdicts judge each engine's lookups by the recipe it published when it "
+                                "attached; this overrides it, as for analyze (repeatable)")
+    col.add_argument("--no-live", action="store_true",
+                     help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
     col.add_argument("--lateness-ms", type=non_negative, default=2000,
                      help="live reconstruction waits this long for out-of-order events (default 2000)")
     col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
@@ -65,7 +67,8 @@ def cmd_collector(args: argparse.Namespace) -> int:
         config = config_from_env(
             dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
             tokens=TokenTable.from_env(path=args.tokens_file),
-            recipes=RecipeBook.parse(args.recipe) if args.recipe else None, lateness_ns=args.lateness_ms * 10**6,
+            recipes=None if args.no_live else RecipeBook.parse(args.recipe),
+            lateness_ns=args.lateness_ms * 10**6,
             kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
                                             args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
     except (AuthConfigError, RecipeError, ValueError) as exc:

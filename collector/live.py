@@ -30,7 +30,7 @@ from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
-from kvtrace.schema.recipes import Recipe, RecipeBook, UnknownModel
+from kvtrace.schema.recipes import Recipe, RecipeBook, RecipeMismatch, UnknownModel
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.client import Store
 
@@ -54,7 +54,7 @@ class _Instance:
 
 
 class LiveReconstruction:
-    def __init__(self, store: Store, recipes: RecipeBook | Recipe, metrics: CollectorMetrics,
+    def __init__(self, store: Store, recipes: RecipeBook | Recipe | None, metrics: CollectorMetrics,
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
                  rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0) -> None:
         self.store = store
@@ -73,6 +73,9 @@ class LiveReconstruction:
         self.verifications_written = 0
         self.verifications_dropped = 0
         self._rows: list[Verification] = []
+        # Models whose given recipe their events contradicted: no verdicts for them (they would
+        # be made up), and the reason logged once.
+        self.refused: dict[tuple[str, str], str] = {}
 
     def instances(self) -> list[str]:
         return sorted(self._instances)
@@ -123,6 +126,11 @@ class LiveReconstruction:
         if not self.rebuild:
             return inst
         since = first.ts_ns - self.rebuild_window_ns
+        # The engine's own recipe is in its attach event, however long ago it attached.
+        attached = "instance = {i:String} AND kind = 'attach' AND ts_ns < {since:Int64}"
+        for table in self.store.iter_event_batches(attached, {"i": name, "since": since}):
+            for event in from_arrow(table):
+                self._use(inst, event, results)
         where = ("instance = {i:String} AND ts_ns >= {since:Int64} AND "
                  "(ts_ns, source_id, seq) < ({t:Int64}, {s:UInt64}, {q:UInt64})")
         params = {"i": name, "since": since, "t": first.ts_ns, "s": first.source_id, "q": first.seq}
@@ -149,10 +157,18 @@ class LiveReconstruction:
         if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict
             self._rows.extend(inst.probes.probes((event,)))
             return
+        if self.refused and (event.engine, event.model) in self.refused:
+            self.metrics.live_skipped.labels("recipe_mismatch").inc()
+            return
         try:
             new = inst.reconstructor.feed(event)
         except UnknownModel:
             self.metrics.live_skipped.labels("unknown_model").inc()
+            return
+        except RecipeMismatch as exc:
+            self.refused[(event.engine, event.model)] = str(exc)
+            self.metrics.live_skipped.labels("recipe_mismatch").inc()
+            log.error("live verdicts for model %r of engine %r are off: %s", event.model, event.engine, exc)
             return
         if new:
             results.extend(new)
