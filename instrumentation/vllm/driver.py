@@ -4,7 +4,11 @@ This is how a trace is replayed through the real vLLM cache logic (hashing, hit 
 reconciliation across groups, caching, LRU eviction, sparse retention of window and Mamba
 state) in seconds, without weights or a forward pass. One request at a time, synchronous steps:
 `new_step_starts` -> `get_computed_blocks` -> `allocate_slots` (the hit plus the first chunk)
--> `record_prefix_cache_stats` -> more chunks -> decode -> `free`.
+-> `record_prefix_cache_stats` -> more chunks -> decode (stopped at max_model_len) -> `free`.
+
+A request vLLM would refuse (an empty prompt, one with no room for an output token under
+max_model_len, one larger than the whole cache: see `admission`) raises `RequestRefused`
+before it touches the manager, as vLLM's input processor raises before the engine sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     get_mamba_prefill_checkpoint_position,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvtrace.instrumentation.refusals import Refusal, RequestRefused  # noqa: E402
+from kvtrace.instrumentation.vllm.admission import CacheLimits, refusal  # noqa: E402
 
 HASH_ALGO = "sha256"  # vLLM's default prefix_caching_hash_algo: same hashes in every process
 
@@ -80,9 +87,17 @@ def build_manager(config: DriverConfig, enable_kv_cache_events: bool = False) ->
             mamba_cache_mode="align")))
     kv_config = KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                               prefix_cache_retention_interval=config.retention_interval)
+    # max_in_flight_tokens as vLLM's engine passes it: one step's tokens in flight
     return KVCacheManager(kv_cache_config=kv_config, max_model_len=config.max_model_len, scheduler_block_size=b,
                           hash_block_size=b, enable_caching=True, log_stats=True,
-                          enable_kv_cache_events=enable_kv_cache_events)
+                          enable_kv_cache_events=enable_kv_cache_events, max_in_flight_tokens=config.chunk_tokens)
+
+
+def cache_limits(config: DriverConfig) -> CacheLimits:
+    """What vLLM checks requests against, for the manager `build_manager(config)` builds."""
+    return CacheLimits(max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=config.num_blocks,
+                       chunk_tokens=config.chunk_tokens, window=config.window if config.layout is Layout.SLIDING else 0,
+                       mamba=config.layout is Layout.MAMBA)
 
 
 class Driver:
@@ -91,7 +106,12 @@ class Driver:
     def __init__(self, manager: KVCacheManager, config: DriverConfig) -> None:
         self.manager = manager
         self.config = config
+        self.limits = cache_limits(config)
         self._hasher = get_request_block_hasher(config.block_size, _HASH_FN)
+
+    def check(self, prompt_tokens: int) -> Refusal | None:
+        """Why vLLM would refuse a prompt this long, or None."""
+        return refusal(prompt_tokens, self.config.decode_tokens, self.limits)
 
     def request(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> Request:
         return Request(request_id=request_id, prompt_token_ids=list(tokens),
@@ -106,6 +126,10 @@ class Driver:
         return (hit,)
 
     def serve(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> Served:
+        """Serve one request, or raise `RequestRefused` where vLLM would refuse it."""
+        refused = self.check(len(tokens))
+        if refused is not None:
+            raise RequestRefused(request_id, len(tokens), refused)
         mgr, cfg = self.manager, self.config
         req = self.request(request_id, tokens, cache_salt)
         mgr.new_step_starts()
@@ -134,6 +158,8 @@ class Driver:
             mgr.new_step_starts()
         for i in range(cfg.decode_tokens):
             req.append_output_token_ids(7 + i)
+            if req.num_tokens >= cfg.max_model_len:  # vLLM's check_stop: capped at max_model_len
+                break
             if i + 1 < cfg.decode_tokens:
                 if mgr.allocate_slots(req, 1) is None:
                     raise RuntimeError(f"{request_id}: out of KV blocks while decoding")
