@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--vllm-layout", choices=["dense", "full+sliding", "full+mamba"], default="full+sliding",
                           help="vllm: cache groups to build (default full+sliding)")
     replay_p.add_argument("--vllm-blocks", type=positive, default=16384, help="vllm: KV blocks of 16 tokens")
+    replay_p.add_argument("--vllm-max-model-len", type=positive, default=1 << 17,
+                          help="vllm: max_model_len; longer prompts are refused, as vLLM refuses them (default 131072)")
     replay_p.add_argument("--sglang-mix", choices=["full", "full+swa", "full+mamba", "full+swa+mamba"],
                           default="full", help="sglang: the cache's components (default full)")
     replay_p.add_argument("--sglang-core", choices=["rust", "python"], default="rust", help="sglang: tree core")

@@ -5,6 +5,11 @@ LMCache engine with its CPU and disk backends, storing and retrieving each reque
 driven the way its scheduler drives it, its shim traces it into the store, and the recipe is
 read off the engine's own configuration, ready for `kvtrace analyze`. Run from the engine's
 environment (`.venvs/<engine>/bin/kvtrace`).
+
+A request the engine would refuse (vLLM: longer than max_model_len, larger than the whole
+cache; SGLang: over its context length or its scheduler's input limit) is refused by the driver
+as the engine refuses it, counted by reason and skipped; the replay goes on and its report
+gives the counts. LMCache refuses nothing: it stores the chunks that fit.
 """
 
 from __future__ import annotations
@@ -27,33 +32,42 @@ def _missing(engine: str, name: str, exc: ImportError) -> int:
 
 def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, desc: str,
                 attach: Callable[[Any], Any], serve: Callable[[Any], None],
-                drain: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """Serve every trace request with a shim attached to an emitter into the store; `drain` lets
-    the engine finish work it runs in the background (LMCache's disk writes) before the flush."""
+                drain: Callable[[], None] | None = None) -> tuple[Any, Any, Any]:
+    """Serve every trace request with a shim attached to an emitter into the store, counting
+    those the engine refuses; `drain` lets the engine finish work it runs in the background
+    (LMCache's disk writes) before the flush. Returns (emitter stats, shim, refusal tally)."""
     from kvtrace.cli.progress import bar as progress_bar
     from kvtrace.instrumentation.recording import FLUSH_TIMEOUT_MILLIS, store_emitter
+    from kvtrace.instrumentation.refusals import RefusalTally, RequestRefused
 
+    refused = RefusalTally()
     with store_of(args) as store:
         store.init()
         emitter = store_emitter(store, f"{engine}-replay", engine)
         shim = attach(emitter)
         with progress_bar(desc=desc, unit="req", disable=None) as bar:
             for req in reader:
-                serve(req)
+                try:
+                    serve(req)
+                except RequestRefused as exc:
+                    refused.add(exc.refusal)
                 bar.update()
         if drain is not None:
             drain()
         emitter.force_flush(timeout_millis=FLUSH_TIMEOUT_MILLIS)
         emitter.shutdown()
-    return emitter.stats(), shim
+    return emitter.stats(), shim, refused
 
 
-def _finish(args: Namespace, reader: Any, recipe: Any, source: str, summary: str, stats: Any, shim: Any) -> int:
+def _finish(args: Namespace, reader: Any, recipe: Any, source: str, summary: str, stats: Any, shim: Any,
+            refused: Any) -> int:
     import msgspec
 
     recipe_out = Path(args.recipe_out or f"{args.model}.recipe.json")
     recipe_out.write_bytes(msgspec.json.encode(recipe))
     print(f"{summary}; {stats.exported} events stored, {stats.dropped} dropped, {shim.errors} hook errors")
+    if refused.total:
+        print(refused.summary())
     if reader.skipped:
         print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
     print(f"recipe from {source}: {recipe_out}")
@@ -66,18 +80,23 @@ def replay_vllm(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
     from kvtrace.instrumentation.traces import TraceError
 
     try:
-        from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
+        from kvtrace.instrumentation.vllm.admission import startup_problem
+        from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager, cache_limits
         from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
         from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
     except ImportError as exc:
         return _missing("vllm", "vLLM", exc)
-    config = DriverConfig(layout=Layout(args.vllm_layout), num_blocks=args.vllm_blocks)
+    config = DriverConfig(layout=Layout(args.vllm_layout), num_blocks=args.vllm_blocks,
+                          max_model_len=args.vllm_max_model_len)
+    problem = startup_problem(cache_limits(config))
+    if problem:
+        print(f"warning: {problem}; requests larger than the whole cache are refused", file=sys.stderr)
     manager = build_manager(config)
     recipe = recipe_from_kv_cache_config(manager.kv_cache_config, name=f"vllm-{args.vllm_layout}")
     driver = Driver(manager, config)
     try:
         reader = trace(args)
-        stats, shim = _into_store(
+        stats, shim, refused = _into_store(
             args, reader, store_of, "vllm", "replay (vLLM)",
             lambda emitter: CacheManagerShim(manager, emitter, Identity(instance="vllm-replay", model=args.model,
                                                                         default_tenant=args.tenant)).install(),
@@ -88,7 +107,7 @@ def replay_vllm(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
     prefix = driver.stats()
     return _finish(args, reader, recipe, "vLLM's config",
                    f"replayed {prefix.requests} requests through vLLM's KV-cache manager: vLLM counted "
-                   f"{prefix.queries} queried and {prefix.hits} hit tokens", stats, shim)
+                   f"{prefix.queries} queried and {prefix.hits} hit tokens", stats, shim, refused)
 
 
 def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
@@ -124,14 +143,14 @@ def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
                                                                   default_tenant=args.tenant)).install()
             return driver.shim
 
-        stats, shim = _into_store(args, reader, store_of, "sglang", "replay (SGLang)", attach, serve)
+        stats, shim, refused = _into_store(args, reader, store_of, "sglang", "replay (SGLang)", attach, serve)
     except (TraceError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return _finish(args, reader, recipe, "SGLang's cache",
                    f"replayed {totals['requests']} requests through SGLang's radix cache ({args.sglang_mix}, "
                    f"{args.sglang_core} core): SGLang reused {totals['reused']} of {totals['prompt']} prompt tokens",
-                   stats, shim)
+                   stats, shim, refused)
 
 
 def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
@@ -175,7 +194,7 @@ def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
         def attach(emitter: Any) -> Any:
             return LMCacheShim(engine, emitter, instance="lmcache-replay", default_tenant=args.tenant).install()
 
-        stats, shim = _into_store(args, reader, store_of, "lmcache", "replay (LMCache)", attach, serve,
+        stats, shim, refused = _into_store(args, reader, store_of, "lmcache", "replay (LMCache)", attach, serve,
                                   drain=lambda: wait_for_disk(engine, timeout_s=600))
     except (TraceError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -186,4 +205,4 @@ def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
                f"{spec.cpu_gb} GB CPU{f', {spec.disk_gb} GB disk' if disk else ''}): LMCache found "
                f"{totals['hit']} and delivered {totals['retrieved']} of {totals['prompt']} prompt tokens"
                f"{'' if totals['exact'] == totals['requests'] else '; SOME RETRIEVED KV DIFFERED'}")
-    return _finish(args, reader, dense(spec.chunk_size), "LMCache's chunk size", summary, stats, shim)
+    return _finish(args, reader, dense(spec.chunk_size), "LMCache's chunk size", summary, stats, shim, refused)
