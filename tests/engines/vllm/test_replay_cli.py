@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import gzip
 import itertools
-import json
 import re
 import uuid
 from importlib import resources
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from refused_replay import drop_database, replayed_events, trace_line
 
-from kvtrace.analysis.planning import read_events
 from kvtrace.cli.main import main
-from kvtrace.store.client import Store
 
 
 def test_replay_through_vllm_then_analyze(capsys, store, tmp_path: Path) -> None:
@@ -37,29 +35,14 @@ def test_replay_through_vllm_then_analyze(capsys, store, tmp_path: Path) -> None
     assert sum(r["adopted_tokens"] for r in rows) == sum(r["recoverable_hit_tokens"] for r in rows) == hit
 
 
-def _line(request_id: str, input_length: int, shared: int, unique_from: int) -> str:
-    """A kvtrace-format request of 16-token blocks: `shared` blocks of a common prefix, then its own."""
-    blocks = -(-input_length // 16)
-    ids = list(range(1, min(shared, blocks) + 1)) + list(range(unique_from, unique_from + blocks - min(shared, blocks)))
-    return json.dumps({"arrival_ms": 0, "input_length": input_length, "output_length": 4, "hash_ids": ids,
-                       "block_tokens": 16, "request_id": request_id}) + "\n"
-
-
-def _events(dsn: str) -> list[dict]:
-    """The stored events in stream order, without what differs between two runs (time, source)."""
-    with Store(dsn) as s:
-        frame = read_events(s).sort("seq").drop("ts_ns", "source_id", "seq", "duration_ns")
-    return frame.to_dicts()
-
-
 def test_replay_refuses_what_vllm_refuses_and_goes_on(capsys, store, chdb_path: Path, tmp_path: Path) -> None:
     """Prompts over max_model_len and one larger than the whole cache, among normal requests
     sharing a prefix with them: the replay completes, counts each refusal, and the normal
     requests' events are exactly those of a replay of the trace without the refused lines."""
-    normal = [_line(f"ok-{i}", 350 + 70 * i, shared=20, unique_from=1000 * (i + 1)) for i in range(12)]
-    refused = [_line("long-at-max", 2048, shared=20, unique_from=90_000),  # no room for an output token
-               _line("long-over", 5000, shared=20, unique_from=91_000),
-               _line("over-cache", 1800, shared=20, unique_from=92_000)]  # < max_model_len, > 199 blocks
+    normal = [trace_line(f"ok-{i}", 350 + 70 * i, shared=20, unique_from=1000 * (i + 1)) for i in range(12)]
+    refused = [trace_line("long-at-max", 2048, shared=20, unique_from=90_000),  # no room for an output token
+               trace_line("long-over", 5000, shared=20, unique_from=91_000),
+               trace_line("over-cache", 1800, shared=20, unique_from=92_000)]  # < max_model_len, > 199 blocks
     full, kept = tmp_path / "full.jsonl", tmp_path / "kept.jsonl"
     full.write_text("".join(normal[:3] + refused[:1] + normal[3:7] + refused[1:] + normal[7:]))
     kept.write_text("".join(normal))
@@ -80,8 +63,7 @@ def test_replay_refuses_what_vllm_refuses_and_goes_on(capsys, store, chdb_path: 
     assert "refused" not in kept_out
     counted = re.compile(r"vLLM counted (\d+) queried and (\d+) hit tokens")
     assert counted.search(captured.out).groups() == counted.search(kept_out).groups()
-    events = _events(str(store.dsn))
-    assert events == _events(other)
+    events = replayed_events(str(store.dsn))
+    assert events == replayed_events(other)
     assert {e["request_id"] for e in events} - {""} == {f"ok-{i}" for i in range(12)}
-    with Store(other) as s:
-        s.client.command(f"DROP DATABASE IF EXISTS {s.db}")
+    drop_database(other)
