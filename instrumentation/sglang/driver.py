@@ -21,6 +21,10 @@ step by step, several interleaved as in a batch (`admit`, `prefill`, `decode`, `
 
 Either way the engine's own split of what a request reused is then reported (`record_admission`).
 
+A request SGLang would refuse raises `RequestRefused` (see `admission`): one its tokenizer
+manager refuses (the context length) before it reaches the cache; one its scheduler aborts (its
+input limit) after the one-token stub SGLang runs in its place has gone through the cache.
+
 The pools come from SGLang's test kit (`sglang.test.kits.unified_radix_cache`), which builds
 the real allocator, KV pool and request pool for a component mix on a device.
 """
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kvtrace.instrumentation.refusals import Refusal, RefusalReason, RequestRefused
+from kvtrace.instrumentation.sglang.admission import ABORT_STUB, InputLimits, refusal
 from kvtrace.instrumentation.sglang.cpu import install_vision_stand_in
 
 install_vision_stand_in()
@@ -88,6 +94,7 @@ class DriverConfig:
     page_size: int = 16
     window: int = 64  # sliding window, tokens
     kv_tokens: int = 1 << 17  # device KV slots (and, on the scheduler route, the longest request)
+    context_len: int = 1 << 17  # the model's context length, which SGLang checks prompts against
     mamba_states: int = 64  # Mamba state slots
     tree_core: str = "rust"  # SGLang's default; "python" is its reference core
     tree: str = "unified"  # or SGLang's older single-component trees: "radix", "pure_swa"
@@ -168,6 +175,8 @@ class Driver:
         self.shim = shim  # told what each request reused, as the engine's scheduler would
         self.sessions: dict[str, Any] = {}  # streaming sessions by id (`serve_turn`)
         self.page = int(cache.page_size)
+        # SGLang sizes its pool in whole pages
+        self.limits = InputLimits(context_len=config.context_len, pool_tokens=config.kv_tokens // self.page * self.page)
         comps = COMPONENTS[config.mix]
         self.has_swa = ComponentType.SWA in comps
         self.has_mamba = ComponentType.MAMBA in comps
@@ -220,10 +229,34 @@ class Driver:
         if result.mamba_exist:
             self.req_pool.mamba_allocator.free(slot)
 
+    def check(self, prompt_tokens: int, max_new_tokens: int | None = 1) -> Refusal | None:
+        """Why SGLang would refuse a prompt this long, or None."""
+        return refusal(prompt_tokens, max_new_tokens, self.limits)
+
+    def _refuse(self, request_id: str, tokens: Sequence[int], cache_salt: str | None, max_new_tokens: int) -> None:
+        """Raise `RequestRefused` where SGLang would refuse the request; for its scheduler's
+        abort, after the one-token stub SGLang runs instead has gone through the cache."""
+        refused = self.check(len(tokens), max_new_tokens)
+        if refused is None:
+            return
+        if refused.reason is RefusalReason.OVER_INPUT_LIMIT:
+            if self.config.route is Route.SCHEDULER and getattr(self.cache, "cache_controller", None) is None:
+                run = self._admit(request_id, ABORT_STUB, cache_salt)
+                self.prefill(run)
+                self.finish(run, aborted=True)
+            else:
+                self._serve_cached(request_id, ABORT_STUB, cache_salt)
+        raise RequestRefused(request_id, len(tokens), refused)
+
     def serve(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> Served:
-        """One request; `cache_salt` is its namespace (SGLang's per-request salt)."""
+        """One request; `cache_salt` is its namespace (SGLang's per-request salt). Raises
+        `RequestRefused` where SGLang would refuse it (see the module docstring)."""
         if self.config.route is Route.SCHEDULER and getattr(self.cache, "cache_controller", None) is None:
             return self._serve_scheduled(request_id, tokens, cache_salt)
+        self._refuse(request_id, tokens, cache_salt, max_new_tokens=1)
+        return self._serve_cached(request_id, tokens, cache_salt)
+
+    def _serve_cached(self, request_id: str, tokens: Sequence[int], cache_salt: str | None) -> Served:
         cache, page = self.cache, self.page
         prompt = array("q", tokens)
         req = self._req(request_id, prompt)
@@ -305,11 +338,17 @@ class Driver:
               outputs: Sequence[int] = (), session: Any = None) -> Running:
         """Match a request and give it a request-pool row holding its device hit, as the
         scheduler does when it takes a request into a prefill batch, and report what it reuses.
-        `outputs` are the tokens it will generate: the prefill makes the first, `decode` the rest."""
+        `outputs` are the tokens it will generate: the prefill makes the first, `decode` the rest.
+        Raises `RequestRefused` where SGLang would refuse the request."""
         if self.config.route is not Route.SCHEDULER or getattr(self.cache, "cache_controller", None) is not None:
             raise ValueError("the scheduler route's steps (streaming sessions, step-by-step requests) need "
                              "Route.SCHEDULER and no HiCache, whose load-back the driver drives on the cache "
                              "route only")
+        self._refuse(request_id, tokens, cache_salt, max_new_tokens=max(len(outputs), 1))
+        return self._admit(request_id, tokens, cache_salt, outputs, session)
+
+    def _admit(self, request_id: str, tokens: Sequence[int], cache_salt: str | None = None,
+               outputs: Sequence[int] = (), session: Any = None) -> Running:
         prompt = array("q", tokens)
         req = Req(rid=request_id, origin_input_text="", origin_input_ids=prompt, cache_salt=cache_salt,
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=max(len(outputs), 1)),
