@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           default="full", help="sglang: the cache's components (default full)")
     replay_p.add_argument("--sglang-core", choices=["rust", "python"], default="rust", help="sglang: tree core")
     replay_p.add_argument("--sglang-tokens", type=positive, default=1 << 18, help="sglang: device KV slots")
+    replay_p.add_argument("--sglang-context-len", type=positive, default=1 << 17,
+                          help="sglang: the model's context length; longer prompts are refused, as SGLang refuses them "
+                               "(default 131072)")
     replay_p.add_argument("--lmcache-chunk", type=positive, default=256, help="lmcache: tokens per chunk")
     replay_p.add_argument("--lmcache-cpu-gb", type=float, default=0.5, help="lmcache: CPU cache size, GB")
     replay_p.add_argument("--lmcache-disk-gb", type=float, default=4.0, help="lmcache: disk cache size, GB (0: none)")

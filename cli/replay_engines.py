@@ -60,14 +60,14 @@ def _into_store(args: Namespace, reader: Any, store_of: StoreOf, engine: str, de
 
 
 def _finish(args: Namespace, reader: Any, recipe: Any, source: str, summary: str, stats: Any, shim: Any,
-            refused: Any) -> int:
+            refused: Any, refused_note: str = "") -> int:
     import msgspec
 
     recipe_out = Path(args.recipe_out or f"{args.model}.recipe.json")
     recipe_out.write_bytes(msgspec.json.encode(recipe))
     print(f"{summary}; {stats.exported} events stored, {stats.dropped} dropped, {shim.errors} hook errors")
     if refused.total:
-        print(refused.summary())
+        print(refused.summary() + refused_note)
     if reader.skipped:
         print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
     print(f"recipe from {source}: {recipe_out}")
@@ -112,10 +112,12 @@ def replay_vllm(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
 
 def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
     from kvtrace.instrumentation.identity import Identity
+    from kvtrace.instrumentation.refusals import RefusalReason
     from kvtrace.instrumentation.replay import tokens_of
     from kvtrace.instrumentation.traces import TraceError
 
     try:
+        from kvtrace.instrumentation.sglang.admission import startup_warning
         from kvtrace.instrumentation.sglang.driver import Driver, DriverConfig, Mix, build_cache
         from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
         from kvtrace.instrumentation.sglang.shim import RadixCacheShim
@@ -123,7 +125,8 @@ def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
         return _missing("sglang", "SGLang", exc)
     mix = Mix(args.sglang_mix)
     page = 1 if mix in (Mix.MAMBA, Mix.SWA_MAMBA) else 16  # SGLang's Mamba state needs page 1 (no extra buffer)
-    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.sglang_tokens, tree_core=args.sglang_core)
+    config = DriverConfig(mix=mix, page_size=page, kv_tokens=args.sglang_tokens, tree_core=args.sglang_core,
+                          context_len=args.sglang_context_len)
     totals = {"requests": 0, "prompt": 0, "reused": 0}
 
     def serve(req: Any) -> None:
@@ -136,6 +139,9 @@ def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
         cache, allocator, pool = build_cache(config)
         recipe = recipe_from_cache(cache, name=f"sglang-{args.sglang_mix}")
         driver = Driver(cache, allocator, pool, config)
+        warning = startup_warning(driver.limits)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         reader = trace(args)
 
         def attach(emitter: Any) -> Any:
@@ -147,10 +153,13 @@ def replay_sglang(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
     except (TraceError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    aborted = refused.count(RefusalReason.OVER_INPUT_LIMIT)
+    stubs = (f"; the scheduler's {aborted} aborted ran as SGLang runs them, a one-token stub each through the cache "
+             f"(their lookups are stored)" if aborted else "")
     return _finish(args, reader, recipe, "SGLang's cache",
                    f"replayed {totals['requests']} requests through SGLang's radix cache ({args.sglang_mix}, "
                    f"{args.sglang_core} core): SGLang reused {totals['reused']} of {totals['prompt']} prompt tokens",
-                   stats, shim, refused)
+                   stats, shim, refused, stubs)
 
 
 def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
