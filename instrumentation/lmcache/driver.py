@@ -8,6 +8,12 @@ so every retrieve can be checked byte for byte against what a fresh computation 
 LMCache writes to disk asynchronously; `settle` waits for those writes between requests so a
 replay gives the same answers on every run (a lookup racing a disk write is LMCache's real
 behaviour, not something a test should depend on).
+
+LMCache refuses no request for its length (LMCache 0.5.6, v1/cache_engine.py): lookup and
+retrieve take any prompt, whole chunks only, and `store` allocates chunk after chunk and, when
+its memory runs out, stores the leading chunks it has ("Local cpu memory under pressure so
+choosing to store only N total chunks") and returns. The limits a request meets are the serving
+engine's, in front of LMCache; so this driver serves every request, as LMCache does.
 """
 
 from __future__ import annotations
