@@ -278,6 +278,15 @@ def test_analyze_names_what_is_wrong(capsys, store, tmp_path):
     _simulated(store)
     code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "nonsense")
     assert code == 2 and "no built-in recipe or file named 'nonsense'" in err
+    # A recipe for another model overrides nothing: jamba is judged by the recipe its engine published.
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "other=dense")
+    assert code == 0 and "2 lookups" in out, err
+    # A recipe the engine contradicts is refused, naming the model, the engine and the group.
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "jamba=dense")
+    assert code == 2 and "'dense' given for model 'jamba' contradicts what its engine reported (sim" in err, err
+    assert "the recipe has 1 cache group(s), the engine 2" in err
+    # Events from an engine that published no recipe (an older writer), and none given: named.
+    store.command(f"ALTER TABLE {store.db}.events DELETE WHERE kind = 'attach'", settings={"mutations_sync": 1})
     code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "other=dense")
     assert code == 2 and "no recipe for model 'jamba'" in err
     code, _, err = run(capsys, "analyze", "--recipe", "dense", "--path", "duckdb")
