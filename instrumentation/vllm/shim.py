@@ -170,18 +170,17 @@ class CacheManagerShim:
 
     def _attached(self) -> None:
         """The engine, its recipe and its empty memory, once (see `kvtrace.instrumentation.attach`)."""
-        if not self.emitter.enabled:
-            return
         try:
+            if not self.emitter.enabled:
+                return
             recipe = recipe_from_kv_cache_config(self.manager.kv_cache_config)
             events = attach_events(self._base, recipe, engine_version=distribution_version("vllm"),
                                    max_model_len=int(getattr(self.manager, "max_model_len", 0) or 0),
                                    block_size=self.hash_block_size)
+            for event in events:
+                self.emitter.emit(event)
         except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
             self._failed("attach")
-            return
-        for event in events:
-            self.emitter.emit(event)
 
     def uninstall(self) -> None:
         self.hooks.restore()

@@ -124,7 +124,8 @@ def test_missing_hook_points_leave_the_engine_alone(caplog: pytest.LogCaptureFix
 
     real = build_manager(DriverConfig(layout=Layout.DENSE, num_blocks=64))
     with caplog.at_level("WARNING", logger="kvtrace.vllm"):
-        shim = CacheManagerShim(OtherManager(real), MemorySink(), Identity()).install()  # type: ignore[arg-type]
+        emitter = BatchEmitter(MemorySink(), register_atexit=False)  # the shim attaches at install: an emitter
+        shim = CacheManagerShim(OtherManager(real), emitter, Identity()).install()
     assert shim.errors == 0 and "commits are off" in caplog.text and "evictions are off" in caplog.text
 
 
