@@ -70,6 +70,7 @@ def cmd_db_status(args: argparse.Namespace) -> int:
 
     with Store(args.dsn) as store:
         status = store.status()
+        engines = store.engines() if status.schema_version is not None else []
     print(f"store:           {status.dsn}")
     print(f"server:          ClickHouse {status.server_version}")
     if status.schema_version is None:
@@ -80,6 +81,13 @@ def cmd_db_status(args: argparse.Namespace) -> int:
         print(f"  {t.name:<14} {t.rows:>12,} rows {t.bytes_on_disk / 1e6:>10.2f} MB  {t.partitions} partitions")
     print(f"event sources:   {status.sources}")
     print(f"dropped events:  {status.dropped_events} (reported by emitters)")
+    print(f"engines:         {len(engines)} attached (each instance's latest)")
+    for e in engines:
+        groups = ", ".join(f"{g.component.value}/{g.block_size}" + (f" w{g.window}" if g.window else "")
+                           for g in e.recipe.groups)
+        version = f" {e.engine_version}" if e.engine_version else ""
+        limit = f", max_model_len {e.max_model_len}" if e.max_model_len else ""
+        print(f"  {e.instance:<24} {e.engine}{version}  {e.model}  [{groups}]{limit}")
     return 0
 
 

@@ -36,6 +36,7 @@ from kvtrace.schema.clickhouse import (
     zero_when_omitted,
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
+from kvtrace.schema.recipes import Recipe, recipe_from_json
 from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
@@ -60,6 +61,23 @@ class StoreStatus:
     tables: tuple[TableStatus, ...]
     sources: int
     dropped_events: int  # reported by emitters (latest counters per source)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachedEngine:
+    """An instance's engine as its shim last reported it when it attached (an attach event)."""
+
+    instance: str
+    engine: str
+    engine_version: str
+    model: str
+    model_revision: str
+    kv_dtype: str
+    max_model_len: int
+    block_size: int
+    recipe: Recipe
+    source_id: int  # the attaching process's emitter
+    attached_ns: int
 
 
 class Store:
@@ -270,6 +288,19 @@ class Store:
             for batch in stream:
                 if batch.num_rows:
                     yield conform(pa.Table.from_batches([batch]))
+
+    def engines(self) -> list[AttachedEngine]:
+        """Each instance's engine, by its latest attach: what it is and the recipe it caches by."""
+        if self.stored_schema_version() is None:
+            return []
+        rows = self.query_arrow(
+            "SELECT instance, engine, engine_version, model, model_revision, kv_dtype, max_model_len, block_size,"
+            f" recipe, source_id, ts_ns FROM {self.db}.{EVENTS.name} FINAL WHERE kind = 'attach'"
+            " ORDER BY ts_ns DESC LIMIT 1 BY instance, engine").to_pylist()
+        return sorted((AttachedEngine(r["instance"], r["engine"], r["engine_version"], r["model"], r["model_revision"],
+                                      r["kv_dtype"], int(r["max_model_len"]), int(r["block_size"]),
+                                      recipe_from_json(r["recipe"]), int(r["source_id"]), int(r["ts_ns"]))
+                       for r in rows), key=lambda e: (e.instance, e.engine))
 
     def count_events(self) -> int:
         return int(self.scalar(f"SELECT count() FROM {self.db}.{EVENTS.name} FINAL") or 0)

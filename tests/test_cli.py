@@ -17,6 +17,7 @@ from kvtrace.schema.arrow import from_arrow
 from kvtrace.schema.clickhouse import TABLES
 from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import EventKind, Reason
+from kvtrace.schema.recipes import BUILTIN
 from kvtrace.store.client import Store
 from kvtrace.store.dsn import default_dsn
 
@@ -56,6 +57,16 @@ def test_db_init_twice_then_status(capsys, store_dsn):
     assert "event sources:   1" in out
     with Store(store_dsn) as s:
         s.client.command(f"DROP DATABASE IF EXISTS {s.db}")
+
+
+def test_db_status_lists_each_instances_engine_as_it_attached(capsys, store):
+    _simulated(store)  # the reference simulator attaches as an engine's shim does
+    (engine,) = store.engines()
+    assert (engine.instance, engine.engine, engine.model) == ("sim-0", "sim", "jamba")
+    assert engine.recipe.groups == BUILTIN["mamba-hybrid"].groups and engine.attached_ns > 0
+    code, out, _ = run(capsys, "--dsn", str(store.dsn), "db", "status")
+    assert code == 0 and "engines:         1 attached" in out
+    assert "sim-0" in out and "jamba  [full_attention/16, mamba/64]" in out
 
 
 def test_db_status_before_init(capsys, store_dsn):
