@@ -28,7 +28,7 @@ from kvtrace.schema.arrow import from_arrow, to_arrow
 from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns, write_stream
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
-from kvtrace.schema.recipes import load_recipe
+from kvtrace.schema.recipes import RecipeBook, load_recipe
 from kvtrace.schema.verdicts import LookupResult
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 from kvtrace.store.client import Store
@@ -215,12 +215,16 @@ def test_readiness_and_metrics_report_what_happened(served: Served) -> None:
     assert "kvtrace_collector_spool_pending_bytes 0.0" in text
 
 
-@pytest.mark.parametrize("wire", ["rows", "columns"])
+@pytest.mark.parametrize(("wire", "given"), [("rows", True), ("columns", True), ("rows", False)],
+                         ids=["rows", "columns", "engine-recipe"])
 def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store: Store, store_dsn: str,
-                                                                         tmp_path: Path, wire: str) -> None:
+                                                                         tmp_path: Path, wire: str,
+                                                                         given: bool) -> None:
+    """With a recipe given, or with none: then the live state judges the engine's lookups by the
+    recipe the engine published when it attached (what `kvtrace collector` does by default)."""
     recipe = load_recipe("mamba-hybrid")
-    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), recipes=recipe,
-                             lateness_ns=200_000_000)
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"),
+                             recipes=recipe if given else RecipeBook(), lateness_ns=200_000_000)
     with Served(config) as s:
         emitter = BatchEmitter(HttpSink(s.url, wire=wire),
                                BatchConfig(max_export_batch_size=256, schedule_delay_millis=20))
@@ -232,7 +236,8 @@ def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store:
         emitter.shutdown()
         s.settle()
     # stopping flushed the live state; every lookup has its verdict row
-    offline = sorted((r for r in reconstruct(stored(store), recipe)), key=lambda r: (r.ts_ns, r.seq))
+    offline = sorted((r for r in reconstruct(stored(store), recipe if given else None)),
+                     key=lambda r: (r.ts_ns, r.seq))
     live = store.query_arrow(f"SELECT * FROM {store.db}.verdicts FINAL ORDER BY ts_ns, seq").to_pylist()
     assert len(live) == len(offline) == 40
     for a, b in zip(live, offline, strict=True):

@@ -27,13 +27,13 @@ SORT = ["ts_ns", "source_id", "seq"]
 BOOK = RecipeBook(RECIPES)  # each lifecycle model's own recipe
 
 
-def streaming(events: list[Event], policy: Policy = Policy(), recipes: RecipeBook = BOOK) -> pl.DataFrame:
+def streaming(events: list[Event], policy: Policy = Policy(), recipes: RecipeBook | None = BOOK) -> pl.DataFrame:
     ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
     return conform_results(results_frame(Reconstructor(recipes, policy).run(ordered))).sort(SORT)
 
 
 def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy = Policy(),
-                recipes: RecipeBook = BOOK) -> list[pl.DataFrame]:
+                recipes: RecipeBook | None = BOOK) -> list[pl.DataFrame]:
     store.command(f"TRUNCATE TABLE {store.db}.events")
     store.insert_events(events)
     parquet = folder / "events.parquet"

@@ -161,3 +161,31 @@ def test_three_paths_agree_on_a_simulated_workload_with_pressure(store: Store, t
 def test_config_is_a_value() -> None:
     config = SimConfig(recipe=BUILTIN["dense"])
     assert replace(config, lease_ns=5).lease_ns == 5 and config.lease_ns == 0
+
+
+def test_a_restart_under_the_same_instance_name_starts_empty(store: Store, tmp_path: Path) -> None:
+    """The engine restarts (a new process, the same instance name) and its cache is empty: a
+    prompt the old process had cached hash-matches the old blocks, but nothing of them is
+    recoverable, so the recompute is no missed reuse; what the new process caches is reused
+    again. The attach's restart invalidation says so in every path."""
+    from test_paths_agree import three_paths
+
+    config = SimConfig(recipe=BUILTIN["dense"])
+    sink = MemorySink()
+    first = BatchEmitter(sink, BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    old = CacheSimulator(config, first)
+    old.serve(SimRequest("before", [*PREFIX, 1, 2, 3], tenant="t1"))
+    assert first.shutdown()
+    second = BatchEmitter(sink, BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    new = CacheSimulator(replace(config, start_ns=old.now_ns + 10**9), second)  # a new process, later
+    new.serve(SimRequest("after", [*PREFIX, 4, 5, 6], tenant="t1"))
+    new.serve(SimRequest("again", [*PREFIX, 7, 8, 9], tenant="t1"))
+    assert second.shutdown()
+    events = sorted(sink.events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    results = {r.request_id: r for r in reconstruct(events)}
+    after = results["after"]
+    assert after.logical_hit_tokens == 1024 and after.recoverable_hit_tokens == 0 and after.adopted_tokens == 0
+    assert not after.missed_reuse and not after.unsafe_reuse
+    again = results["again"]
+    assert again.recoverable_hit_tokens == again.adopted_tokens == 1024 and not again.missed_reuse
+    assert_same(three_paths(store, tmp_path, events, recipes=None))
