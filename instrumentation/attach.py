@@ -36,9 +36,11 @@ def distribution_version(name: str) -> str:
 def attach_events(base: Event, recipe: Recipe, *, engine_version: str = "", max_model_len: int = 0,
                   block_size: int = 0, tiers: Sequence[Tier] = PROCESS_TIERS) -> list[Event]:
     """The events a shim emits once, when it attaches: `base` is its event template (engine,
-    instance, model identity); `tiers` the tiers of its engine that live in process memory."""
+    instance, model identity); `tiers` the tiers of its engine that live in process memory. The
+    invalidations are for every tenant and adapter (empty is the analysis's wildcard), whatever
+    namespace the template carries: a new process holds nobody's copies."""
     clean = replace(base, group_block_keys=[], group_hit_tokens=[], reused_tiers=[], reused_tokens=[],
-                    more_keys=[], request_id="")
+                    more_keys=[], request_id="", tenant="", adapter="")
     attach = replace(clean, kind=EventKind.ATTACH, engine_version=engine_version, max_model_len=max_model_len,
                      block_size=block_size, recipe=recipe_json(recipe))
     return [attach, *(replace(clean, kind=EventKind.INVALIDATE, tier=tier, reason=Reason.RESTART) for tier in tiers)]
