@@ -46,6 +46,7 @@ from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
+from kvtrace.instrumentation.sglang.recipe import component_name, component_types
 from kvtrace.instrumentation.sglang.records import (
     CALLS,
     CHECKPOINT_RETURNED,
@@ -72,8 +73,6 @@ from kvtrace.instrumentation.sglang.records import (
 )
 from kvtrace.instrumentation.sglang.shim import (
     RadixCacheShim,
-    component_name,
-    component_types,
     host_values,
     kept_row,
     row_pages,

@@ -49,40 +49,11 @@ from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
+from kvtrace.instrumentation.sglang.recipe import component_name, component_of, component_types
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.sglang")
-
-COMPONENT_OF = {"FULL": ComponentKind.FULL_ATTENTION, "SWA": ComponentKind.SLIDING_WINDOW,
-                "MAMBA": ComponentKind.MAMBA}
-"""SGLang's component types (by name) as kvtrace components."""
-
-
-def component_name(component_type: Any) -> str:
-    """SGLang's name of a component type (FULL, SWA, MAMBA); a name given as text is itself."""
-    return getattr(component_type, "name", str(component_type))
-
-
-def component_of(component_type: Any) -> ComponentKind:
-    return COMPONENT_OF.get(component_name(component_type), ComponentKind.OTHER)
-
-
-def component_types(cache: Any) -> list[Any]:
-    """The cache's components in its own order. SGLang's older single-component trees have no
-    `tree_components`: `PureSWARadixCache` (all-SWA models) holds window state, `RadixCache`
-    full attention."""
-    types = list(getattr(cache, "tree_components", ()) or ())
-    if types:
-        return types
-    name = "SWA" if any(c.__name__ == "PureSWARadixCache" for c in type(cache).__mro__) else "FULL"
-    try:
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-        return [ComponentType[name]]
-    except (ImportError, KeyError):
-        return [name]
-
 
 @dataclass(slots=True)
 class _Scope:
