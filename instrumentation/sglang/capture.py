@@ -46,7 +46,7 @@ from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.ring import Ring
 from kvtrace.instrumentation.sglang.hicache import PrefetchWatch, hung_under, pool_name, prefetch_states
 from kvtrace.instrumentation.sglang.ledger import gather, page_starts, slot_step
-from kvtrace.instrumentation.sglang.recipe import component_name, component_types
+from kvtrace.instrumentation.sglang.recipe import component_name, component_types, recipe_from_cache
 from kvtrace.instrumentation.sglang.records import (
     CALLS,
     CHECKPOINT_RETURNED,
@@ -723,24 +723,35 @@ class CaptureShim:
 
 class ProcessShim:
     """The engine side of the out-of-process mode: the capture wrappers, the ring and the
-    resolver process. `flush` waits until the resolver's sink has everything recorded so far."""
+    resolver process. `flush` waits until the resolver's sink has everything recorded so far.
+
+    What the in-process shim's attach reads off the engine (its release, the cache's recipe, the
+    context length it is given) is read here and sent in the spec: the resolver attaches with it,
+    before any record, so each engine attaches once in either mode, with the same content."""
 
     def __init__(self, cache: Any, identity: Identity = Identity(), sample_rate: float = 1.0,
                  sink: str = "", ring_bytes: int = 64 << 20, usage_interval_s: float = 1.0,
-                 engine_version: str = "") -> None:
+                 engine_version: str | None = None, max_model_len: int = 0) -> None:
         why = unsupported(cache)
         if why is not None:
             raise ValueError(f"kvtrace's out-of-process SGLang mode does not cover {why}; use RadixCacheShim")
-        # The sizes are read here, from the live pools, with the shim's own rule.
-        page_bytes = RadixCacheShim(cache, _NullEmitter(), identity).page_bytes
+        # The sizes and the release are read here, from the live pools, with the shim's own rules.
+        reader = RadixCacheShim(cache, _NullEmitter(), identity, engine_version=engine_version)
+        page_bytes, engine_version = reader.page_bytes, reader.engine_version
+        try:
+            recipe = recipe_from_cache(cache)
+        except Exception:  # noqa: BLE001 - never stop the engine; it runs traced, without an attach
+            log.exception("kvtrace: no recipe for this SGLang cache; the resolver will not attach")
+            recipe = None
         self.ring = Ring.create(ring_bytes, loss_kind=Rec.LOST)
         self.capture = CaptureShim(cache, self.ring, usage_interval_s, sample_rate)
         self.capture.alive = self.alive
         self.spec = ResolverSpec(ring=self.ring.name, page_size=int(cache.page_size),
                                  components=tuple(self.capture.group_names), page_bytes=tuple(page_bytes),
                                  identity=identity, sample_rate=sample_rate, engine_version=engine_version,
-                                 usage_interval_s=usage_interval_s, engine_pid=os.getpid(),
-                                 sink=sink, sys_path=tuple(p for p in sys.path if p) if sink else ())
+                                 max_model_len=int(max_model_len), recipe=recipe, usage_interval_s=usage_interval_s,
+                                 engine_pid=os.getpid(), sink=sink,
+                                 sys_path=tuple(p for p in sys.path if p) if sink else ())
         self._flushes = 0
         self._closed = False
         self.process: Any = None

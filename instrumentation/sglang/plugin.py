@@ -7,8 +7,9 @@ settings). It registers two hooks through SGLang's own hook registry:
 
 - after `sglang.srt.mem_cache.registry.create_tree_cache`: the cache SGLang just built (by
   whichever factory; the scheduler's simulated waiting-queue tree is built elsewhere and stays
-  untouched) gets a `RadixCacheShim` with the engine's identity. Every tensor-parallel rank
-  mirrors the tree, so only the first rank of each attention replica is instrumented;
+  untouched) gets a `RadixCacheShim` with the engine's identity and context length (which its
+  attach event says, see `context_length`). Every tensor-parallel rank mirrors the tree, so
+  only the first rank of each attention replica is instrumented;
 - after `ScheduleBatch.prepare_for_extend`: where SGLang splits each admitted request's cached
   prefix by tier (`cached_tokens_device`, `_host`, `_storage`), the shim records the adopt.
 
@@ -125,12 +126,7 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None, mode: Mode | None 
     identity = Identity(instance=engine_instance(settings), model=model,
                         model_revision=str(getattr(args, "revision", None) or ""),
                         kv_dtype=str(getattr(args, "kv_cache_dtype", "") or ""), default_tenant=settings.tenant)
-    try:
-        import sglang
-
-        version = str(getattr(sglang, "__version__", ""))
-    except ImportError:
-        version = ""
+    longest = context_length(ctx)
     if (mode or mode_from_env()) is Mode.PROCESS:
         from kvtrace.instrumentation.sglang.capture import ProcessShim, unsupported
 
@@ -138,7 +134,7 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None, mode: Mode | None 
         if why is None:
             try:
                 process = ProcessShim(cache, identity, sample_rate=settings.sample_rate,
-                                      engine_version=version).start()
+                                      max_model_len=longest).start()
             except Exception as exc:  # noqa: BLE001 - no room for the ring, no interpreter to start
                 why = f"this host ({exc})"
             else:
@@ -149,9 +145,16 @@ def attach(cache: Any, ctx: Any = None, settings: Any = None, mode: Mode | None 
     emitter = get_emitter()
     if type(emitter).__name__ == "NoopEmitter":
         emitter = configure(settings, engine="sglang")
-    shim = RadixCacheShim(cache, emitter, identity, sample_rate=settings.sample_rate, engine_version=version).install()
+    shim = RadixCacheShim(cache, emitter, identity, sample_rate=settings.sample_rate, max_model_len=longest).install()
     cache._kvtrace_shim = shim
     return shim
+
+
+def context_length(ctx: Any) -> int:
+    """The longest request, prompt and output, the engine serves: the context length SGLang's
+    model config settled on (the model's own, or `--context-length`), which the scheduler bounds
+    requests by. 0 without a build context that has one."""
+    return int(getattr(getattr(ctx, "model_config", None), "context_len", 0) or 0)
 
 
 def admission_split(req: Any, admission: int) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ from enum import IntEnum
 import msgspec
 
 from kvtrace.instrumentation.identity import Identity
+from kvtrace.schema.recipes import Recipe
 
 
 class Rec(IntEnum):
@@ -237,7 +238,8 @@ decode = msgspec.msgpack.Decoder(AnyFields).decode
 
 class ResolverSpec(msgspec.Struct, frozen=True):
     """What the resolver process needs to rebuild the shim (no live SGLang object), passed to
-    it as JSON on its command line."""
+    it as JSON on its command line. The resolver attaches (`RadixCacheShim.emit_attach`) with
+    the recipe the engine side derived from the live cache; a spec without one attaches nothing."""
 
     ring: str
     page_size: int
@@ -246,6 +248,8 @@ class ResolverSpec(msgspec.Struct, frozen=True):
     identity: Identity
     sample_rate: float = 1.0
     engine_version: str = ""
+    max_model_len: int = 0  # the longest request the engine serves (SGLang's context length); 0: unknown
+    recipe: Recipe | None = None  # the cache's own (`recipe.recipe_from_cache`)
     usage_interval_s: float = 1.0
     engine_pid: int = 0  # the resolver exits once this process is gone
     sink: str = ""  # "module:callable" making the sink; empty: the sink kvtrace's settings name

@@ -2,7 +2,9 @@
 replays each recorded call through a `RadixCacheShim` of its own, through the same steps a
 wrapped call takes in-process (`begin_call`, `end_call`, `before_action`), so both modes emit
 the same events. The shim here sees stand-ins that carry just what it reads: a request's id and
-tokens, a key's tokens and namespace, slot indices, hit lengths.
+tokens, a key's tokens and namespace, slot indices, hit lengths. Before the first record it
+attaches, as the in-process shim does when installed, with the recipe and context length the
+engine side put in the spec: so each engine attaches once, in either mode.
 
 Records are those of `records`: each one with fields is decoded, typed, and replayed by the
 method for its kind. Slots travel as SGLang held them, the first slot of each page (one per slot
@@ -143,7 +145,8 @@ class Replayer:
     def __init__(self, spec: ResolverSpec, emitter: Any) -> None:
         self.cache = _Cache(spec.page_size, list(spec.components))
         self.shim = RadixCacheShim(self.cache, emitter, spec.identity, sample_rate=spec.sample_rate,
-                                   usage_interval_s=spec.usage_interval_s, engine_version=spec.engine_version)
+                                   usage_interval_s=spec.usage_interval_s, engine_version=spec.engine_version,
+                                   max_model_len=spec.max_model_len)
         self.shim.page_bytes = list(spec.page_bytes)
         self.shim.usage_due_ns = _NEVER  # usage is sampled when the capture's clock says so
         self.page = spec.page_size
@@ -159,6 +162,8 @@ class Replayer:
             Acted: self._acted, Backup: self._copy, Restore: self._copy, Backed: self._backed,
             Restored: self._restored, Store: self._store, Stored: self._stored, Fetched: self._fetched,
             Staged: self._staged, Kept: self._kept, Admit: self._admit}
+        if spec.recipe is not None:  # the engine says what it is before anything it recorded
+            self.shim.emit_attach(spec.recipe)
 
     def _request(self, rid: str, fresh: bool = False) -> SimpleNamespace:
         """The stand-in of request `rid` (`fresh`: the engine handed a new object under that id,

@@ -21,6 +21,10 @@ filled from the values the cache hands around and emptied by the frees it perfor
   boundary every component agrees on;
 - adopt: `record_admission`, called where the engine settles what it reused per tier;
 - invalidate: `reset`;
+- attach: once, when installed (`emit_attach`): the engine's release, its recipe (the cache's
+  components, `recipe.recipe_from_cache`), its context length where the plugin knows it, and
+  the tiers in the process's memory invalidated: device, and HiCache's host tier (a new process
+  holds nothing there; the storage tier outlives it);
 - streaming sessions: a session keeps a finished turn's KV row outside the tree for its next
   turn (`claim_kv_row` returns True), so its full pages are committed where it keeps them,
   and the frees of a session's row (`free_kv_row`: a rewound tail, `release_session`) evict
@@ -44,14 +48,16 @@ import numpy as np
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
+from kvtrace.instrumentation.attach import attach_events, distribution_version
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
 from kvtrace.instrumentation.sglang.ledger import SlotBook, as_slots, gather, slot_step, unique
-from kvtrace.instrumentation.sglang.recipe import component_name, component_of, component_types
+from kvtrace.instrumentation.sglang.recipe import component_name, component_of, component_types, recipe_from_cache
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind, Reason, Tier
+from kvtrace.schema.recipes import Recipe
 
 log = logging.getLogger("kvtrace.sglang")
 
@@ -79,22 +85,27 @@ class RadixCacheShim:
     - extending it (`hicache.HiCacheHooks`, which follows HiCache's tiers): `hooks` (the methods
       wrapped, to wrap more), `wrap_scoped`, the ledgers (`ledger`, `install_slots`,
       `page_slots`, `full`, `group_of`, `group_named`) and the events that are not a ledger's
-      (`emit_transfer`, `emit_invalidate`);
+      (`emit_transfer`, `emit_invalidate`, `emit_attach`);
     - replaying calls recorded elsewhere (the out-of-process mode's `resolver`): each wrapped
       call in steps (`begin_call`, `end_call`, `abort_call`), the hooks the wrapped calls run
       (`after_lookup`, `before_checkpoint`, `after_checkpoint`, `before_insert`, `after_insert`,
       `after_reset`, `before_release_session`, `before_action`, `after_action`, `session_kept`),
       the lookups it has reported (`reported_lookup`), when usage is sampled next
       (`usage_due_ns`), and a fresh start after lost records (`start_afresh`, `drop_ledger`).
+
+    `engine_version` defaults to the installed sglang distribution's; `max_model_len` is the
+    longest request the engine serves (SGLang's context length), 0 where the caller cannot tell.
     """
 
     def __init__(self, cache: Any, emitter: Emitter, identity: Identity = Identity(), sample_rate: float = 1.0,
-                 usage_interval_s: float = 1.0, engine_version: str = "") -> None:
+                 usage_interval_s: float = 1.0, engine_version: str | None = None, max_model_len: int = 0) -> None:
         self.cache = cache
         self.emitter = emitter
         self.identity = identity
         self.sample_rate = sample_rate
         self.errors = 0
+        self.engine_version = distribution_version("sglang") if engine_version is None else engine_version
+        self.max_model_len = int(max_model_len)
         self.page = int(cache.page_size)
         self.component_types = component_types(cache)
         self.group_of = {ct: g for g, ct in enumerate(self.component_types)}
@@ -118,7 +129,7 @@ class RadixCacheShim:
         self.page_bytes = self._page_bytes()
         self.usage_interval_ns = int(usage_interval_s * 1e9)
         self.usage_due_ns = 0  # when the next usage sample is taken (monotonic ns), at a lookup reported
-        self._base = Event(kind=EventKind.LOOKUP, engine="sglang", engine_version=engine_version,
+        self._base = Event(kind=EventKind.LOOKUP, engine="sglang", engine_version=self.engine_version,
                            instance=identity.instance, model=identity.model, model_revision=identity.model_revision,
                            kv_dtype=identity.kv_dtype, tenant=identity.default_tenant, block_size=self.page,
                            group_block_keys=(), group_hit_tokens=(), reused_tiers=(), reused_tokens=(),  # type: ignore[arg-type]
@@ -167,6 +178,7 @@ class RadixCacheShim:
             self._install_hicache()
         elif hasattr(c, "init_hicache"):  # tiers added later: follow them once they exist
             self.hooks.wrap_after(c, "init_hicache", lambda *a, **k: self._install_hicache())
+        self.emit_attach()
         return self
 
     def _install_hicache(self) -> None:
@@ -452,6 +464,21 @@ class RadixCacheShim:
         self.emitter.emit(replace(self._base, kind=kind, component=self.components[group], group_id=group,
                                   src_tier=src, dst_tier=dst, nbytes=self.page_bytes[group], block_key=keys[0],
                                   more_keys=tuple(keys[1:]), duration_ns=max(int(duration_ns), 0), **fields))
+
+    def emit_attach(self, recipe: Recipe | None = None) -> None:
+        """The engine, its recipe and its empty memory, once (see `kvtrace.instrumentation.attach`):
+        the first thing `install` says. The recipe is the cache's own, unless given: the resolver
+        gives the one the engine side derived, as its cache is a stand-in."""
+        try:
+            if not self.emitter.enabled:
+                return
+            events = attach_events(self._base, recipe or recipe_from_cache(self.cache),
+                                   engine_version=self.engine_version, max_model_len=self.max_model_len,
+                                   block_size=self.page)
+            for event in events:
+                self.emitter.emit(event)
+        except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+            self._failed("attach")
 
     def emit_invalidate(self, tier: Tier, reason: Reason) -> None:
         """A whole tier, for every tenant and adapter (empty is the analysis's wildcard)."""

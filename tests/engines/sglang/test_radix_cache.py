@@ -298,8 +298,10 @@ def test_missing_hook_points_leave_the_cache_alone(caplog: pytest.LogCaptureFixt
         def match_prefix(self, params):  # noqa: ANN001, ANN202
             return None
 
+    emitter = BatchEmitter(MemorySink(), BatchConfig(), register_atexit=False)  # it attaches, so a real emitter
     with caplog.at_level("WARNING", logger="kvtrace.sglang"):
-        shim = RadixCacheShim(Older(), MemorySink(), Identity()).install()  # type: ignore[arg-type]
+        shim = RadixCacheShim(Older(), emitter, Identity()).install()  # type: ignore[arg-type]
+    assert emitter.shutdown()
     assert shim.errors == 0 and "has no insert" in caplog.text and "evictions are off" in caplog.text
 
 
