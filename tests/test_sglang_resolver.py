@@ -34,7 +34,8 @@ from kvtrace.instrumentation.sglang.records import (
 from kvtrace.instrumentation.sglang.resolver import Replayer
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema import EventKind
-from kvtrace.schema.kinds import Reason, Tier
+from kvtrace.schema.kinds import ComponentKind, Reason, Tier
+from kvtrace.schema.recipes import GroupSpec, Recipe, recipe_from_json
 
 PAGE = 16
 
@@ -295,3 +296,36 @@ def test_the_resolver_stops_at_a_ring_it_cannot_follow() -> None:
         assert ring.consumer_counter(0) == 1 and ring.acknowledged() == 1  # what came before the break
     finally:
         ring.close()
+
+
+def test_the_resolver_attaches_first_with_what_the_engine_side_read() -> None:
+    """The spec carries what the in-process shim's attach reads off the live cache (its recipe,
+    release and context length), which the resolver's stand-in cache cannot tell (a window's
+    size): the resolver attaches with it before any record, once. A spec without a recipe (an
+    engine side that could not derive one) attaches nothing."""
+    import msgspec
+
+    recipe = Recipe(name="sglang", groups=(GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION,
+                                                     block_size=PAGE),
+                                           GroupSpec(group_id=1, component=ComponentKind.SLIDING_WINDOW,
+                                                     block_size=PAGE, window=4 * PAGE)))
+    spec = ResolverSpec(ring="unused", page_size=PAGE, components=("FULL", "SWA"), page_bytes=(1, 0),
+                        identity=Identity(instance="r", model="m"), engine_version="0.5.23", max_model_len=4096,
+                        recipe=recipe, usage_interval_s=0)
+    spec = msgspec.json.decode(msgspec.json.encode(spec), type=ResolverSpec)  # as it travels
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+    replayer = Replayer(spec, emitter)
+    for kind, value, blobs in [_lookup("a", np.arange(4 * PAGE, dtype=np.int64))]:
+        replayer.handle(kind, value, blobs)
+    assert emitter.shutdown() and replayer.shim.errors == 0
+    attach, *rest = sink.events
+    assert attach.kind is EventKind.ATTACH and recipe_from_json(attach.recipe) == recipe
+    assert (attach.engine, attach.model, attach.engine_version, attach.max_model_len, attach.block_size) == (
+        "sglang", "m", "0.5.23", 4096, PAGE)
+    assert [(e.kind, e.tier, e.reason) for e in rest[:2]] == [(EventKind.INVALIDATE, Tier.DEVICE, Reason.RESTART),
+                                                              (EventKind.INVALIDATE, Tier.HOST, Reason.RESTART)]
+    assert [e.kind for e in rest[2:]] == [EventKind.LOOKUP]
+
+    bare, bare_emitter, bare_sink = _replayer()  # no recipe in its spec
+    assert bare_emitter.shutdown() and bare.shim.errors == 0 and not bare_sink.events

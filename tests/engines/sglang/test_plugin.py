@@ -14,6 +14,7 @@ import textwrap
 from types import SimpleNamespace
 
 from kvtrace.instrumentation.api import set_emitter
+from kvtrace.instrumentation.attach import distribution_version
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.sglang import plugin
 from kvtrace.instrumentation.sglang.driver import DriverConfig, Mix, build_cache
@@ -72,7 +73,9 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
         assert not hasattr(cache, "_kvtrace_shim")  # TP mirrors are not instrumented twice
         dp_args = SimpleNamespace(enable_dp_attention=True, dp_size=2)  # two replicas of one rank each
         assert plugin.first_rank_of_replica(SimpleNamespace(server_args=dp_args, tp_rank=1, tp_size=2))
-        assert plugin.after_create_tree_cache(cache, SimpleNamespace(server_args=args, tp_rank=0, tp_size=2)) is None
+        model_config = SimpleNamespace(context_len=8192)  # what SGLang settled the context length on
+        ctx = SimpleNamespace(server_args=args, model_config=model_config, tp_rank=0, tp_size=2)
+        assert plugin.after_create_tree_cache(cache, ctx) is None
         shim = cache._kvtrace_shim
         assert shim.identity.model == "tiny-llama" and shim.identity.model_revision == "r7"
 
@@ -91,6 +94,10 @@ def test_hooks_attach_to_the_built_cache_and_record_admissions(monkeypatch) -> N
     finally:
         set_emitter(previous)
         emitter.shutdown()
+    attach = sink.events[0]  # what the engine is, once, before anything else
+    assert attach.kind is EventKind.ATTACH and [e.kind for e in sink.events].count(EventKind.ATTACH) == 1
+    assert (attach.model, attach.model_revision, attach.max_model_len) == ("tiny-llama", "r7", 8192)
+    assert attach.engine_version == distribution_version("sglang") != ""
     adopts = [e for e in sink.events if e.kind is EventKind.ADOPT]
     assert len(adopts) == 2
     assert list(zip(adopts[1].reused_tiers, adopts[1].reused_tokens, strict=True)) == [(Tier.DEVICE, 32)]
@@ -122,7 +129,8 @@ def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_pat
     monkeypatch.delenv("KVTRACE_SGLANG_MODE", raising=False)
     args = SimpleNamespace(served_model_name="tiny-llama", model_path="/models/tiny")
     cache, _, _ = build_cache(DriverConfig(mix=Mix.FULL, page_size=4, kv_tokens=1024))
-    process = plugin.attach(cache, SimpleNamespace(server_args=args, tp_rank=0, tp_size=1))
+    model_config = SimpleNamespace(context_len=4096)
+    process = plugin.attach(cache, SimpleNamespace(server_args=args, model_config=model_config, tp_rank=0, tp_size=1))
     try:
         assert isinstance(process, ProcessShim) and cache._kvtrace_shim is process
         req = Req(rid="q1", origin_input_text="", origin_input_ids=array("q", range(40)),
@@ -137,6 +145,9 @@ def test_process_mode_attaches_a_resolver_and_falls_back_where_it_cannot(tmp_pat
         with path.open("rb") as f:
             for payload in read_spool(f, path.name).payloads:
                 events += [msgspec.msgpack.decode(raw, type=Event) for raw in decode_batch(payload).events]
+    (attach,) = [e for e in events if e.kind is EventKind.ATTACH]  # the resolver's, with what the engine side read
+    assert (attach.model, attach.max_model_len, attach.engine_version) == ("tiny-llama", 4096,
+                                                                           distribution_version("sglang"))
     (adopt,) = [e for e in events if e.kind is EventKind.ADOPT]
     assert adopt.request_id == "q1" and adopt.model == "tiny-llama" and adopt.recomputed_tokens == 24
 

@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvtrace.analysis.reconstruct import reconstruct
+from kvtrace.instrumentation.attach import distribution_version
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.replay import tokens_of
@@ -35,12 +37,14 @@ from kvtrace.instrumentation.sglang.driver import (
     enable_hicache,
 )
 from kvtrace.instrumentation.sglang.keys import new_chain
+from kvtrace.instrumentation.sglang.recipe import recipe_from_cache
 from kvtrace.instrumentation.sglang.shim import RadixCacheShim
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.schema import EventKind
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, Reason, Tier
+from kvtrace.schema.recipes import recipe_from_json
 from kvtrace.schema.wire import SPOOL_SUFFIX, decode_batch, read_spool
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -87,15 +91,17 @@ class Both:
 
 
 def both_modes(config: DriverConfig, built: tuple[Any, Any, Any], replay: Callable[[Driver], None],
-               rate: float = 1.0, ring_bytes: int = 64 << 20) -> tuple[MemorySink, CaptureStats]:
+               rate: float = 1.0, ring_bytes: int = 64 << 20, longest: int = 0) -> tuple[MemorySink, CaptureStats]:
     """Replay through one cache observed by both shims; the in-process shim's events and the
     capture's counters. Usage is sampled once (the first lookup), so both modes sample at the
-    same call."""
+    same call. `longest`: the engine's context length, as the plugin gives it."""
     cache, allocator, pool = built
     sink = MemorySink()
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
-    inline = RadixCacheShim(cache, emitter, IDENTITY, sample_rate=rate, usage_interval_s=3600).install()
-    process = ProcessShim(cache, IDENTITY, sample_rate=rate, usage_interval_s=3600, ring_bytes=ring_bytes).start()
+    inline = RadixCacheShim(cache, emitter, IDENTITY, sample_rate=rate, usage_interval_s=3600,
+                            max_model_len=longest).install()
+    process = ProcessShim(cache, IDENTITY, sample_rate=rate, usage_interval_s=3600, ring_bytes=ring_bytes,
+                          max_model_len=longest).start()
     try:
         replay(Driver(cache, allocator, pool, config, Both(inline, process)))
         assert process.flush(60)
@@ -154,6 +160,99 @@ def test_the_resolver_emits_what_the_in_process_shim_does(mix: Mix, route: Route
     if mix in (Mix.SWA, Mix.SWA_MAMBA):  # the window's own pages were named, committed and evicted
         window = COMPONENTS[mix].index(ComponentType.SWA)
         assert {EventKind.COMMIT, EventKind.EVICT} <= {e.kind for e in theirs if e.group_id == window}
+
+
+@pytest.mark.parametrize("mix", [Mix.FULL, Mix.SWA, Mix.SWA_MAMBA])
+def test_each_mode_attaches_once_first_with_the_caches_own_recipe(mix: Mix, spool: Path) -> None:
+    """Before anything else, once, each mode says what the engine is: its release, model, context
+    length, page size and the cache's recipe, then the device and host tiers invalidated (a new
+    process holds nothing there). The resolver says it with what the engine side read. Judged
+    by that recipe, the lookups come out as by the recipe the tests derive themselves."""
+    paged = mix is Mix.SWA_MAMBA  # SGLang's Mamba mixes need 1-token pages
+    config = DriverConfig(mix=mix, page_size=1 if paged else 16, kv_tokens=1 << 15)
+    cache, allocator, pool = built = build_cache(config)
+    recipe = recipe_from_cache(cache)
+
+    def replay(driver: Driver) -> None:
+        for rid, tokens in prompts(24):
+            driver.serve(rid, tokens)
+
+    sink, stats = both_modes(config, built, replay, longest=32_768)
+    assert stats.dropped == 0 and stats.errors == 0 and stats.resolver_errors == 0
+    ours, theirs = sink.events, spooled(spool)
+    for events in (ours, theirs):
+        attach = events[0]
+        assert attach.kind is EventKind.ATTACH and [e.kind for e in events].count(EventKind.ATTACH) == 1
+        assert recipe_from_json(attach.recipe) == recipe
+        assert (attach.engine, attach.engine_version, attach.model, attach.max_model_len, attach.block_size) == (
+            "sglang", distribution_version("sglang"), "tiny", 32_768, config.page_size)
+        assert attach.engine_version  # the installed release
+        assert [(e.kind, e.tier, e.reason) for e in events[1:3]] == [
+            (EventKind.INVALIDATE, Tier.DEVICE, Reason.RESTART), (EventKind.INVALIDATE, Tier.HOST, Reason.RESTART)]
+        assert Reason.RESTART not in {e.reason for e in events[3:]}
+        published = reconstruct(events)  # no recipe given: the one the engine published
+        assert published == reconstruct(events, recipe)
+        assert sum(r.recoverable_hit_tokens for r in published) > 0  # a replay with reuse to judge
+    assert [comparable(e) for e in theirs] == [comparable(e) for e in ours]
+
+
+@pytest.mark.parametrize("mode", ["inline", "process"])
+def test_a_restart_under_the_same_name_holds_nothing_the_old_process_did(mode: str, spool: Path) -> None:
+    """An engine stops and another starts under the same instance name, with an empty cache.
+    The old one left one prompt on device (and host) and another on host only (device evicted);
+    the new one asks for both and computes them. Neither is reported recoverable (no missed
+    reuse): its attach invalidated both tiers. Without the device's, the first would look
+    missed; without the host's, the second."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    config = DriverConfig(page_size=4, kv_tokens=256)
+    on_host, on_device = list(range(100, 141)), list(range(500, 541))
+    sink = MemorySink()
+
+    def run(serve: Callable[[Driver, Any], None]) -> None:
+        cache, allocator, pool = build_cache(config)
+        enable_hicache(cache)
+        if mode == "inline":  # a new process: its own emitter (another source), the same sink
+            emitter = BatchEmitter(sink, BatchConfig(), register_atexit=False)
+            shim: Any = RadixCacheShim(cache, emitter, IDENTITY, usage_interval_s=0).install()
+        else:
+            shim = ProcessShim(cache, IDENTITY, usage_interval_s=0).start()
+        try:
+            serve(Driver(cache, allocator, pool, config, shim), cache)
+            _settle(cache)
+            if mode == "process":
+                assert shim.flush(60) and shim.stats().resolver_errors == 0
+        finally:
+            if mode == "inline":
+                shim.uninstall()
+                assert emitter.shutdown() and shim.errors == 0
+            else:
+                shim.close()
+
+    def first(driver: Driver, cache: Any) -> None:
+        driver.serve("old-host", on_host)
+        _settle(cache)  # backed up to host
+        cache.evict(EvictParams(num_tokens=256))  # device only: host keeps it
+        assert driver.serve("old-host-again", on_host).loaded == 40
+        cache.evict(EvictParams(num_tokens=256))
+        driver.serve("old-device", on_device)
+
+    def second(driver: Driver, cache: Any) -> None:
+        assert driver.serve("new-host", on_host).reused == 0  # nothing survived the old process
+        assert driver.serve("new-device", on_device).reused == 0
+
+    run(first)
+    run(second)
+    events = sorted(sink.events if mode == "inline" else spooled(spool), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    assert [e.kind for e in events].count(EventKind.ATTACH) == 2
+    results = {r.request_id: r for r in reconstruct(events)}
+    assert results["old-host-again"].restore_host_bytes > 0  # the old process did hold it on host
+    for rid in ("new-host", "new-device"):
+        assert results[rid].recoverable_hit_tokens == 0 and not results[rid].missed_reuse, rid
+    for tier, rid in ((Tier.DEVICE, "new-device"), (Tier.HOST, "new-host")):
+        kept = [e for e in events if not (e.reason is Reason.RESTART and e.tier is tier)]
+        stale = {r.request_id: r for r in reconstruct(kept)}[rid]
+        assert stale.recoverable_hit_tokens == 40 and stale.missed_reuse, (tier, rid)
 
 
 def test_a_ring_that_wraps_many_times_is_followed_record_for_record(spool: Path) -> None:
