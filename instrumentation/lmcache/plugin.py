@@ -72,13 +72,6 @@ def attach(engine: Any, settings: Any = None) -> Any:
     emitter = get_emitter()
     if type(emitter).__name__ == "NoopEmitter":
         emitter = configure(settings, engine="lmcache")
-    try:
-        import lmcache
-
-        version = str(getattr(lmcache, "__version__", ""))
-    except ImportError:
-        version = ""
-    shim = LMCacheShim(engine, emitter, instance=engine_instance(settings), engine_version=version,
-                       default_tenant=settings.tenant).install()
+    shim = LMCacheShim(engine, emitter, instance=engine_instance(settings), default_tenant=settings.tenant).install()
     engine._kvtrace_shim = shim
     return shim

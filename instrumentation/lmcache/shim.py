@@ -28,7 +28,11 @@ prefix-chained chunk hash with the chunk's tags folded in, see `keys`):
 - lookup: `lookup`, with the request's chunk chain and LMCache's hit (repeats of a request
   with the same answer are dropped, as the engine's scheduler polls while a request waits);
 - adopt: `retrieve`: tokens the engine already held (the masked prefix, from device) and the
-  tokens each backend delivered.
+  tokens each backend delivered;
+- attach: once, when installed: the release, the model, the chunk size and the recipe it makes
+  (`recipe.recipe_from_chunk_size`), then the tiers this process holds nothing on invalidated
+  (`restart_tiers`). LMCache does not know the serving engine's longest request: the attach
+  says 0, and the engine in front of it says its own.
 
 The request id is the caller's: `lookup_id` at lookup, `req_id` at retrieve.
 """
@@ -47,8 +51,10 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter
+from kvtrace.instrumentation.attach import attach_events, distribution_version
 from kvtrace.instrumentation.hooks import HookSet
 from kvtrace.instrumentation.lmcache.keys import block_key, namespace, tags_of
+from kvtrace.instrumentation.lmcache.recipe import recipe_from_chunk_size
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 
@@ -90,8 +96,9 @@ _RUN_CAP = 4096  # keys per event at most: a run is one fact about many chunks, 
 class LMCacheShim:
     """Instruments one `LMCacheEngine`; `install()` once after `post_init`, `uninstall()` to restore."""
 
-    def __init__(self, engine: Any, emitter: Emitter, instance: str = "", engine_version: str = "",
+    def __init__(self, engine: Any, emitter: Emitter, instance: str = "", engine_version: str | None = None,
                  default_tenant: str = "") -> None:
+        """`engine_version` defaults to the installed lmcache distribution's."""
         self.engine = engine
         self.emitter = emitter
         self.errors = 0
@@ -109,6 +116,9 @@ class LMCacheShim:
         self.default_tenant = default_tenant
         self._lookups = 0
         self._looked_up: OrderedDict[str, int] = OrderedDict()  # request -> hit last reported
+        if engine_version is None:
+            engine_version = distribution_version("lmcache")
+        self.engine_version = engine_version
         self._base = Event(kind=EventKind.LOOKUP, engine="lmcache", engine_version=engine_version,
                            instance=self.instance, model=str(getattr(meta, "model_name", "") or ""),
                            kv_dtype=_dtype_name(getattr(meta, "kv_dtype", "")), block_size=self.chunk_size,
@@ -145,7 +155,21 @@ class LMCacheShim:
             self._around(disk, "insert_key", self._disk_insert)
             self._around(disk, "remove", self._remover(Tier.DISK, lambda: disk.dict))
         self._cpu, self._disk = cpu, disk
+        self._attached()
         return self
+
+    def _attached(self) -> None:
+        """The engine, its recipe and its empty memory, once (see `kvtrace.instrumentation.attach`)."""
+        if not self.emitter.enabled:
+            return
+        try:
+            events = attach_events(self._base, recipe_from_chunk_size(self.chunk_size),
+                                   engine_version=self.engine_version, block_size=self.chunk_size,
+                                   tiers=restart_tiers(self._disk))
+            for event in events:
+                self.emitter.emit(event)
+        except Exception:  # noqa: BLE001 - the engine must never see kvtrace fail
+            self._failed("attach")
 
     def uninstall(self) -> None:
         self.hooks.restore()
@@ -456,6 +480,17 @@ class LMCacheShim:
             return
         self.emitter.emit(self._event(EventKind.EVICT, key, block_key=block_key(key), tier=tier,
                                       reason=Reason.EXPLICIT if force else Reason.CAPACITY))
+
+
+def restart_tiers(disk: Any) -> tuple[Tier, ...]:
+    """The tiers on which a newly started LMCache engine holds nothing, whatever an earlier one
+    under the same name left: its CPU backend's (host) and, `disk` being its local disk backend,
+    the disk. That backend writes chunks to files that outlive the process, but keeps their index
+    in process memory and never reads back what an earlier process wrote: a new engine finds none
+    of them (LMCache 0.5.6: its lookups miss them all). A disk backend that knows chunks when the
+    shim attaches has read some back, and its tier is left as it is."""
+    index = getattr(disk, "dict", None) if disk is not None else None
+    return (Tier.HOST,) if index else (Tier.HOST, Tier.DISK)
 
 
 def _rid(kwargs: dict) -> str:
