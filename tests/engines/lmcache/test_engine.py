@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvtrace.analysis.reconstruct import reconstruct
+from kvtrace.instrumentation.attach import distribution_version
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.lmcache.cpu import EngineSpec, build_engine, destroy_engine
 from kvtrace.instrumentation.lmcache.driver import Driver, kv_for, wait_for_disk
@@ -30,7 +31,7 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.schema import EventKind
 from kvtrace.schema.kinds import Reason, Tier
-from kvtrace.schema.recipes import dense
+from kvtrace.schema.recipes import dense, recipe_from_json
 from kvtrace.schema.verdicts import GapReason, Verdict
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -83,10 +84,26 @@ def prompt(seed: int, chunks: int, spec: EngineSpec = SMALL) -> list[int]:
     return [(seed * 7919 + i) % 30_000 + 1 for i in range(chunks * spec.chunk_size)]
 
 
+def attached_first(events: list, spec: EngineSpec, instance: str = "lmc/lmcache") -> None:
+    """What the shim said when installed, before anything else and once: the release, the model,
+    its chunk size and recipe (one full-attention group of chunks, as the tests' `dense`), no
+    longest request (LMCache does not know it), then host and disk invalidated."""
+    attach = events[0]
+    assert attach.kind is EventKind.ATTACH and [e.kind for e in events].count(EventKind.ATTACH) == 1
+    assert (attach.engine, attach.instance, attach.model, attach.block_size, attach.max_model_len) == (
+        "lmcache", instance, spec.model, spec.chunk_size, 0)
+    assert attach.engine_version == distribution_version("lmcache") != ""
+    assert recipe_from_json(attach.recipe).groups == dense(spec.chunk_size).groups
+    assert [(e.kind, e.tier, e.reason, e.block_key) for e in events[1:3]] == [
+        (EventKind.INVALIDATE, Tier.HOST, Reason.RESTART, 0), (EventKind.INVALIDATE, Tier.DISK, Reason.RESTART, 0)]
+
+
 def test_trace_replay_matches_lmcache_request_by_request(traced) -> None:  # noqa: ANN001
     t = traced(cpu_gb=0.004)  # ~250 chunks of host cache: the trace evicts, the disk keeps everything
     served = [t.driver.serve(r.request_id, tokens_of(r)) for r in read_trace(str(TRACE), limit=40)]
     events = t.events()
+    attached_first(events, t.spec)
+    assert reconstruct(events) == reconstruct(events, t.recipe)  # judged by the recipe LMCache's shim published
     results = {r.request_id: r for r in reconstruct(events, t.recipe)}
     assert t.shim.errors == 0 and t.emitter.stats().dropped == 0
     kinds = Counter((e.kind, e.tier, e.src_tier, e.dst_tier, e.reason) for e in events)
@@ -261,6 +278,46 @@ def test_uninstall_restores_lmcache(traced) -> None:  # noqa: ANN001
     t.driver.serve("u0", prompt(6, 2))
     # only what the shim said when installed: the attach and its invalidations
     assert [e.kind for e in t.events()] == [EventKind.ATTACH, EventKind.INVALIDATE, EventKind.INVALIDATE]
+
+
+def test_a_restart_under_the_same_name_holds_nothing_the_old_engine_did(tmp_path: Path) -> None:
+    """An LMCache engine stops and another starts under the same instance name on the same disk
+    folder. The old one held a prompt's chunks on host and disk; the new one finds none (its disk
+    index starts empty) and computes the prompt: nothing is reported recoverable. Without the
+    host's restart invalidation, or the disk's, the old copies would look held there, a fetch
+    LMCache passed up. What the new engine stores itself is reused safely."""
+    spec = replace(SMALL, cpu_gb=0.01, disk_gb=1.0, disk_path=str(tmp_path / "disk"))
+    sink = MemorySink()
+    a = prompt(9, 3)
+    old = Traced(spec, sink)
+    try:
+        old.driver.serve("old", a)
+        assert old.driver.serve("old-again", a).retrieved == len(a)
+        wait_for_disk(old.engine)
+        assert old.shim.errors == 0
+    finally:
+        old.close()
+    new = Traced(spec, sink)  # a new process: its own engine and emitter, the same name and folder
+    try:
+        first, again = new.driver.serve("new", a), new.driver.serve("new-again", a)
+        events = new.events()
+        assert new.shim.errors == 0
+    finally:
+        new.close()
+    assert first.lookup_hit == 0 and again.retrieved == len(a) and again.exact
+    assert [e.kind for e in events].count(EventKind.ATTACH) == 2
+    results = {r.request_id: r for r in reconstruct(events)}
+    assert results["old-again"].adopted_tokens == results["old-again"].recoverable_hit_tokens == len(a)
+    r = results["new"]
+    assert r.recoverable_hit_tokens == 0 and not r.missed_reuse and not r.unsafe_reuse
+    s = results["new-again"]
+    assert s.adopted_tokens == s.recoverable_hit_tokens == len(a) and not s.unsafe_reuse
+    assert r.restore_host_bytes == r.restore_disk_bytes == 0
+    for tier in (Tier.HOST, Tier.DISK):
+        kept = [e for e in events if not (e.reason is Reason.RESTART and e.tier is tier)]
+        stale = {x.request_id: x for x in reconstruct(kept)}["new"]
+        assert stale.recoverable_hit_tokens == len(a), tier  # a fetch from there, as if it still held them
+        assert (stale.restore_host_bytes if tier is Tier.HOST else stale.restore_disk_bytes) > 0, tier
 
 
 def _keys(t: Traced, tokens: list[int]) -> list:

@@ -24,6 +24,7 @@ from vllm.v1.request import RequestStatus
 from kvtrace.analysis.join import join_store
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.cli.main import main
+from kvtrace.instrumentation.attach import distribution_version
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.lmcache.cpu import EngineSpec, build_engine, destroy_engine
 from kvtrace.instrumentation.lmcache.driver import kv_for, wait_for_disk
@@ -34,8 +35,8 @@ from kvtrace.instrumentation.traces import read_trace
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, build_manager
 from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
 from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
-from kvtrace.schema.kinds import Tier
-from kvtrace.schema.recipes import dense
+from kvtrace.schema.kinds import EventKind, Tier
+from kvtrace.schema.recipes import dense, recipe_from_json
 from kvtrace.schema.verdicts import Verdict
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -134,6 +135,27 @@ def test_vllm_and_lmcache_events_join_into_one_picture_per_request(tmp_path: Pat
     assert any(alone[rid].unsafe_reuse for rid, s in served.items() if s["external"])
 
 
+def test_each_engine_publishes_its_own_recipe_and_the_join_needs_none_given(tmp_path: Path) -> None:
+    """vLLM and LMCache each attach once, first, with their own recipes (16-token blocks, one
+    full-attention group of 256-token chunks), so the join comes out the same with no recipe
+    given as with the ones the test above names."""
+    events, served, vrecipe, spec = run_both(tmp_path)
+    for engine, instance, recipe in (("vllm", "node-1", vrecipe), ("lmcache", "node-1/lmcache",
+                                                                   dense(spec.chunk_size))):
+        own = [e for e in events if e.engine == engine]
+        attach = own[0]
+        assert attach.kind is EventKind.ATTACH and [e.kind for e in own].count(EventKind.ATTACH) == 1
+        assert (attach.instance, attach.model) == (instance, "tiny")
+        assert recipe_from_json(attach.recipe).groups == recipe.groups
+    lmcache = next(e for e in events if e.engine == "lmcache")
+    assert (lmcache.block_size, lmcache.engine_version) == (spec.chunk_size, distribution_version("lmcache"))
+    given = join_store(reconstruct([e for e in events if e.engine == "vllm"], vrecipe),
+                       reconstruct([e for e in events if e.engine == "lmcache"], dense(spec.chunk_size)))
+    published = join_store(reconstruct([e for e in events if e.engine == "vllm"]),
+                           reconstruct([e for e in events if e.engine == "lmcache"]))
+    assert published == given and {j.request_id for j in published} == set(served)
+
+
 def test_analyze_prints_and_writes_the_joined_picture(capsys, store, tmp_path: Path) -> None:  # noqa: ANN001
     events, served, vrecipe, spec = run_both(tmp_path)
     store.insert_events(events)
@@ -151,3 +173,9 @@ def test_analyze_prints_and_writes_the_joined_picture(capsys, store, tmp_path: P
         assert r["engine_instance"] == "node-1" and r["store_instance"] == "node-1/lmcache"
         assert r["adopted_tokens"] == s["hit"] + s["external"] == r["recoverable_hit_tokens"], rid
         assert not r["unsafe_reuse"], rid
+    # no --recipe: each engine's own, as it attached, and the same picture
+    bare = tmp_path / "joined-bare.parquet"
+    assert main(["--dsn", str(store.dsn), "analyze", "--joined-output", str(bare)]) == 0
+    capsys.readouterr()
+    by_request = {r["request_id"]: r for r in pq.read_table(bare).to_pylist()}
+    assert by_request == rows

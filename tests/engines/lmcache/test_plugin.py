@@ -50,6 +50,7 @@ def test_enable_instruments_engines_built_afterwards(tmp_path: Path) -> None:
     kinds = {e.kind for e in events}
     assert {EventKind.LOOKUP, EventKind.COMMIT, EventKind.OFFLOAD, EventKind.LOAD, EventKind.ADOPT} <= kinds
     assert {e.engine_version for e in events} == {"0.5.6"}
+    assert events[0].kind is EventKind.ATTACH and [e.kind for e in events].count(EventKind.ATTACH) == 1
 
 
 def test_without_kvtrace_enabled_nothing_is_hooked(tmp_path: Path) -> None:
