@@ -71,6 +71,20 @@ class GroupBy(StrEnum):
     TENANT = "tenant"
 
 
+def _otlp_list(camel: str, snake: str, item: dict[str, Any]) -> dict[str, Any]:
+    """An OTLP/JSON repeated field, which protobuf's JSON mapping accepts under either name, but
+    not under both at once; null for the field means empty, while an element is an object, never
+    null."""
+    field = {"type": ["array", "null"], "items": item}
+    return {"properties": {camel: field, snake: field}, "not": {"required": [camel, snake]}}
+
+
+_LOG_RECORDS = {"type": "object", **_otlp_list("logRecords", "log_records", {"type": "object"})}
+_SCOPE_LOGS = {"type": "object", **_otlp_list("scopeLogs", "scope_logs", _LOG_RECORDS)}
+# What /v1/logs parses of a JSON body (ExportLogsServiceRequest): the records' path; the rest of
+# the document is ignored. Declared so a client (and the API fuzzer) knows what is refused.
+_OTLP_JSON: dict[str, Any] = {"type": "object", **_otlp_list("resourceLogs", "resource_logs", _SCOPE_LOGS)}
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorReply, "description": text}
     for code, text in ((400, "malformed request"), (401, "missing or unknown token"),
@@ -192,7 +206,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
                                           "content": {PROTOBUF_TYPE: {}, JSON_TYPE: {}}}},
               openapi_extra={"requestBody": {"required": True, "content": {
                   PROTOBUF_TYPE: {"schema": {"type": "string", "format": "binary"}},
-                  JSON_TYPE: {"schema": {"type": "object"}}}}})
+                  JSON_TYPE: {"schema": _OTLP_JSON}}}})
     async def post_logs(request: Request) -> Any:
         """OTLP ExportLogsServiceRequest (protobuf or JSON); answers an ExportLogsServiceResponse
         whose partial_success counts and explains the records not stored."""

@@ -343,6 +343,34 @@ def _any_value(value: object) -> object:
     return getattr(value, which) if which else None
 
 
+# The repeated fields down to the records, each under its two JSON names (the collector's
+# OpenAPI document declares the same shape for /v1/logs).
+_OTLP_PATH = (("resourceLogs", "resource_logs"), ("scopeLogs", "scope_logs"), ("logRecords", "log_records"))
+
+
+def _otlp_shape_problem(doc: dict, path: tuple[tuple[str, str], ...]) -> str:
+    """What is wrong with the records' path of an OTLP/JSON document, "" when nothing: each
+    repeated field under one of its names, null or a list of objects (protobuf's JSON parser lets
+    some of these through as empty, which would answer 200 to a malformed request)."""
+    if not path:
+        return ""
+    (camel, snake), rest = path[0], path[1:]
+    if camel in doc and snake in doc:
+        return f"{camel} and {snake} are the same field: send one"
+    for name in (camel, snake):
+        value = doc.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return f"{name} must be an array, not {type(value).__name__}"
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                return f"{name}[{i}] must be an object, not {type(item).__name__}"
+            if why := _otlp_shape_problem(item, rest):
+                return f"{name}[{i}].{why}"
+    return ""
+
+
 def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake, int]:
     """kvtrace events inside OTLP log records (our OTLP sink's shape: the event's JSON as the
     body, named `kvtrace.event`). Other records are not ours and are counted, not rejected.
@@ -364,6 +392,8 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
                 raise IntakeError(400, "not an OTLP ExportLogsServiceRequest: the JSON body must be an object")
             # Only the field that carries records is read; unknown fields are ignored, whatever they hold.
             known = {k: v for k, v in doc.items() if k in ("resourceLogs", "resource_logs")}
+            if why := _otlp_shape_problem(known, _OTLP_PATH):
+                raise IntakeError(400, f"not an OTLP ExportLogsServiceRequest: {why}")
             json_format.ParseDict(known, request, ignore_unknown_fields=True)
         else:
             raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported on /v1/logs: send "

@@ -218,6 +218,22 @@ def test_otlp_logs_carry_events_in_protobuf_and_json() -> None:
     assert err.value.status == 400
 
 
+
+def test_otlp_json_that_is_not_the_records_path_is_refused_by_name() -> None:
+    """protobuf's JSON parser lets some malformed shapes through as empty; each is named instead."""
+    for doc, named in (({"resourceLogs": [None]}, "resourceLogs[0] must be an object"),
+                       ({"resource_logs": ["AAA"]}, "resource_logs[0] must be an object"),
+                       ({"resourceLogs": {}}, "resourceLogs must be an array"),
+                       ({"resourceLogs": [], "resource_logs": []}, "the same field"),
+                       ({"resourceLogs": [{"scopeLogs": [{"logRecords": 7}]}]},
+                        "resourceLogs[0].scopeLogs[0].logRecords must be an array")):
+        with pytest.raises(IntakeError) as err:
+            intake_otlp(msgspec.json.encode(doc), "application/json", OPEN)
+        assert err.value.status == 400 and named in err.value.message, doc
+    for empty in ({"resource_logs": None}, {"resourceLogs": [{"scopeLogs": None}]}, {"other": [None]}):
+        intake, foreign = intake_otlp(msgspec.json.encode(empty), "application/json", OPEN)
+        assert (intake.accepted, intake.quarantined, foreign) == (0, 0, 0), empty
+
 def test_spool_directory_keeps_its_id(tmp_path: Path) -> None:
     a = DurableSpool(tmp_path).spool_id
     assert DurableSpool(tmp_path).spool_id == a and len(a) == 16  # tokens stay meaningful across restarts

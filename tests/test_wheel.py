@@ -53,7 +53,7 @@ BEYOND_CORE: dict[str, frozenset[str]] = {
     "kvtrace.instrumentation.page_keys": frozenset({"numpy"}),
     "kvtrace.instrumentation.ring": frozenset({"numpy"}),
     **{_SGLANG + m: frozenset({"numpy"})
-       for m in ("capture", "hicache", "keys", "ledger", "recipe", "resolver", "shim")},
+       for m in ("capture", "hicache", "keys", "ledger", "resolver", "shim")},
 }
 # Modules that drive or plug into an engine: they fail even with every extra, on their engine or
 # the torch it brings.
