@@ -37,8 +37,12 @@ class Grant:
 
     @property
     def home(self) -> str:
-        """The namespace an event without a tenant is written into."""
-        return "" if self.operator else min(self.tenants)
+        """The namespace an event without a tenant is written into: the token's tenant when it
+        has one. An operator's token, or an engine's token of several tenants, leaves such an
+        event without one: it is then the engine's own fact (its attach and the restart it
+        implies, an eviction, a usage sample), which the analysis of each of its tenants needs,
+        not a fact of the first tenant alone."""
+        return next(iter(self.tenants)) if len(self.tenants) == 1 and not self.operator else ""
 
 
 OPEN = Grant(name="open", tenants=frozenset(), operator=True)

@@ -175,16 +175,18 @@ def _origin(batch: _JsonBatch | Batch | object, grant: Grant) -> str:
 
 
 def _place(events: list[Event], grant: Grant) -> bool:
-    """Put every event in the grant's namespace, or refuse the request naming the first row
-    that reaches into another tenant's. Returns whether any event was changed."""
+    """Put every event without a tenant in the grant's home (`Grant.home`), or refuse the
+    request naming the first row that reaches into another tenant's namespace. Returns whether
+    any event was changed."""
     if grant.operator:
         return False
     home = grant.home
     changed = False
     for row, event in enumerate(events, start=1):
         if not event.tenant:
-            event.tenant = home
-            changed = True
+            if home:
+                event.tenant = home
+                changed = True
         elif not grant.allows(event.tenant):
             raise IntakeError(403, f"row {row}: tenant {event.tenant!r} is outside this token's namespace")
     return changed
@@ -275,7 +277,7 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
         table = table.filter(pa.array(ok))
         if good:  # rows the row path accepted after all (an older schema version, upgraded)
             table = pa.concat_tables([table, to_arrow(good)])
-    if not grant.operator:
+    if grant.home:
         tenant = table.column("tenant")
         if pc.any(pc.equal(tenant, "")).as_py():
             table = table.set_column(table.schema.get_field_index("tenant"), table.schema.field("tenant"),

@@ -12,8 +12,9 @@ import pytest
 from kvtrace.collector.auth import OPEN, AuthConfigError, TokenTable
 from kvtrace.collector.intake import JSON_TYPE, IntakeError, decompress, intake_batch, intake_otlp
 from kvtrace.collector.spool import DurableSpool, SpoolFull
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.kinds import EventKind, Reason, Tier
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 
 
@@ -168,6 +169,26 @@ def test_a_token_writes_only_into_its_own_namespace() -> None:
         intake_batch(body, CONTENT_TYPE, grant)
     assert err.value.status == 403 and "row 2" in err.value.message and "'beta'" in err.value.message
 
+
+def test_an_engines_token_of_several_tenants_leaves_the_engines_own_rows_without_one() -> None:
+    """An engine serving two tenants sends rows of each (its requests' cache salt) and rows of
+    no tenant: its attach and the restart invalidation it implies, evictions, usage. Those are
+    facts for every tenant of the engine; placed in the token's first tenant, the restart
+    invalidated only that tenant's blocks, and the other's looked recoverable after a restart."""
+    grant = TokenTable.parse_env("t=acme,beta").check("t")
+    assert grant is not None and grant.home == ""
+    restart = Event(kind=EventKind.INVALIDATE, ts_ns=1_750_000_000_000_000_000, source_id=7, seq=9, instance="i1",
+                    model="m", tier=Tier.DEVICE, reason=Reason.RESTART)
+    rows = [restart, lookup(1, tenant="acme"), lookup(2, tenant="beta")]
+    intake = intake_batch(encode_batch(Batch(source_id=7, batch_seq=1, sent_ns=1, events=rows)), CONTENT_TYPE, grant)
+    assert [e.tenant for e in intake.batch.events] == ["", "acme", "beta"]
+    columns = encode_columns(Envelope(source_id=7, batch_seq=2, sent_ns=1), rows)
+    assert intake_batch(columns, ARROW_TYPE, grant).table.column("tenant").to_pylist() == ["", "acme", "beta"]
+    # a token of one tenant still places them in it, on both paths
+    one = TokenTable.parse_env("t=acme").check("t")
+    assert one is not None and one.home == "acme"
+    mine = encode_columns(Envelope(source_id=7, batch_seq=3, sent_ns=1), rows[:2])
+    assert intake_batch(mine, ARROW_TYPE, one).table.column("tenant").to_pylist() == ["acme", "acme"]
 
 def test_decompression_is_bounded() -> None:
     bomb = gzip.compress(b"\x00" * (10 << 20))
