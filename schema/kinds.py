@@ -98,6 +98,15 @@ class Reason(StrEnum):
     RESTART = "restart"  # the engine process started: nothing its memory held before survives
 
 
+class Ending(StrEnum):
+    """How an emitter ended, as its last stats say."""
+
+    RUNNING = ""  # not ended (yet)
+    CLEAN = "clean"  # its shutdown ran: everything it accepted was delivered or handed on, and counted
+    UNCLEAN = "unclean"  # its process died first (killed, out of memory, crashed); another process
+    # shipped what its journal held and sent these stats for it
+
+
 EVICT_REASONS = frozenset({Reason.CAPACITY, Reason.POLICY, Reason.REQUEST_FINISHED, Reason.EXPLICIT})
 INVALIDATE_REASONS = frozenset(
     {

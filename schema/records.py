@@ -11,13 +11,16 @@ from typing import Annotated
 import msgspec
 
 from kvtrace.schema.columns import F64, U64, Hash64, Label, Text, TimeNs
+from kvtrace.schema.kinds import Ending
 
 
 class EmitterStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Cumulative counters of one emitter, sent with its batches so loss is never silent.
 
     Counters are totals since the emitter started (like Prometheus counters): a reader takes the
-    latest row per source, and a restart shows up as a new source_id.
+    latest row per source, and a restart shows up as a new source_id. The last row of an emitter
+    says how it ended; an emitter whose process died has that row sent by whoever shipped its
+    journal, with the counters it had persisted there.
     """
 
     ts_ns: TimeNs
@@ -34,6 +37,13 @@ class EmitterStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     queue_depth: Annotated[U64, msgspec.Meta(description="Events waiting when this was taken.")] = 0
     batches: Annotated[U64, msgspec.Meta(description="Batches exported.")] = 0
     export_errors: Annotated[U64, msgspec.Meta(description="Failed export attempts.")] = 0
+    recovered: Annotated[U64, msgspec.Meta(
+        description="Events shipped from the journal after the emitter's process ended.")] = 0
+    ended: Annotated[Ending, msgspec.Meta(
+        description="'' while running; 'clean' after its shutdown; 'unclean' when its process died first.")] = (
+        Ending.RUNNING)
+    ended_ns: Annotated[TimeNs, msgspec.Meta(
+        description="When it ended: its shutdown, or the last sign of life of a process that died.")] = 0
 
     @property
     def dropped(self) -> int:
