@@ -14,6 +14,12 @@ Variables (all optional; nothing is emitted unless KVTRACE_ENABLED is true):
   KVTRACE_TENANT             default tenant namespace shims use when the engine has none
   KVTRACE_SAMPLE_RATE        fraction of requests traced, 0 < rate <= 1 (default 1)
   KVTRACE_MAX_QUEUE_SIZE, KVTRACE_MAX_EXPORT_BATCH_SIZE, KVTRACE_SCHEDULE_DELAY_MILLIS
+  KVTRACE_JOURNAL            auto (the default: on for the collector and spool sinks) | on | off:
+                             events wait in a file-backed journal that outlives the process,
+                             shipped by a detached process or the next start if it dies
+  KVTRACE_JOURNAL_DIR        the journals' directory (default: <data dir>/journal; a restart
+                             ships what dead emitters left there)
+  KVTRACE_JOURNAL_MIB        one journal's size in MiB, reserved on disk (default 64)
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import importlib.util
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 from kvtrace.instrumentation.api import Emitter, set_emitter
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter, JournalConfig
 from kvtrace.instrumentation.sinks.base import Sink
 from kvtrace.instrumentation.sinks.http import Wire
 from kvtrace.instrumentation.switch import OFF
@@ -38,6 +47,12 @@ class SinkKind(StrEnum):
     COLLECTOR = "collector"
     OTLP = "otlp"
     SPOOL = "spool"
+
+
+class JournalMode(StrEnum):
+    AUTO = "auto"  # on where events leave the process for another (collector, spool)
+    ON = "on"
+    OFF = "off"
 
 
 class ConfigError(ValueError):
@@ -62,6 +77,9 @@ class EmitterSettings:
     tenant: str = ""
     sample_rate: float = 1.0
     batch: BatchConfig = BatchConfig()
+    journal: JournalMode = JournalMode.AUTO
+    journal_dir: str = ""
+    journal_mib: int = 64
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EmitterSettings:
@@ -125,6 +143,18 @@ class EmitterSettings:
         except ValueError as exc:
             named = ", ".join(f"{n}={env[n]!r}" for n in batch_vars if env.get(n)) or "batch settings"
             raise ConfigError(f"{named}: {exc}") from None
+        raw_journal = env.get("KVTRACE_JOURNAL", "").strip().lower()
+        if raw_journal in ("", JournalMode.AUTO):
+            journal = JournalMode.AUTO
+        elif raw_journal in _TRUE or raw_journal == JournalMode.ON:
+            journal = JournalMode.ON
+        elif raw_journal in _FALSE:
+            journal = JournalMode.OFF
+        else:
+            raise ConfigError(f"KVTRACE_JOURNAL={raw_journal!r}: expected auto, on or off")
+        journal_mib = integer("KVTRACE_JOURNAL_MIB", 64)
+        if journal_mib < 1:
+            raise ConfigError(f"KVTRACE_JOURNAL_MIB={journal_mib}: expected at least 1")
         settings = cls(
             enabled=flag("KVTRACE_ENABLED"),
             sink=sink,
@@ -138,9 +168,57 @@ class EmitterSettings:
             tenant=env.get("KVTRACE_TENANT", ""),
             sample_rate=rate,
             batch=batch,
+            journal=journal,
+            journal_dir=env.get("KVTRACE_JOURNAL_DIR", ""),
+            journal_mib=journal_mib,
         )
         settings.check()
         return settings
+
+    @property
+    def journaled(self) -> bool:
+        """Whether events wait in a journal: by default where they leave the process for another
+        (a collector, spool files), which a process that dies must not take its tail to."""
+        if self.journal is JournalMode.AUTO:
+            return self.sink in (SinkKind.COLLECTOR, SinkKind.SPOOL)
+        return self.journal is JournalMode.ON
+
+    def environment(self) -> dict[str, str]:
+        """These settings as the variables `from_env` reads (the journal's shipper starts with
+        them), so settings made in code reach it as settings read from the environment do."""
+        out = {
+            "KVTRACE_ENABLED": "1" if self.enabled else "0",
+            "KVTRACE_SINK": self.sink.value,
+            "KVTRACE_DSN": self.dsn,
+            "KVTRACE_COLLECTOR_URL": self.collector_url,
+            "KVTRACE_COLLECTOR_WIRE": self.collector_wire.value,
+            "KVTRACE_TOKEN": self.token,
+            "KVTRACE_OTLP_ENDPOINT": self.otlp_endpoint,
+            "KVTRACE_SPOOL_DIR": self.spool_dir,
+            "KVTRACE_INSTANCE": self.instance,
+            "KVTRACE_TENANT": self.tenant,
+            "KVTRACE_SAMPLE_RATE": repr(self.sample_rate),
+            "KVTRACE_MAX_QUEUE_SIZE": str(self.batch.max_queue_size),
+            "KVTRACE_MAX_EXPORT_BATCH_SIZE": str(self.batch.max_export_batch_size),
+            "KVTRACE_SCHEDULE_DELAY_MILLIS": str(self.batch.schedule_delay_millis),
+            "KVTRACE_JOURNAL": self.journal.value,
+            "KVTRACE_JOURNAL_DIR": self.journal_dir,
+            "KVTRACE_JOURNAL_MIB": str(self.journal_mib),
+        }
+        if not out["KVTRACE_SPOOL_DIR"] and self.sink is SinkKind.SPOOL:
+            out["KVTRACE_SPOOL_DIR"] = default_spool_dir()
+        return out
+
+    def journal_config(self) -> JournalConfig | None:
+        """The emitter's journal, with a detached shipper, or None when events wait in memory."""
+        if not self.journaled:
+            return None
+        from functools import partial
+
+        from kvtrace.schema.paths import data_dir
+
+        return JournalConfig(directory=self.journal_dir or str(data_dir() / "journal"),
+                             size_bytes=self.journal_mib << 20, shipper=partial(start_shipper, env=self.environment()))
 
     def check(self) -> None:
         if not self.enabled:
@@ -197,12 +275,34 @@ def build_sink(settings: EmitterSettings) -> Sink:
         return OtlpLogSink(endpoint=settings.otlp_endpoint)
     from kvtrace.instrumentation.sinks.spool import SpoolSink
 
-    spool_dir = settings.spool_dir
-    if not spool_dir:
-        from kvtrace.schema.paths import data_dir
+    return SpoolSink(settings.spool_dir or default_spool_dir())
 
-        spool_dir = str(data_dir() / "spool")
-    return SpoolSink(spool_dir)
+
+def default_spool_dir() -> str:
+    from kvtrace.schema.paths import data_dir
+
+    return str(data_dir() / "spool")
+
+
+SHIPPER_MODULE = "kvtrace.instrumentation.shipper"
+
+
+def start_shipper(journal: Path, env: Mapping[str, str] | None = None) -> None:
+    """Start the process that ships `journal` if this one dies first (`kvtrace.instrumentation.
+    shipper`), detached: the first process forks the shipper and exits, and only it is waited
+    for. `env`: the sink settings, on top of this process's environment."""
+    environment = dict(os.environ)
+    environment.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", SHIPPER_MODULE, str(journal)],
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    code = proc.wait(timeout=60)
+    if code != 0:
+        raise RuntimeError(f"the shipper's first process exited with status {code}")
 
 
 def configure(settings: EmitterSettings | None = None, engine: str = "") -> Emitter:
@@ -213,7 +313,8 @@ def configure(settings: EmitterSettings | None = None, engine: str = "") -> Emit
         from kvtrace.instrumentation.api import get_emitter
 
         return get_emitter()
-    emitter = BatchEmitter(build_sink(settings), settings.batch, instance=settings.instance, engine=engine)
+    emitter = BatchEmitter(build_sink(settings), settings.batch, instance=settings.instance, engine=engine,
+                           journal=settings.journal_config())
     previous = set_emitter(emitter)
     previous.shutdown()
     return emitter

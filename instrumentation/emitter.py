@@ -1,17 +1,27 @@
 """The one batcher every shim emits through: O(1) on the caller, bounded, never raising.
 
-`emit()` stamps the event with its id, appends it to a bounded deque and returns; when the
-deque is full the event is dropped and counted. A background thread wakes when a batch is
+`emit()` stamps the event with its id, appends it to a bounded buffer and returns; when the
+buffer is full the event is dropped and counted. A background thread wakes when a batch is
 ready (or the schedule delay passes), exports through the sink with bounded retries, and
 counts whatever it could not deliver. The model is OpenTelemetry's batch processor; the
 difference from vLLM's ZMQ publisher (a blocking put) is deliberate: a stalled sink must never
 stall the scheduler.
+
+The buffer is a deque in memory, or, given a `JournalConfig`, the emitter's journal
+(`kvtrace.instrumentation.journal`): a ring in a memory-mapped file that `emit()` encodes each
+event into, which outlives the process. The worker then exports straight from the journal and
+frees what the sink acknowledged (at least once: downstream de-duplicates by (source, seq)). If
+the process dies, whoever claims the journal ships the rest under the dead emitter's own source
+id and batch numbering, then its final stats, marked unclean (`BatchEmitter(..., adopt=...)`):
+the detached shipper process the emitter started, or the next emitter to start with the same
+journal directory.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -19,13 +29,20 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import msgspec
 
 from kvtrace.instrumentation.api import key_sampled
-from kvtrace.instrumentation.sinks.base import ExportResult, ExportStatus, Sink
+from kvtrace.instrumentation.journal import Journal, JournalError, State, journals
+from kvtrace.instrumentation.sinks.base import ExportResult, ExportStatus, Sink, takes_encoded
 from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import Ending
 from kvtrace.schema.records import EmitterStats
-from kvtrace.schema.wire import Batch
+from kvtrace.schema.wire import WIRE_VERSION, Batch, RawBatch
 
 log = logging.getLogger("kvtrace.emitter")
 
@@ -56,6 +73,42 @@ class BatchConfig:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """An emitter's journal: where, how big, and who ships it when the process dies first.
+
+    `shipper`: called (on the worker thread) with the path of each journal the emitter makes,
+    to start a process that ships it if this one dies first (`kvtrace.instrumentation.shipper`);
+    None starts none, and the next emitter to start in the directory ships what is left.
+    `ship_leftovers`: this emitter's worker first ships the journals of dead emitters it finds
+    in the directory, through its own sink.
+    """
+
+    directory: str
+    size_bytes: int = 64 << 20
+    shipper: Callable[[Path], object] | None = None
+    ship_leftovers: bool = True
+
+    def __post_init__(self) -> None:
+        from kvtrace.instrumentation.journal import MIN_DATA_BYTES
+
+        if not isinstance(self.size_bytes, int) or self.size_bytes < MIN_DATA_BYTES:
+            raise ValueError(f"JournalConfig.size_bytes must be an int >= {MIN_DATA_BYTES}, got {self.size_bytes!r}")
+        if not self.directory:
+            raise ValueError("JournalConfig.directory must be set")
+
+
+class _Sent(Enum):
+    """How an export ended."""
+
+    DELIVERED = "delivered"
+    FAILED = "failed"  # refused for good, or still failing after every attempt: dropped
+    OUT_OF_TIME = "out_of_time"  # the shutdown deadline came first
+
+
+_event_decoder = msgspec.msgpack.Decoder(Event)
+
+
 class _FlushMarker:
     """Placed in the queue by force_flush; the worker sets it once everything before it is out."""
 
@@ -70,7 +123,14 @@ def _new_source_id() -> int:
 
 
 class BatchEmitter:
-    """Batches events from any number of threads to one sink."""
+    """Batches events from any number of threads to one sink.
+
+    With `journal`, events wait in the emitter's journal instead of in memory (see the module's
+    doc). With `adopt`, a journal claimed from an emitter whose process ended: this emitter then
+    takes no events and has no worker; its `shutdown()` ships what the journal holds under that
+    emitter's identity, from the calling thread, then that emitter's final stats, and removes
+    the journal once all of it was delivered. It leaves `sink` open: the caller owns it.
+    """
 
     enabled = True
 
@@ -82,14 +142,25 @@ class BatchEmitter:
         instance: str = "",
         engine: str = "",
         register_atexit: bool = True,
+        journal: JournalConfig | None = None,
+        adopt: Journal | None = None,
     ) -> None:
         self._sink = sink
         self._config = config
         self._instance = instance
         self._engine = engine
-        self._lock = threading.Lock()  # guards counters touched off the fast path
+        self._journal_config = journal
+        self._encoded = takes_encoded(sink)
+        self._lock = threading.Lock()  # guards counters touched off the fast path (and journal appends)
         self._shutdown_done = False
         self._init_state()
+        if adopt is not None:
+            self._adopt(adopt)
+            return
+        if journal is not None:
+            self._open_journal()
+            if self._journal is not None:
+                self._start_shipper()  # here, not on the worker: it runs before anything is emitted
         self._start_worker()
         if register_atexit:
             ref = weakref.ref(self)
@@ -119,18 +190,125 @@ class BatchEmitter:
         self._dropped_shutdown = 0
         self._dropped_sampled_out = 0
         self._last_error_log = 0.0
+        # the journal's (unused without one)
+        self._journal: Journal | None = None
+        self._appended = 0  # records put in the journal
+        self._acked = 0  # records the worker is done with (delivered or dropped)
+        self._flushed = threading.Condition(threading.Lock())
+        self._shipper_started = False
+        self._adopted = False
+        self._recovered = 0
+        self._emitted_floor = 0  # an adopted journal's sequence end: nothing emitted goes uncounted
+        self._ending = Ending.RUNNING
+        self._ended_ns = 0
+        self._worker: threading.Thread | None = None
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="kvtrace-emitter", daemon=True)
         self._worker.start()
 
     def _after_fork(self) -> None:
-        """A forked child gets a fresh identity and queue, and its own worker thread."""
+        """A forked child gets a fresh identity and buffer, and its own worker thread. A child
+        of a journaled emitter lets go of its parent's journal and makes its own at its first
+        emit (a child that never emits makes none)."""
+        if self._journal is not None:
+            self._journal.abandon()
+        self.__dict__.pop("emit", None)
         self._lock = threading.Lock()
         self._init_state()
         self._stopping = self._shutdown_done  # a shut-down emitter stays shut: no worker, no queue
         if not self._shutdown_done:
+            if self._journal_config is not None:
+                self.emit = self._emit_opening_journal  # type: ignore[method-assign]
             self._start_worker()
+
+    # -- the journal -----------------------------------------------------------------------------
+    def _open_journal(self) -> None:
+        """Make this emitter's journal and send events through it; without one (no room, no
+        such directory) events wait in memory, said once in the log."""
+        cfg = self._journal_config
+        if cfg is None:
+            return
+        try:
+            self._journal = Journal.create(cfg.directory, self.source_id, cfg.size_bytes, instance=self._instance,
+                                           engine=self._engine)
+        except (OSError, ValueError) as exc:
+            self.__dict__.pop("emit", None)
+            log.warning("kvtrace emitter: no journal in %s (%s); events wait in memory, and whatever is queued when "
+                        "this process dies is lost", cfg.directory, exc)
+            return
+        self.emit = self._emit_journaled  # type: ignore[method-assign]
+
+    def _emit_opening_journal(self, event: Event) -> None:
+        with self._lock:
+            if self.__dict__.get("emit") == self._emit_opening_journal:
+                self._open_journal()
+        self._wake.set()  # the worker starts the journal's shipper
+        self.emit(event)
+
+    def _adopt(self, journal: Journal) -> None:
+        """Take over a journal whose emitter ended: its identity, its numbering, its counters."""
+        self._journal = journal
+        self._adopted = True
+        self._stopping = True  # takes no events of its own
+        self.source_id = journal.source_id
+        self._instance = self._instance or journal.instance
+        self._engine = self._engine or journal.engine
+        self._batch_seq = journal.batch_seq
+        c = journal.counters()
+        self._dropped_queue_full = c["dropped_queue_full"]
+        self._emit_errors = c["emit_errors"]
+        self._dropped_shutdown = c["dropped_shutdown"]
+        self._dropped_sampled_out = c["dropped_sampled_out"]
+        self._exported = c["exported"]
+        self._rejected = c["rejected"]
+        self._batches = c["batches"]
+        self._export_errors = c["export_errors"]
+        self._dropped_export_failed = c["dropped_export_failed"]
+        self._recovered = c["recovered"]
+        # Records taken before are the ones exported, rejected or dropped; what is left is pending.
+        self._drained = self._acked = self._exported + self._rejected + self._dropped_export_failed
+        self._appended = self._drained + journal.pending()
+        self._emitted_floor = journal.seq_end
+        if journal.state is State.OPEN:
+            self._ending, self._ended_ns = Ending.UNCLEAN, journal.last_alive_ns
+        else:
+            self._ending, self._ended_ns = Ending.CLEAN, journal.ended_ns or journal.last_alive_ns
+
+    def _start_shipper(self) -> None:
+        """Start the detached process that ships this journal if this process dies first."""
+        self._shipper_started = True
+        cfg, journal = self._journal_config, self._journal
+        if cfg is None or journal is None or cfg.shipper is None:
+            return
+        try:
+            cfg.shipper(journal.path)
+        except Exception as exc:  # noqa: BLE001 - the journal still waits for the next start
+            log.warning("kvtrace emitter: could not start the journal's shipper (%s); if this process dies, "
+                        "%s waits for the next start", exc, journal.path)
+
+    def _ship_leftovers(self) -> None:
+        """Ship the journals of dead emitters in our directory, through our sink, before our own."""
+        cfg = self._journal_config
+        if cfg is None or not cfg.ship_leftovers:
+            return
+        own = self._journal.path if self._journal is not None else None
+        config = dataclasses.replace(self._config, shutdown_timeout_millis=max(self._config.shutdown_timeout_millis,
+                                                                               60_000))
+        for path in journals(cfg.directory):
+            if path == own or self._stopping:
+                continue
+            try:
+                leftover = Journal.claim(path)
+            except (OSError, JournalError) as exc:
+                self._log_error(f"cannot read journal {path}: {exc}")
+                continue
+            if leftover is None:  # its emitter lives, or someone else ships it
+                continue
+            adopted = BatchEmitter(self._sink, config, register_atexit=False, adopt=leftover)
+            if adopted.shutdown():
+                log.info("kvtrace emitter: shipped the journal of emitter %016x (%s), which ended %s",
+                         adopted.source_id, adopted._instance or "?", adopted._ending.value)
 
     # -- hot path ------------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -163,6 +341,46 @@ class BatchEmitter:
             with self._lock:
                 self._emit_errors += 1
 
+    def _emit_journaled(self, event: Event) -> None:
+        """`emit` with a journal: the event is encoded into it before this returns, so it
+        outlives the process from then on. Every call takes a sequence number, under the lock
+        that orders the journal, so whatever does not reach the journal (a full journal, not an
+        event, after shutdown) is a counted gap in `seq`, and the counters and the sequence end
+        are written to the journal too, for whoever ships it if this process dies."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            seq = next(self._seq)
+            try:
+                if not isinstance(event, Event):
+                    raise TypeError(f"not an Event: {type(event).__name__}")
+                event.source_id = self.source_id
+                event.seq = seq
+                if not event.ts_ns:
+                    event.ts_ns = time.time_ns()
+                if self._stopping:
+                    self._dropped_shutdown += 1
+                elif self._journal.append(event, seq):  # type: ignore[union-attr]
+                    self._appended += 1
+                    if self._appended - self._drained >= self._config.max_export_batch_size:
+                        self._wake.set()
+                    return
+                else:
+                    self._dropped_queue_full += 1
+            except Exception:  # noqa: BLE001 - the engine must never see our failure
+                self._emit_errors += 1
+            journal = self._journal
+            if journal is not None and not journal.closed:
+                journal.note_drops(self._emit_counters(), seq + 1)
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            lock.release()
+
+    def _emit_counters(self) -> dict[str, int]:
+        return {"dropped_queue_full": self._dropped_queue_full, "emit_errors": self._emit_errors,
+                "dropped_shutdown": self._dropped_shutdown, "dropped_sampled_out": self._dropped_sampled_out}
+
     def sampled(self, key: int, rate: float) -> bool:
         """Deterministic per-key sampling (a request or prefix hash), counted when it says no.
 
@@ -173,6 +391,12 @@ class BatchEmitter:
             return True
         with self._lock:
             self._dropped_sampled_out += 1
+            journal = self._journal
+            if journal is not None and not journal.closed:
+                try:
+                    journal.note_drops({"dropped_sampled_out": self._dropped_sampled_out}, 0)
+                except Exception:  # noqa: BLE001
+                    pass
         return False
 
     # -- worker --------------------------------------------------------------------------------
@@ -194,11 +418,27 @@ class BatchEmitter:
 
     def _run(self) -> None:
         delay = self._config.schedule_delay_millis / 1000
+        leftovers = True
         while True:
+            journal = self._journal
+            if journal is not None:
+                if not self._shipper_started:  # a forked child's journal, made at its first emit
+                    self._start_shipper()
+                if leftovers:
+                    leftovers = False
+                    self._ship_leftovers()
             self._wake.wait(delay)
             self._wake.clear()
             stopping = self._stopping
-            self._drain(self._deadline if stopping else None)
+            journal = self._journal
+            if journal is not None:
+                try:
+                    journal.heartbeat()
+                    self._drain_journal(self._deadline if stopping else None)
+                except Exception as exc:  # noqa: BLE001 - a bug here must not end the worker quietly
+                    self._log_error(f"shipping from the journal failed: {type(exc).__name__}: {exc}")
+            else:
+                self._drain(self._deadline if stopping else None)
             if stopping:
                 return
 
@@ -207,26 +447,77 @@ class BatchEmitter:
         while True:
             batch, markers = self._take_batch()
             if batch:
-                self._export(batch, deadline)
+                if self._export(batch, deadline) is not _Sent.DELIVERED:
+                    with self._lock:
+                        self._dropped_export_failed += len(batch)
             for marker in markers:
                 marker.done.set()
             if not self._queue or (deadline is not None and time.monotonic() > deadline):
                 return
 
-    def _export(self, events: list[Event], deadline: float | None) -> None:
+    def _drain_journal(self, deadline: float | None) -> None:
+        """Export from the journal until it is empty (or the deadline passes), freeing what was
+        delivered or given up on. A batch still unsent at the deadline stays in the journal for
+        whoever takes it next."""
+        journal = self._journal
+        limit = self._config.max_export_batch_size
+        while journal is not None and not journal.closed:
+            records = journal.read(limit)
+            if records.fault:
+                self._log_error(f"journal {journal.path}: {records.fault}")
+            if not records.count:
+                if records.fault and not self._adopted:  # unreadable up to here: go on after it
+                    journal.skip_to_write()
+                return
+            n = records.count
+            with self._lock:
+                self._drained += n
+            events: list[Event] | list[msgspec.Raw]
+            if self._encoded:
+                events = [msgspec.Raw(p) for p in records.payloads]
+            else:
+                events = [_event_decoder.decode(p) for p in records.payloads]
+            sent = self._export(events, deadline)
+            if sent is _Sent.OUT_OF_TIME:
+                with self._lock:
+                    self._drained -= n
+                return
+            with self._lock:
+                if sent is _Sent.FAILED:
+                    self._dropped_export_failed += n
+                elif self._adopted:
+                    self._recovered += n
+                shipping = {"exported": self._exported, "rejected": self._rejected, "batches": self._batches,
+                            "export_errors": self._export_errors,
+                            "dropped_export_failed": self._dropped_export_failed, "recovered": self._recovered}
+            journal.note_shipping(shipping)
+            journal.release(records.end, records.last_seq)
+            with self._flushed:
+                self._acked += n
+                self._flushed.notify_all()
+            if deadline is not None and time.monotonic() > deadline:
+                return
+
+    def _export(self, events: list[Event] | list[msgspec.Raw], deadline: float | None) -> _Sent:
+        """Send one batch with bounded retries; counts delivered events and failed attempts (the
+        caller counts a batch that was not delivered)."""
         backoff = self._config.retry_backoff_millis / 1000
         result = ExportResult(ExportStatus.RETRY, detail="not attempted")
+        encoded = self._encoded and self._journal is not None
+        sent = _Sent.FAILED
         for attempt in range(self._config.max_export_attempts):
             self._batch_seq += 1
-            batch = Batch(
-                source_id=self.source_id,
-                batch_seq=self._batch_seq,
-                sent_ns=time.time_ns(),
-                events=events,
-                stats=self.stats(),
-            )
+            if self._journal is not None and not self._journal.closed:
+                self._journal.note_batch_seq(self._batch_seq)  # a taker numbers on from here
+            batch: Batch | RawBatch
+            if encoded:
+                batch = RawBatch(wire_version=WIRE_VERSION, source_id=self.source_id, batch_seq=self._batch_seq,
+                                 sent_ns=time.time_ns(), events=events, stats=self.stats())  # type: ignore[arg-type]
+            else:
+                batch = Batch(source_id=self.source_id, batch_seq=self._batch_seq, sent_ns=time.time_ns(),
+                              events=events, stats=self.stats())  # type: ignore[arg-type]
             try:
-                result = self._sink.export(batch)
+                result = self._sink.export(batch)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - a sink bug must not kill the worker
                 result = ExportResult(ExportStatus.RETRY, detail=f"{type(exc).__name__}: {exc}")
             if result.status is ExportStatus.SUCCESS:
@@ -234,7 +525,7 @@ class BatchEmitter:
                     self._exported += len(events) - result.rejected
                     self._rejected += result.rejected
                     self._batches += 1
-                return
+                return _Sent.DELIVERED
             with self._lock:
                 self._export_errors += 1
             if result.status is ExportStatus.FAILURE or attempt + 1 == self._config.max_export_attempts:
@@ -245,11 +536,14 @@ class BatchEmitter:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
                 if wait <= 0:
+                    sent = _Sent.OUT_OF_TIME
                     break
             time.sleep(wait)
-        with self._lock:
-            self._dropped_export_failed += len(events)
+        if sent is _Sent.OUT_OF_TIME and self._journal is not None:
+            self._log_error(f"{len(events)} events left in the journal for the next taker: {result.detail}")
+            return sent
         self._log_error(f"dropped {len(events)} events after export failed: {result.detail}")
+        return _Sent.FAILED
 
     def _log_error(self, message: str) -> None:
         """Loud once, then at most every 30 s: run-time trouble must not flood the engine's log."""
@@ -262,15 +556,17 @@ class BatchEmitter:
     def stats(self) -> EmitterStats:
         """Counters so far; `emitted` counts every event handed to emit()."""
         with self._lock:
-            depth = len(self._queue) - self._markers
+            if self._journal is not None or self._adopted:
+                depth = self._appended - self._drained
+            else:
+                depth = len(self._queue) - self._markers
+            emitted = self._drained + depth + self._dropped_queue_full + self._emit_errors + self._dropped_shutdown
             return EmitterStats(
                 ts_ns=time.time_ns(),
                 source_id=self.source_id,
                 instance=self._instance,
                 engine=self._engine,
-                emitted=(
-                    self._drained + depth + self._dropped_queue_full + self._emit_errors + self._dropped_shutdown
-                ),
+                emitted=max(emitted, self._emitted_floor),
                 exported=self._exported,
                 dropped_queue_full=self._dropped_queue_full,
                 dropped_export_failed=self._dropped_export_failed,
@@ -280,11 +576,23 @@ class BatchEmitter:
                 queue_depth=depth,
                 batches=self._batches,
                 export_errors=self._export_errors,
+                recovered=self._recovered,
+                ended=self._ending,
+                ended_ns=self._ended_ns,
             )
 
     def force_flush(self, timeout_millis: int = 10000) -> bool:
         """Export everything emitted before this call; True if it all went out in time."""
-        if self._shutdown_done or not self._worker.is_alive():
+        worker = self._worker
+        if self._journal is not None:
+            with self._lock:
+                target = self._appended
+            if self._shutdown_done or worker is None or not worker.is_alive():
+                return self._acked >= target
+            self._wake.set()
+            with self._flushed:
+                return self._flushed.wait_for(lambda: self._acked >= target, timeout_millis / 1000)
+        if self._shutdown_done or worker is None or not worker.is_alive():
             return not self._queue
         marker = _FlushMarker()
         with self._lock:
@@ -296,8 +604,11 @@ class BatchEmitter:
     def shutdown(self) -> bool:
         """Flush within the shutdown deadline, stop the worker, close the sink; safe twice.
 
-        Returns True when nothing was left behind. Events still queued at the deadline are
-        counted as dropped_shutdown, and a last stats-only batch reports the final counters.
+        Returns True when nothing was left behind. Events still queued in memory at the deadline
+        are counted as dropped_shutdown, and a last stats-only batch reports the final counters,
+        which say the emitter ended cleanly. Events still in a journal at the deadline are not
+        dropped: the journal stays, and whoever takes it (the shipper, the next start) ships
+        them. An adopted journal is shipped here, from the calling thread.
         """
         if self._shutdown_done:
             return True
@@ -305,28 +616,54 @@ class BatchEmitter:
         timeout = self._config.shutdown_timeout_millis / 1000
         deadline = time.monotonic() + timeout
         self._deadline = deadline
-        self._stopping = True
-        self._wake.set()
-        self._worker.join(timeout)  # a stalled sink leaves the worker behind; we move on
         with self._lock:
-            leftover = sum(1 for item in list(self._queue) if isinstance(item, Event))
-            self._queue.clear()
-            self._markers = 0
-            self._dropped_shutdown += leftover
-        self._send_final_stats(deadline)
-        try:
-            self._sink.shutdown()
-        except Exception as exc:  # noqa: BLE001
-            self._log_error(f"sink shutdown failed: {exc}")
+            self._stopping = True
+        worker = self._worker
+        if worker is not None:
+            self._wake.set()
+            worker.join(timeout)  # a stalled sink leaves the worker behind; we move on
+        elif self._adopted:
+            self._drain_journal(deadline)
+        worker_done = worker is None or not worker.is_alive()
+        if not self._adopted:
+            self._ending, self._ended_ns = Ending.CLEAN, time.time_ns()
+        journal = self._journal
+        if journal is not None:
+            with self._lock:
+                leftover = self._appended - self._acked
+                journal.note_drops(self._emit_counters(), 0)
+            delivered = self._send_final_stats(deadline)
+            done = leftover == 0 and delivered and worker_done
+            if self._adopted and not done:
+                journal.close(journal.state)  # as it was: the next taker tries again
+            else:
+                journal.close(State.CLOSED if done else State.STOPPED, self._ended_ns)
+        else:
+            with self._lock:
+                leftover = sum(1 for item in list(self._queue) if isinstance(item, Event))
+                self._queue.clear()
+                self._markers = 0
+                self._dropped_shutdown += leftover
+            self._send_final_stats(deadline)
+        if not self._adopted:
+            try:
+                self._sink.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                self._log_error(f"sink shutdown failed: {exc}")
         # A worker still inside the sink holds a batch that has not been delivered.
-        return leftover == 0 and self._dropped_export_failed == 0 and not self._worker.is_alive()
+        return leftover == 0 and self._dropped_export_failed == 0 and worker_done
 
-    def _send_final_stats(self, deadline: float) -> None:
-        if self._worker.is_alive() or time.monotonic() > deadline:
-            return
+    def _send_final_stats(self, deadline: float) -> bool:
+        """A stats-only batch with the final counters; True if the sink took it."""
+        worker = self._worker
+        if (worker is not None and worker.is_alive()) or time.monotonic() > deadline:
+            return False
         self._batch_seq += 1
+        if self._journal is not None and not self._journal.closed:
+            self._journal.note_batch_seq(self._batch_seq)
         batch = Batch(source_id=self.source_id, batch_seq=self._batch_seq, sent_ns=time.time_ns(), stats=self.stats())
         try:
-            self._sink.export(batch)
+            return self._sink.export(batch).status is ExportStatus.SUCCESS
         except Exception as exc:  # noqa: BLE001
             self._log_error(f"final stats not exported: {exc}")
+            return False

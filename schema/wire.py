@@ -65,7 +65,10 @@ _encoder = msgspec.msgpack.Encoder()
 _raw_decoder = msgspec.msgpack.Decoder(RawBatch)
 
 
-def encode_batch(batch: Batch) -> bytes:
+def encode_batch(batch: Batch | RawBatch) -> bytes:
+    """A batch's wire bytes. A RawBatch (events already encoded, as an emitter's journal holds
+    them) encodes to the same bytes as the Batch of those events: its fields are the same, in
+    the same order, and every one is always encoded."""
     return _encoder.encode(batch)
 
 

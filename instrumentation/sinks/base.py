@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from kvtrace.schema.wire import Batch
+from kvtrace.schema.wire import Batch, RawBatch
 
 
 class ExportStatus(Enum):
@@ -32,8 +32,20 @@ class Sink(Protocol):
 
     `export` may block up to its own timeout and should not raise; the worker treats an
     exception as a RETRY. `shutdown` releases resources and is safe to call twice.
+
+    A sink whose `takes_encoded` attribute is true also takes a `RawBatch`, whose events are
+    their msgpack bytes as a batch carries them (read back from an emitter's journal): it sends
+    or writes them as they are. Any other sink gets a `Batch` of decoded events.
     """
 
     def export(self, batch: Batch) -> ExportResult: ...
 
     def shutdown(self) -> None: ...
+
+
+def takes_encoded(sink: object) -> bool:
+    """Whether `sink` takes a RawBatch (see `Sink`)."""
+    return getattr(sink, "takes_encoded", False) is True
+
+
+AnyBatch = Batch | RawBatch

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from enum import StrEnum
 
-from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
+from kvtrace.instrumentation.sinks.base import OK, AnyBatch, ExportResult, ExportStatus
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
 
 INGEST_PATH = "/v1/batches"
@@ -28,7 +28,7 @@ class Wire(StrEnum):
     COLUMNS = "columns"  # an Arrow IPC stream: cheapest for the collector
 
 
-def _encode_rows(batch: Batch) -> tuple[bytes, str]:
+def _encode_rows(batch: AnyBatch) -> tuple[bytes, str]:
     return encode_batch(batch), CONTENT_TYPE
 
 
@@ -64,6 +64,8 @@ class HttpSink:
             raise ValueError(f"wire {wire!r} is not one of {', '.join(w.value for w in Wire)}") from None
         self._encode = _encode_rows
         self._compress = _gzip
+        # Rows go as encoded: a journal's records are sent as they are, never decoded here.
+        self.takes_encoded = self.wire is Wire.ROWS
         if self.wire is Wire.COLUMNS:
             from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
 
@@ -86,8 +88,8 @@ class HttpSink:
         self.timeout_s = timeout_s
         self.compress = compress
 
-    def export(self, batch: Batch) -> ExportResult:
-        body, content_type = self._encode(batch)
+    def export(self, batch: AnyBatch) -> ExportResult:
+        body, content_type = self._encode(batch)  # type: ignore[arg-type]
         headers = {"Content-Type": content_type, "User-Agent": "kvtrace-emitter"}
         if self.compress:
             body, headers["Content-Encoding"] = self._compress(body)

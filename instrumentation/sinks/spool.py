@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from kvtrace.instrumentation.sinks.base import OK, ExportResult, ExportStatus
-from kvtrace.schema.wire import SPOOL_HEADER, SPOOL_SUFFIX, Batch, encode_batch, frame
+from kvtrace.instrumentation.sinks.base import OK, AnyBatch, ExportResult, ExportStatus
+from kvtrace.schema.wire import SPOOL_HEADER, SPOOL_SUFFIX, encode_batch, frame
 
 
 class SpoolWriter:
@@ -89,13 +89,15 @@ class SpoolWriter:
 
 
 class SpoolSink:
+    takes_encoded = True  # frames are batches as they are encoded: journal records go in unread
+
     def __init__(self, directory: str | os.PathLike[str], **kwargs: object) -> None:
         self._directory = directory
         self._kwargs = kwargs
         self._writer: SpoolWriter | None = None
         self._source_id = 0
 
-    def export(self, batch: Batch) -> ExportResult:
+    def export(self, batch: AnyBatch) -> ExportResult:
         # Files are named by the emitter's source id; a forked child has a new one and must
         # never append to its parent's file.
         if self._writer is None or self._source_id != batch.source_id:
