@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime, timezone
 
 from kvtrace.cli.arguments import non_negative, time_ns
 
@@ -88,6 +89,15 @@ def cmd_db_status(args: argparse.Namespace) -> int:
         version = f" {e.engine_version}" if e.engine_version else ""
         limit = f", max_model_len {e.max_model_len}" if e.max_model_len else ""
         print(f"  {e.instance:<24} {e.engine}{version}  {e.model}  [{groups}]{limit}")
+    print(f"ended unclean:   {len(status.unclean)} emitters (their process died before they shut down)")
+    for end in status.unclean:
+        when = datetime.fromtimestamp(end.ended_ns / 1e9, timezone.utc).isoformat(sep=" ", timespec="seconds")
+        lost = f"{end.missing:,} missing" if end.missing else "nothing missing"
+        if end.missing:
+            lost += f" ({end.dropped:,} dropped as counted, {end.unaccounted:,} unaccounted)"
+        print(f"  {end.instance or '?'} ({end.engine or '?'}, source {end.source_id:016x}): ended {when}; "
+              f"{end.emitted:,} emitted, {end.stored:,} stored, {lost}; "
+              f"{end.recovered:,} shipped from its journal after it died")
     return 0
 
 

@@ -37,6 +37,7 @@ from kvtrace.schema.clickhouse import (
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.recipes import Recipe, recipe_from_json
+from kvtrace.schema.kinds import Ending
 from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
@@ -53,6 +54,33 @@ class TableStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EmitterEnd:
+    """One emitter as its latest stats row says it is, beside what the store holds of it."""
+
+    source_id: int
+    instance: str
+    engine: str
+    ended: Ending
+    ended_ns: int
+    emitted: int  # events handed to its emit(), as it counted them
+    dropped: int  # of those, lost for a reason it counted (buffer full, export failed, invalid, shutdown)
+    recovered: int  # shipped from its journal after its process ended
+    stored: int  # distinct events of this source in the store
+    max_seq: int  # the highest seq stored, -1 when none is
+
+    @property
+    def missing(self) -> int:
+        """Its sequence gap: events it numbered (by its count or by a higher seq stored) that the
+        store does not hold."""
+        return max(self.emitted, self.max_seq + 1) - self.stored
+
+    @property
+    def unaccounted(self) -> int:
+        """Missing events its own counters do not explain."""
+        return max(0, self.missing - self.dropped)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStatus:
     dsn: str
     server_version: str
@@ -61,6 +89,7 @@ class StoreStatus:
     tables: tuple[TableStatus, ...]
     sources: int
     dropped_events: int  # reported by emitters (latest counters per source)
+    unclean: tuple[EmitterEnd, ...] = ()  # emitters whose process died before they shut down
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,10 +334,40 @@ class Store:
     def count_events(self) -> int:
         return int(self.scalar(f"SELECT count() FROM {self.db}.{EVENTS.name} FINAL") or 0)
 
+    def emitter_endings(self, ended: Ending | None = Ending.UNCLEAN) -> list[EmitterEnd]:
+        """Emitters whose latest stats say they ended so (every emitter with None), oldest end
+        first, each with its sequence gap counted from the stored events."""
+        stats, events = f"{self.db}.{EMITTER_STATS.name}", f"{self.db}.{EVENTS.name}"
+        having = "" if ended is None else "HAVING ended = {ended:String}"
+        latest = (
+            "SELECT source_id, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
+            "argMax(ended, ts_ns) AS ended, argMax(ended_ns, ts_ns) AS ended_ns, argMax(emitted, ts_ns) AS emitted, "
+            "argMax(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown, ts_ns) "
+            "AS dropped, argMax(recovered, ts_ns) AS recovered "
+            f"FROM {stats} GROUP BY source_id {having}"
+        )
+        sql = (
+            f"WITH latest AS ({latest}) "
+            "SELECT l.source_id AS source_id, l.instance AS instance, l.engine AS engine, l.ended AS ended, "
+            "l.ended_ns AS ended_ns, l.emitted AS emitted, l.dropped AS dropped, l.recovered AS recovered, "
+            "ifNull(e.stored, 0) AS stored, ifNull(e.max_seq, -1) AS max_seq "
+            "FROM latest AS l LEFT JOIN ("
+            "SELECT source_id, uniqExact(seq) AS stored, toInt64(max(seq)) AS max_seq "
+            f"FROM {events} WHERE source_id IN (SELECT source_id FROM latest) GROUP BY source_id"
+            ") AS e ON e.source_id = l.source_id ORDER BY ended_ns, source_id"
+        )
+        rows = self.query_arrow(sql, {"ended": (ended or Ending.RUNNING).value},
+                                settings={"join_use_nulls": 1}).to_pylist()
+        return [EmitterEnd(source_id=int(r["source_id"]), instance=r["instance"], engine=r["engine"],
+                           ended=Ending(r["ended"]), ended_ns=int(r["ended_ns"]), emitted=int(r["emitted"]),
+                           dropped=int(r["dropped"]), recovered=int(r["recovered"]), stored=int(r["stored"]),
+                           max_seq=int(r["max_seq"])) for r in rows]
+
     def status(self) -> StoreStatus:
         version = self.stored_schema_version()
         tables: list[TableStatus] = []
         sources = dropped = 0
+        unclean: list[EmitterEnd] = []
         if version is not None:
             for table in TABLES:
                 final = " FINAL" if table.replacing else ""
@@ -328,6 +387,8 @@ class Store:
                 )
                 or 0
             )
+            if version == SCHEMA_VERSION:  # an older store has no `ended` column yet
+                unclean = self.emitter_endings(Ending.UNCLEAN)
         return StoreStatus(
             dsn=str(self.dsn),
             server_version=str(self.client.server_version),
@@ -336,4 +397,5 @@ class Store:
             tables=tuple(tables),
             sources=sources,
             dropped_events=dropped,
+            unclean=tuple(unclean),
         )

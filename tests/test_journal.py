@@ -354,6 +354,41 @@ def test_a_clean_shutdown_leaves_no_journal_and_says_clean(tmp_path: Path) -> No
     assert final.ended is Ending.CLEAN and final.recovered == 0 and final.emitted == final.exported == 1000
 
 
+def test_a_full_journal_counts_its_drops_and_db_status_shows_the_gap(tmp_path: Path, store, store_dsn: str,  # noqa: ANN001
+                                                                    capsys) -> None:  # noqa: ANN001
+    """The sink stalls, the journal fills, emit() drops and counts, never waits. After a kill
+    the shipper ships what the journal held; `kvtrace db status` names the instance that ended
+    unclean and its gap, all of it the counted drops."""
+    from kvtrace.cli.main import main as cli
+    from kvtrace.store.ingest import ingest_file
+
+    n = 20_000
+    started = time.monotonic()
+    source, code = run_child(tmp_path, str(n), "--end", "kill", "--stalled-sink", KVTRACE_JOURNAL_MIB="1",
+                             KVTRACE_MAX_EXPORT_BATCH_SIZE="100", KVTRACE_SCHEDULE_DELAY_MILLIS="5")
+    assert code == -signal.SIGKILL and time.monotonic() - started < 30
+    assert wait_until(lambda: not journals_left(tmp_path))
+    got = spooled(tmp_path / "spool")[source]
+    final = got.stats[-1]
+    assert final.ended is Ending.UNCLEAN and final.emitted == n
+    assert final.dropped_queue_full > n // 2 and len(set(got.seqs)) == n - final.dropped_queue_full
+
+    for path in sorted((tmp_path / "spool").glob(f"*{SPOOL_SUFFIX}")):
+        ingest_file(store, path)
+    (end,) = store.emitter_endings()
+    assert (end.source_id, end.instance, end.engine, end.ended) == (source, "child-1", "test", Ending.UNCLEAN)
+    assert (end.emitted, end.stored) == (n, n - final.dropped_queue_full)
+    assert end.missing == end.dropped == final.dropped_queue_full and end.unaccounted == 0
+    assert [e.source_id for e in store.emitter_endings(None)] == [source]
+    assert store.emitter_endings(Ending.CLEAN) == []
+
+    assert cli(["--dsn", store_dsn, "db", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "ended unclean:   1 emitters" in out
+    assert f"child-1 (test, source {source:016x})" in out
+    assert f"{end.missing:,} missing ({end.dropped:,} dropped as counted, 0 unaccounted)" in out
+
+
 # -- in one process ------------------------------------------------------------------------------------
 
 
