@@ -237,6 +237,8 @@ class BatchEmitter:
             log.warning("kvtrace emitter: no journal in %s (%s); events wait in memory, and whatever is queued when "
                         "this process dies is lost", cfg.directory, exc)
             return
+        self._append = self._journal.append
+        self._wake_at = self._config.max_export_batch_size
         self.emit = self._emit_journaled  # type: ignore[method-assign]
 
     def _emit_opening_journal(self, event: Event) -> None:
@@ -360,9 +362,9 @@ class BatchEmitter:
                     event.ts_ns = time.time_ns()
                 if self._stopping:
                     self._dropped_shutdown += 1
-                elif self._journal.append(event, seq):  # type: ignore[union-attr]
-                    self._appended += 1
-                    if self._appended - self._drained >= self._config.max_export_batch_size:
+                elif self._append(event, seq):
+                    self._appended = appended = self._appended + 1
+                    if appended - self._drained >= self._wake_at:
                         self._wake.set()
                     return
                 else:

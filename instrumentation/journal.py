@@ -35,6 +35,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -162,11 +163,9 @@ class Journal:
             identity = Identity()
         self.instance = identity.instance
         self.engine = identity.engine
-        self._write = int(self._words[_WRITE])
         self._read = int(self._words[_READ])  # read by the emitting side for the room left
-        self._buf = bytearray(4096)
-        self._encode_into = msgspec.msgpack.Encoder().encode_into
         self.closed = False
+        self.append = self._appender()
 
     # -- making and taking -------------------------------------------------------------------------
     @classmethod
@@ -243,33 +242,42 @@ class Journal:
         return cls(path, fd, memory)
 
     # -- the emitting side ---------------------------------------------------------------------------
-    def append(self, event: Event, seq: int) -> bool:
-        """Encode one event into the ring and publish it; False when it does not fit. Callers
-        serialize calls (the emitter's lock). The record is copied in whole before the write
-        position that covers it is stored."""
-        buf = self._buf
-        self._encode_into(event, buf, 16)
-        n = len(buf)
-        total = (n + 15) & ~15
-        size = self.size
-        write = self._write
-        at = write % size
-        pad = size - at if at + total > size else 0
-        if total + pad > size - (write - self._read):
-            return False
-        mm = self._mm
-        if pad:
-            _HEAD.pack_into(mm, HEADER_BYTES + at, pad - 16, _PAD, 0)
-            write += pad
-            at = 0
-        _HEAD.pack_into(buf, 0, n - 16, _RECORD, seq)
-        at += HEADER_BYTES
-        mm[at : at + n] = buf
-        self._write = write = write + total
-        words = self._words
-        words[_WRITE] = write
-        words[_SEQ_END] = seq + 1
-        return True
+    def _appender(self) -> Callable[[Event, int], bool]:
+        """`append(event, seq)`: encode one event into the ring and publish it; False when it
+        does not fit. Callers serialize calls (the emitter's lock). The record is copied in
+        whole before the write position that covers it is stored. A closure over what it
+        touches: on the engine's thread every attribute lookup saved counts."""
+        buf = bytearray(4096)
+        encode_into = msgspec.msgpack.Encoder().encode_into
+        pack_into = _HEAD.pack_into
+        mm, words, size = self._mm, self._words, self.size
+        write = int(words[_WRITE])
+        journal = self
+
+        def append(event: Event, seq: int) -> bool:
+            nonlocal write
+            encode_into(event, buf, 16)
+            n = len(buf)
+            total = (n + 15) & ~15
+            at = write % size
+            if at + total > size:  # it would straddle the end: pad to it, start at the front
+                pad = size - at
+                if total + pad > size - (write - journal._read):
+                    return False
+                pack_into(mm, HEADER_BYTES + at, pad - 16, _PAD, 0)
+                write += pad
+                at = 0
+            elif total > size - (write - journal._read):
+                return False
+            pack_into(buf, 0, n - 16, _RECORD, seq)
+            at += HEADER_BYTES
+            mm[at : at + n] = buf
+            write += total
+            words[_WRITE] = write
+            words[_SEQ_END] = seq + 1
+            return True
+
+        return append
 
     def note_drops(self, counters: dict[str, int], seq_end: int) -> None:
         """Persist the emitting side's drop counters (they change rarely) and the sequence end."""
@@ -292,31 +300,39 @@ class Journal:
         mm, size = self._mm, self.size
         write = int(self._words[_WRITE])
         payloads: list[bytes] = []
+        append = payloads.append
+        unpack_from = _HEAD.unpack_from
         count = taken = 0
         last = self.shipped_seq_end - 1
         if write - read > size or read > write:
             return Records([], read, -1, f"write position {write} is not within one lap of read position {read}")
         fault = ""
+        at = read % size
         while read < write and count < max_records and (not count or taken < max_bytes):
-            at = read % size
-            length, tag, seq = _HEAD.unpack_from(mm, HEADER_BYTES + at)
+            length, tag, seq = unpack_from(mm, HEADER_BYTES + at)
+            if tag == _RECORD and seq > last:
+                total = (length + 31) & ~15
+                if at + total <= size and read + total <= write:
+                    if keep:
+                        base = HEADER_BYTES + 16 + at
+                        append(mm[base : base + length])
+                    last = seq
+                    count += 1
+                    taken += total
+                    read += total
+                    at += total
+                    if at == size:
+                        at = 0
+                    continue
             if tag == _PAD and length == size - at - 16:
                 read += size - at
+                at = 0
                 continue
-            total = (16 + length + 15) & ~15
-            if tag != _RECORD or at + total > size or read + total > write:
-                fault = f"no whole record at position {read} (tag {tag:#x}, length {length})"
-                break
-            if seq <= last:
+            if tag == _RECORD and seq <= last:
                 fault = f"the record at position {read} has seq {seq}, not after {last}"
-                break
-            if keep:
-                base = HEADER_BYTES + at + 16
-                payloads.append(mm[base : base + length])
-            last = seq
-            count += 1
-            taken += total
-            read += total
+            else:
+                fault = f"no whole record at position {read} (tag {tag:#x}, length {length})"
+            break
         return Records(payloads, read, last if count else -1, fault, count)
 
     def release(self, end: int, last_seq: int) -> None:
@@ -351,8 +367,8 @@ class Journal:
         return int(self._words[_SEQ_END])
 
     @property
-    def backlog_bytes(self) -> int:
-        return int(self._words[_WRITE]) - self._read
+    def write_position(self) -> int:
+        return int(self._words[_WRITE])
 
     def counters(self) -> dict[str, int]:
         words = self._words

@@ -212,7 +212,7 @@ def test_a_torn_record_is_skipped_never_shipped(tmp_path: Path) -> None:
     journal = em._journal
     assert journal is not None
     mm = _pokes(journal)
-    write = journal._write
+    write = journal.write_position
     # a partial record where the next would go: a head claiming 300 bytes, 40 of them written
     mm[HEADER_BYTES + write : HEADER_BYTES + write + 16] = (300).to_bytes(4, "little") + \
         (0x4A52564B).to_bytes(4, "little") + (10).to_bytes(8, "little")
@@ -487,8 +487,10 @@ def test_a_shutdown_that_cannot_deliver_leaves_the_journal_to_the_next_taker(tmp
     final = good.last_stats
     assert final is not None and final.ended is Ending.CLEAN and final.ended_ns == em.stats().ended_ns
     assert (final.emitted, final.exported, final.recovered, final.dropped) == (50, 50, 50, 0)
-    # numbered on from the attempts before it, the emitter's own and the first taker's
-    assert final.batches == 1 and good.batches[0].batch_seq == sink.calls + refusing.calls + 1
+    # numbered on from the attempts before it, the emitter's own and the first taker's (but for the
+    # emitter's last attempt, when its worker made it after the journal was closed)
+    assert final.batches == 1 and good.batches[0].batch_seq - 1 in (sink.calls + refusing.calls,
+                                                                    sink.calls + refusing.calls - 1)
     assert not left.exists()
 
 
