@@ -11,9 +11,13 @@ event whose ts_ns is already set would skip the clock read), except in the `cons
 which time what a shim really pays. The emitter's worker runs while the caller is timed, as in
 an engine; the GIL slices it takes show up in the p99 (compare the `worker parked` row).
 
-Groups: baselines; emit (what ships); construction (what building an Event costs, including
-two CPython call-shape effects); ablation (emit() rebuilt one step at a time, and proposals
-that are NOT in the shipped code, marked [proposal]).
+Groups: baselines; emit (what ships); journal (emit with the emitter's journal, the default for
+engine processes that send to a collector or spool files: the event is encoded into a
+memory-mapped file before emit() returns, so the caller pays the encoding that the in-memory
+path leaves to the worker, whose share per event the `worker's encoding` rows give);
+construction (what building an Event costs, including two CPython call-shape effects); ablation
+(emit() rebuilt one step at a time, and proposals that are NOT in the shipped code, marked
+[proposal]).
 
     .venv/bin/python benchmarks/bench_emit.py [--events 200000] [--batch 1000]
 """
@@ -28,16 +32,19 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
 import msgspec
+from counting_sink import CountingSink  # beside this script
 
 from kvtrace.instrumentation.api import NoopEmitter
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter, JournalConfig
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
+from kvtrace.schema.wire import Batch, encode_batch
 
 BLOCK = 16
 CHAIN = 64
@@ -327,6 +334,27 @@ def main() -> int:
         print("the stalled sink did not stall; cannot measure the drop path", file=sys.stderr)
         return 2
 
+    # The journaled emitter, its worker shipping to a sink that takes the records as they are.
+    journal_dir = tempfile.TemporaryDirectory(prefix="bench-emit-")
+    jsink = CountingSink()
+    jem = BatchEmitter(jsink, cfg, instance="bench-0", engine="vllm", register_atexit=False,
+                       journal=JournalConfig(journal_dir.name, 64 << 20, shipper=None, ship_leftovers=False))
+    # ... and with its worker parked (it ships between rounds, untimed): the caller's cost alone.
+    pjem = BatchEmitter(CountingSink(), park_cfg, register_atexit=False,
+                        journal=JournalConfig(journal_dir.name, 64 << 20, shipper=None, ship_leftovers=False))
+    if jem._journal is None or pjem._journal is None:
+        print("no journal could be made; cannot measure the journaled path", file=sys.stderr)
+        return 2
+
+    def worker_encoding(events: list[Event]) -> int:
+        """What the in-memory path's worker pays later: one batch of the events encoded."""
+        for i, e in enumerate(events):
+            e.source_id, e.seq, e.ts_ns = 1, i, 1_700_000_000_000_000_000 + i
+        batch = Batch(source_id=1, batch_seq=1, sent_ns=1, events=events)
+        t0 = pc()
+        encode_batch(batch)
+        return pc() - t0
+
     noop = NoopEmitter()
     dq: collections.deque = collections.deque()
     rng = random.Random(args.seed)
@@ -358,6 +386,17 @@ def main() -> int:
         "construct+emit COMMIT": ("emit", commit_idx, lambda a: time_construct_commit(em.emit, a)),
         "construct+emit LOOKUP 64 keys": ("emit", lookup_idx, lambda a: time_construct_lookup(em.emit, a)),
         "emit COMMIT, queue full (drop path)": ("emit", commits, lambda a: time_calls(stalled.emit, a)),
+        "worker's encoding, per COMMIT (in-memory path)": ("journal", commits, worker_encoding),
+        "worker's encoding, per LOOKUP (in-memory path)": ("journal", lookups, worker_encoding),
+        "emit COMMIT (pre-built), journaled": ("journal", commits, lambda a: time_calls(jem.emit, a)),
+        "emit COMMIT (pre-built), journaled, worker parked": (
+            "journal", commits, lambda a: time_calls(pjem.emit, a)),
+        "emit LOOKUP 64 keys (pre-built), journaled": ("journal", lookups, lambda a: time_calls(jem.emit, a)),
+        "emit LOOKUP 64 keys (pre-built), journaled, worker parked": (
+            "journal", lookups, lambda a: time_calls(pjem.emit, a)),
+        "construct+emit COMMIT, journaled": ("journal", commit_idx, lambda a: time_construct_commit(jem.emit, a)),
+        "construct+emit LOOKUP 64 keys, journaled": (
+            "journal", lookup_idx, lambda a: time_construct_lookup(jem.emit, a)),
         "construct COMMIT, 14 kwargs": ("construct", commit_idx, lambda a: time_construct_commit(bare, a)),
         "construct COMMIT, envelope omitted (11 kwargs)": (
             "construct", commit_idx, lambda a: time_construct_commit_no_envelope(bare, a)),
@@ -407,10 +446,13 @@ def main() -> int:
                 s.batches.clear()
         dq.clear()
         parked._queue.clear()
+        pjem.force_flush()
     elapsed = time.monotonic() - t_start
 
     em.force_flush()
+    jem.force_flush()
     st = em.stats()
+    jst = jem.stats()
     dropped_timed = stalled.stats().dropped_queue_full - pre_dropped
     lockfree_drops = int(repr(stalled._drop_counter)[6:-1])  # "count(N)" -> N
     expected_drops = (rounds + 1) * n  # + the warm-up batch
@@ -446,7 +488,13 @@ def main() -> int:
           f"invalid {st.dropped_invalid}); stalled emitter dropped "
           f"{dropped_timed} while timed (expected {expected_drops}: every call took the drop path), "
           f"lock-free variant counted {lockfree_drops}")
-    ok = st.dropped == 0 and dropped_timed == expected_drops == lockfree_drops
+    print(f"journaled emitter: emitted {jst.emitted}, exported {jst.exported}, dropped {jst.dropped} "
+          f"(journal full {jst.dropped_queue_full})")
+    ok = (st.dropped == 0 and jst.dropped == 0 and pjem.stats().dropped == 0
+          and dropped_timed == expected_drops == lockfree_drops)
+    jem.shutdown()
+    pjem.shutdown()
+    journal_dir.cleanup()
     for e in (em, abl, parked):
         e.shutdown()
     stalled.shutdown()  # its worker sleeps in the stalled export; shutdown gives up after 100 ms

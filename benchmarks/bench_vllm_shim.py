@@ -4,12 +4,16 @@ Runs in the vLLM venv (`bash scripts/engine-venv.sh vllm` builds it):
 
     .venvs/vllm/bin/python benchmarks/bench_vllm_shim.py [--requests 2000] [--rounds 4] [--layout full+sliding]
 
-Three variants replay the same requests of the Mooncake conversation trace (tokens synthesized
+Four variants replay the same requests of the Mooncake conversation trace (tokens synthesized
 from its hash ids) through `kvtrace.instrumentation.vllm.driver`, each on its own manager:
 
   off        vLLM's KVCacheManager alone (prefix caching and stats on)
   kvtrace    the same with CacheManagerShim installed, emitting through BatchEmitter into a
-             sink that counts and drops (the export path is measured by bench_export.py)
+             sink that counts and drops (the export path is measured by bench_export.py);
+             events wait in memory, the worker encodes them (`--encode`) or not (the default)
+  journal    the same, events encoded into the emitter's journal as they are emitted (what an
+             engine process that sends to a collector or spool files runs by default), the
+             worker handing the records to the counting sink as they are
   kv-events  vLLM's own KV-event path instead: enable_kv_cache_events=True and the queue drained
              after every request with take_events(), as the scheduler does before publishing
 
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
-from counting_sink import CountingSink  # beside this script
+from counting_sink import CountingSink, EncodingSink  # beside this script
 
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter, JournalConfig
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
@@ -44,20 +49,30 @@ def main() -> None:
     ap.add_argument("--layout", choices=[x.value for x in Layout], default=Layout.SLIDING.value)
     ap.add_argument("--num-blocks", type=int, default=16384)
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--encode", action="store_true",
+                    help="the in-memory variant's sink encodes each batch (msgpack rows), as the spool and HTTP "
+                         "sinks do, so the worker's encoding is in its time as it is in the journal's")
     args = ap.parse_args()
 
     trace = list(read_trace(args.trace, limit=args.requests))
     prompts = [(r.request_id, tokens_of(r)) for r in trace]
     config = DriverConfig(layout=Layout(args.layout), num_blocks=args.num_blocks)
 
-    sink = CountingSink()
+    sink = EncodingSink() if args.encode else CountingSink()
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    journal_dir = tempfile.TemporaryDirectory(prefix="bench-vllm-")
+    journaled = BatchEmitter(CountingSink(), BatchConfig(max_queue_size=1 << 20), register_atexit=False,
+                             journal=JournalConfig(journal_dir.name, 64 << 20, shipper=None, ship_leftovers=False))
+    if journaled._journal is None:
+        raise SystemExit("no journal could be made in the temporary directory")
     drivers = {
         "off": Driver(build_manager(config), config),
         "kvtrace": Driver(build_manager(config), config),
+        "journal": Driver(build_manager(config), config),
         "kv-events": Driver(build_manager(config, enable_kv_cache_events=True), config),
     }
     CacheManagerShim(drivers["kvtrace"].manager, emitter, Identity(instance="bench", model="m")).install()
+    CacheManagerShim(drivers["journal"].manager, journaled, Identity(instance="bench", model="m")).install()
     seconds = dict.fromkeys(drivers, 0.0)
     per_round: dict[str, list[float]] = {k: [] for k in drivers}
     kv_events = 0
@@ -65,7 +80,7 @@ def main() -> None:
     names = list(drivers)
     for r in range(args.rounds):
         chunk = prompts[r * size : (r + 1) * size]
-        for name in names[r % 3 :] + names[: r % 3]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             driver = drivers[name]
             started = time.perf_counter()
             for rid, tokens in chunk:
@@ -78,6 +93,10 @@ def main() -> None:
     emitter.force_flush(timeout_millis=120_000)
     emitter.shutdown()
     stats = emitter.stats()
+    journaled.force_flush(timeout_millis=120_000)
+    journaled.shutdown()
+    jstats = journaled.stats()
+    journal_dir.cleanup()
     hits = {name: d.stats().hits for name, d in drivers.items()}
     if len(set(hits.values())) != 1:
         raise SystemExit(f"the variants disagree on hits: {hits}")
@@ -91,7 +110,9 @@ def main() -> None:
               f"{statistics.median(ratios):>21.3f}")
     print(f"kvtrace: {stats.emitted:,} events emitted "
           f"({stats.emitted / seconds['kvtrace']:,.0f} per second of replay), "
-          f"{stats.exported:,} exported, {stats.dropped} dropped, shim errors 0 expected")
+          f"{stats.exported:,} exported, {stats.dropped} dropped, shim errors 0 expected"
+          + (" (the worker encoded every batch)" if args.encode else " (the worker encoded nothing)"))
+    print(f"journal: {jstats.emitted:,} events emitted, {jstats.exported:,} exported, {jstats.dropped} dropped")
     print(f"vLLM KV events drained: {kv_events:,}")
 
 

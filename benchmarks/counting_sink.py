@@ -5,15 +5,17 @@ of the engine process's time is in the measurement."""
 
 from __future__ import annotations
 
-from kvtrace.instrumentation.sinks.base import OK, ExportResult
-from kvtrace.schema.wire import Batch, encode_batch
+from kvtrace.instrumentation.sinks.base import OK, AnyBatch, ExportResult
+from kvtrace.schema.wire import encode_batch
 
 
 class CountingSink:
+    takes_encoded = True  # a journaled emitter hands it the records as they are (a RawBatch)
+
     def __init__(self) -> None:
         self.events = 0
 
-    def export(self, batch: Batch) -> ExportResult:
+    def export(self, batch: AnyBatch) -> ExportResult:
         self.events += len(batch.events)
         return OK
 
@@ -26,6 +28,6 @@ class EncodingSink(CountingSink):
         super().__init__()
         self.bytes = 0
 
-    def export(self, batch: Batch) -> ExportResult:
+    def export(self, batch: AnyBatch) -> ExportResult:
         self.bytes += len(encode_batch(batch))
         return super().export(batch)
