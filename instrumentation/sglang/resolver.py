@@ -408,7 +408,10 @@ def _emitter(spec: ResolverSpec) -> Any:
         from kvtrace.instrumentation.config import EmitterSettings, build_sink
 
         settings = EmitterSettings.from_env()
-        sink, batch = build_sink(settings), settings.batch
+        # Journaled as an engine process's emitter is: killed with the engine (a process-tree
+        # kill), it leaves its events to its journal's shipper.
+        return BatchEmitter(build_sink(settings), settings.batch, engine="sglang", instance=spec.identity.instance,
+                            register_atexit=False, journal=settings.journal_config())
     return BatchEmitter(sink, batch, engine="sglang", instance=spec.identity.instance, register_atexit=False)
 
 
