@@ -77,9 +77,10 @@ class BatchConfig:
 class JournalConfig:
     """An emitter's journal: where, how big, and who ships it when the process dies first.
 
-    `shipper`: called (on the worker thread) with the path of each journal the emitter makes,
-    to start a process that ships it if this one dies first (`kvtrace.instrumentation.shipper`);
-    None starts none, and the next emitter to start in the directory ships what is left.
+    `shipper`: called with the path of each journal the emitter makes (before the constructor
+    returns; a forked child's, made at its first emit, on its worker), to start a process that
+    ships it if this one dies first (`kvtrace.instrumentation.shipper`); None starts none, and
+    the next emitter to start in the directory ships what is left.
     `ship_leftovers`: this emitter's worker first ships the journals of dead emitters it finds
     in the directory, through its own sink.
     """
@@ -107,6 +108,20 @@ class _Sent(Enum):
 
 
 _event_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def _decoded(payloads: list[bytes]) -> list[Event]:
+    """Events from their journal records, leaving out any that does not decode."""
+    try:
+        return [_event_decoder.decode(p) for p in payloads]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        out = []
+        for p in payloads:
+            try:
+                out.append(_event_decoder.decode(p))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        return out
 
 
 class _FlushMarker:
@@ -428,7 +443,10 @@ class BatchEmitter:
                     self._start_shipper()
                 if leftovers:
                     leftovers = False
-                    self._ship_leftovers()
+                    try:
+                        self._ship_leftovers()
+                    except Exception as exc:  # noqa: BLE001 - our own events come first
+                        self._log_error(f"shipping dead emitters' journals failed: {type(exc).__name__}: {exc}")
             self._wake.wait(delay)
             self._wake.clear()
             stopping = self._stopping
@@ -478,7 +496,14 @@ class BatchEmitter:
             if self._encoded:
                 events = [msgspec.Raw(p) for p in records.payloads]
             else:
-                events = [_event_decoder.decode(p) for p in records.payloads]
+                events = _decoded(records.payloads)
+                if len(events) < n:  # unreadable (what a crash can leave): invalid, not queued
+                    bad = n - len(events)
+                    with self._lock:
+                        self._emit_errors += bad
+                        self._appended -= bad
+                        self._drained -= bad
+                    n -= bad
             sent = self._export(events, deadline)
             if sent is _Sent.OUT_OF_TIME:
                 with self._lock:

@@ -15,8 +15,9 @@ started, or the next emitter to start with the same journal directory.
 
 Layout: a 4096-byte header of 8-byte words (host byte order: a journal never leaves its
 machine), then the data. The emitting side writes the write position and the sequence end, the
-shipping side the read position and its counters, each on its own cache line; the emitter's
-identity (instance, engine) follows as msgpack. Positions count bytes since the start and only
+shipping side the read position, each on its own cache line; the emitter's counters follow
+(those of emit() as they change, those of the export after each batch), then its identity
+(instance, engine) as msgpack. Positions count bytes since the start and only
 grow; the offset is position mod size. A record is a 16-byte head (u32 payload length, u32 tag,
 u64 seq) then the payload, padded to 16 bytes, so the space left before the end of the data
 always holds a head: a record that would straddle the end leaves a padding record there and
