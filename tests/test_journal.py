@@ -244,6 +244,33 @@ def test_a_torn_record_is_skipped_never_shipped(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+def test_a_whole_record_that_does_not_decode_is_counted_invalid(tmp_path: Path) -> None:
+    """A record whose head is sound but whose bytes are not an event (what a machine crash can
+    leave, its pages written back in part): the sinks that need events count it as invalid and
+    take the rest; it does not fail the batch on every retry."""
+    em = _journaled(MemorySink(), tmp_path)
+    for i in range(3):
+        em.emit(ev(i + 1))
+    journal = em._journal
+    assert journal is not None
+    write = journal.write_position
+    mm = _pokes(journal)
+    mm[HEADER_BYTES + write : HEADER_BYTES + write + 32] = (16).to_bytes(4, "little") + \
+        (0x4A52564B).to_bytes(4, "little") + (3).to_bytes(8, "little") + b"\xc1" * 16  # 0xc1: never msgpack
+    journal._words[8], journal._words[9] = write + 32, 4
+    mm.release()
+    path = journal.path
+    journal.abandon()
+    sink = MemorySink()
+    taken = Journal.claim(path)
+    assert taken is not None
+    assert BatchEmitter(sink, QUIET, register_atexit=False, adopt=taken).shutdown() is True
+    assert [e.seq for e in sink.events] == [0, 1, 2]
+    final = sink.last_stats
+    assert final is not None and (final.emitted, final.exported, final.dropped_invalid) == (4, 3, 1)
+    assert final.queue_depth == 0 and not path.exists()
+
+
 def test_a_kill_in_the_middle_of_writes_leaves_only_whole_records(tmp_path: Path) -> None:
     """Killed at random while emitting as fast as it can (large events, a journal that fills):
     every event shipped afterwards is whole and valid, and every number it handed out is
