@@ -253,27 +253,30 @@ class Journal:
         pack_into = _HEAD.pack_into
         mm, words, size = self._mm, self._words, self.size
         write = int(words[_WRITE])
+        at = write % size
         journal = self
 
         def append(event: Event, seq: int) -> bool:
-            nonlocal write
+            nonlocal write, at
             encode_into(event, buf, 16)
             n = len(buf)
             total = (n + 15) & ~15
-            at = write % size
             if at + total > size:  # it would straddle the end: pad to it, start at the front
                 pad = size - at
-                if total + pad > size - (write - journal._read):
+                if write + pad + total > journal._read + size:
                     return False
                 pack_into(mm, HEADER_BYTES + at, pad - 16, _PAD, 0)
                 write += pad
                 at = 0
-            elif total > size - (write - journal._read):
+            elif write + total > journal._read + size:
                 return False
             pack_into(buf, 0, n - 16, _RECORD, seq)
-            at += HEADER_BYTES
-            mm[at : at + n] = buf
+            start = HEADER_BYTES + at
+            mm[start : start + n] = buf
             write += total
+            at += total
+            if at == size:
+                at = 0
             words[_WRITE] = write
             words[_SEQ_END] = seq + 1
             return True
