@@ -31,13 +31,30 @@ from pathlib import Path
 SHIP_TIMEOUT_MILLIS = 300_000  # how long a shipper keeps trying to deliver before leaving the rest
 
 
+def _wait_for_the_lock(path: Path) -> bool:
+    """Block until the journal's emitter lets go of it (its process ends, or it shut down); False
+    when there is no journal. Waits with nothing of kvtrace imported: a shipper waits for its
+    engine's whole life, so it waits small (its lock is let go again here, and claimed after)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+    return True
+
+
 def ship(path: Path, wait: bool = True) -> int:
     """Claim the journal at `path` (waiting for its emitter's process to end when `wait`) and
     ship what is left in it; 0 when there was nothing to ship or all of it was delivered."""
     import logging
 
-    from kvtrace.instrumentation.config import ConfigError, EmitterSettings, build_sink
-    from kvtrace.instrumentation.emitter import BatchEmitter
+    if wait and not _wait_for_the_lock(path):
+        return 0
     from kvtrace.instrumentation.journal import Journal, JournalError
 
     log = logging.getLogger("kvtrace.shipper")
@@ -48,6 +65,9 @@ def ship(path: Path, wait: bool = True) -> int:
         return 1
     if journal is None:
         return 0
+    from kvtrace.instrumentation.config import ConfigError, EmitterSettings, build_sink
+    from kvtrace.instrumentation.emitter import BatchEmitter
+
     try:
         settings = EmitterSettings.from_env()
         sink = build_sink(settings)
