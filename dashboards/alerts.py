@@ -25,8 +25,9 @@ import msgspec
 import polars as pl
 
 from kvtrace.analysis.funnel import users
+from kvtrace.schema.kinds import Ending
 from kvtrace.schema.recipes import Recipe, RecipeBook
-from kvtrace.store.client import Store
+from kvtrace.store.client import EmitterEnd, Store
 
 log = logging.getLogger("kvtrace.alerts")
 
@@ -38,6 +39,7 @@ class RuleKind(StrEnum):
     STREAM_GAP = "stream_gap"  # events missing from an emitter's sequence, above threshold
     SILENT = "silent"  # an instance sent nothing for `window_s`, after sending in the baseline
     EMITTER_DROPS = "emitter_drops"  # events the emitters reported dropped, above threshold
+    UNCLEAN_END = "unclean_end"  # emitters whose process died before they shut down, above threshold
 
 
 class Label(StrEnum):
@@ -103,6 +105,12 @@ rules:
     kind: emitter_drops
     threshold: 0
     by: [instance]
+  - name: engine-ended-unclean
+    kind: unclean_end
+    threshold: 0             # any engine process killed (SIGKILL, OOM) before its emitter shut down
+    window_s: 3600
+    by: [instance]
+    summary: an engine process died without shutting down; the description counts its event gap
 """
 
 
@@ -128,7 +136,7 @@ def load_rules(text: str, source: str = "rules") -> list[Rule]:
     for r in rules:
         if r.kind is RuleKind.RECOVERABLE_DROP and r.baseline_s <= r.window_s:
             raise RuleError(f"{source}: rule {r.name}: baseline_s: must be longer than window_s ({r.window_s})")
-        if r.kind in (RuleKind.STREAM_GAP, RuleKind.SILENT, RuleKind.EMITTER_DROPS) and r.by != [Label.INSTANCE]:
+        if r.kind in _PER_INSTANCE and r.by != [Label.INSTANCE]:
             raise RuleError(f"{source}: rule {r.name}: by: {r.kind.value} rules are per instance (by: [instance])")
     return rules
 
@@ -151,6 +159,7 @@ class Sample:
     labels: tuple[tuple[str, str], ...]
     value: float
     breaching: bool
+    detail: str = ""  # what the value counts, for the alert's description
 
 
 VerdictSource = Callable[[int, int], pl.DataFrame]
@@ -223,6 +232,8 @@ class Evaluator:
                 out += self._gaps(rule, since, now)
             elif rule.kind is RuleKind.SILENT:
                 out += self._silent(rule, since, now)
+            elif rule.kind is RuleKind.UNCLEAN_END:
+                out += self._unclean(rule, since)
             else:
                 out += self._drops(rule, since, now)
         return out
@@ -278,8 +289,27 @@ class Evaluator:
         return [Sample(rule.name, (("instance", r["instance"]),), float(r["dropped"]), r["dropped"] > rule.threshold)
                 for r in rows]
 
+    def _unclean(self, rule: Rule, since: int) -> list[Sample]:
+        """Unclean endings since the window's start. Not bounded by `now`: an emitter's end is its
+        last sign of life, which can come a schedule delay after the newest event stored."""
+        by_instance: dict[str, list[EmitterEnd]] = {}
+        for end in self.store.emitter_endings(Ending.UNCLEAN):
+            if end.ended_ns >= since:
+                by_instance.setdefault(end.instance, []).append(end)
+        return [Sample(rule.name, (("instance", instance),), float(len(ends)), len(ends) > rule.threshold,
+                       "; ".join(_ending(e) for e in ends)) for instance, ends in sorted(by_instance.items())]
+
+
+def _ending(end: EmitterEnd) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(end.ended_ns / 1e9))
+    gap = (f"{end.missing:,} events missing ({end.dropped:,} dropped as counted, {end.unaccounted:,} unaccounted)"
+           if end.missing else "no events missing")
+    return (f"{end.engine or 'emitter'} source {end.source_id:016x} ended unclean at {when} UTC: {gap}; "
+            f"{end.recovered:,} shipped from its journal after it died")
+
 
 _VERDICT_KINDS = (RuleKind.DIVERGENCE, RuleKind.UNSAFE_REUSE, RuleKind.RECOVERABLE_DROP)
+_PER_INSTANCE = (RuleKind.STREAM_GAP, RuleKind.SILENT, RuleKind.EMITTER_DROPS, RuleKind.UNCLEAN_END)
 
 
 # -- state and delivery ------------------------------------------------------------------------
@@ -298,6 +328,7 @@ class Alert:
     value: float
     fired_ns: int = 0
     resolved_ns: int = 0
+    detail: str = ""
 
     def payload(self) -> dict[str, Any]:
         """One alert as Alertmanager writes it in its webhook payload."""
@@ -307,7 +338,8 @@ class Alert:
         labels = {"alertname": self.rule.name, "severity": self.rule.severity, "kind": self.rule.kind.value,
                   **dict(self.labels)}
         return {"status": "firing" if self.status is Status.FIRING else "resolved", "labels": labels,
-                "annotations": {"summary": self.rule.summary or self.rule.kind.value, "value": f"{self.value:.6g}"},
+                "annotations": {"summary": self.rule.summary or self.rule.kind.value, "value": f"{self.value:.6g}",
+                                **({"description": self.detail} if self.detail else {})},
                 "startsAt": iso(self.fired_ns or self.since_ns),
                 "endsAt": iso(self.resolved_ns) if self.resolved_ns else "0001-01-01T00:00:00Z",
                 "generatorURL": "", "fingerprint": f"{self.rule.name}:{json.dumps(labels, sort_keys=True)}"}
@@ -330,7 +362,7 @@ class AlertState:
             if s.breaching:
                 if alert is None:
                     alert = self.active[key] = Alert(by_name[s.rule], s.labels, Status.PENDING, now_ns, s.value)
-                alert.value = s.value
+                alert.value, alert.detail = s.value, s.detail
                 if alert.status is Status.PENDING and now_ns - alert.since_ns >= alert.rule.for_s * 1e9:
                     alert.status, alert.fired_ns = Status.FIRING, now_ns
                     changed.append(alert)
@@ -406,7 +438,8 @@ class AlertLoop:
             self.values.labels(s.rule, _label_text(s.labels)).set(s.value)
         for a in changed:
             self.firing.labels(a.rule.name, _label_text(a.labels)).set(1 if a.status is Status.FIRING else 0)
-            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g}")
+            detail = f": {a.detail}" if a.detail and a.status is Status.FIRING else ""
+            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g}{detail}")
         if changed and self.webhook:
             try:
                 post_webhook(self.webhook, changed)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvtrace.schema.events import PROBE_PREFIX
+from kvtrace.store.client import endings_sql
 
 VARIABLES = ("model", "instance", "tenant", "engine")
 
@@ -58,6 +59,11 @@ def filters(table: str) -> str:
 
 
 _BUCKET = "toStartOfInterval(fromUnixTimestamp64Nano(ts_ns), toIntervalSecond($__interval_s))"
+
+_ENDED_IN_RANGE = ("ended != '' AND ended_ns >= toUnixTimestamp($__fromTime) * 1000000000 "
+                   "AND ended_ns < (toUnixTimestamp($__toTime) + 1) * 1000000000 "
+                   "AND ('${instance}' = '' OR instance = '${instance}') "
+                   "AND ('${engine}' = '' OR engine = '${engine}')")
 
 PANELS: tuple[Panel, ...] = (
     Panel(
@@ -167,6 +173,18 @@ PANELS: tuple[Panel, ...] = (
             "AND cityHash64(block_key) % 16 = 0 AND ts_ns < (toUnixTimestamp($__toTime) + 1) * 1000000000) AS w "
             "ON e.tier = w.tier AND e.group_id = w.group_id AND e.block_key = w.block_key AND e.ts_ns >= w.ts_ns "
             "GROUP BY tier ORDER BY tier"),
+    Panel(
+        key="endings", title="Emitters that ended: unclean (the process died first) or clean, with their gap",
+        kind=PanelKind.TABLE, x="time",
+        series=("instance", "engine", "ended", "source", "emitted", "stored", "missing", "dropped", "recovered"),
+        description="An engine process killed (SIGKILL, OOM, a process-tree kill) ends its emitter unclean: the "
+                    "shipper sends its last counters. missing is its sequence gap, events it numbered that the "
+                    "store does not hold; dropped is how many of them it counted as dropped; recovered is what "
+                    "was shipped from its journal after it died. Model and tenant filters do not apply.",
+        sql="SELECT fromUnixTimestamp64Nano(ended_ns) AS time, instance, engine, ended, hex(source_id) AS source, "
+            "emitted, stored, missing, dropped, recovered "
+            f"FROM ({endings_sql('{db}', having=_ENDED_IN_RANGE)}) "
+            "ORDER BY ended = 'unclean' DESC, ended_ns DESC, source_id LIMIT 500"),
 )
 
 

@@ -32,6 +32,7 @@ PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiers": ("Tiers", ("usage", "tiers")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
     "costs": ("Load vs recompute", ()),
+    "health": ("Event streams", ("endings",)),
 }
 
 

@@ -36,8 +36,8 @@ from kvtrace.schema.clickhouse import (
     zero_when_omitted,
 )
 from kvtrace.schema.events import SCHEMA_VERSION, Event
-from kvtrace.schema.recipes import Recipe, recipe_from_json
 from kvtrace.schema.kinds import Ending
+from kvtrace.schema.recipes import Recipe, recipe_from_json
 from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
@@ -67,12 +67,8 @@ class EmitterEnd:
     recovered: int  # shipped from its journal after its process ended
     stored: int  # distinct events of this source in the store
     max_seq: int  # the highest seq stored, -1 when none is
-
-    @property
-    def missing(self) -> int:
-        """Its sequence gap: events it numbered (by its count or by a higher seq stored) that the
-        store does not hold."""
-        return max(self.emitted, self.max_seq + 1) - self.stored
+    missing: int  # its sequence gap: events it numbered (by its count, or by a higher seq stored)
+    # that the store does not hold
 
     @property
     def unaccounted(self) -> int:
@@ -107,6 +103,31 @@ class AttachedEngine:
     recipe: Recipe
     source_id: int  # the attaching process's emitter
     attached_ns: int
+
+
+def endings_sql(db: str, where: str = "1", having: str = "1") -> str:
+    """Each emitter as its latest stats row says it is (how it ended, its counters) beside what
+    the store holds of its events, with its sequence gap as `missing`: one query, which
+    `Store.emitter_endings` and the dashboards' panel both run. `where` filters the stats rows,
+    `having` the emitters (`ended`, `ended_ns`, `instance`, ... as of their latest row)."""
+    latest = (
+        "SELECT source_id, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
+        "argMax(ended, ts_ns) AS ended, argMax(ended_ns, ts_ns) AS ended_ns, argMax(emitted, ts_ns) AS emitted, "
+        "argMax(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown, ts_ns) "
+        "AS dropped, argMax(recovered, ts_ns) AS recovered "
+        f"FROM {db}.{EMITTER_STATS.name} WHERE {where} GROUP BY source_id HAVING {having}"
+    )
+    return (
+        f"WITH latest AS ({latest}) "
+        "SELECT l.source_id AS source_id, l.instance AS instance, l.engine AS engine, l.ended AS ended, "
+        "l.ended_ns AS ended_ns, l.emitted AS emitted, l.dropped AS dropped, l.recovered AS recovered, "
+        "ifNull(e.stored, 0) AS stored, if(ifNull(e.seen, 0) = 1, assumeNotNull(e.max_seq), -1) AS max_seq, "
+        "toInt64(greatest(l.emitted, max_seq + 1)) - toInt64(stored) AS missing "
+        "FROM latest AS l LEFT JOIN ("  # an emitter with no event stored: seen is 0 or NULL (join_use_nulls)
+        "SELECT source_id, uniqExact(seq) AS stored, toInt64(max(seq)) AS max_seq, 1 AS seen "
+        f"FROM {db}.{EVENTS.name} WHERE source_id IN (SELECT source_id FROM latest) GROUP BY source_id"
+        ") AS e ON e.source_id = l.source_id"
+    )
 
 
 class Store:
@@ -337,31 +358,13 @@ class Store:
     def emitter_endings(self, ended: Ending | None = Ending.UNCLEAN) -> list[EmitterEnd]:
         """Emitters whose latest stats say they ended so (every emitter with None), oldest end
         first, each with its sequence gap counted from the stored events."""
-        stats, events = f"{self.db}.{EMITTER_STATS.name}", f"{self.db}.{EVENTS.name}"
-        having = "" if ended is None else "HAVING ended = {ended:String}"
-        latest = (
-            "SELECT source_id, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
-            "argMax(ended, ts_ns) AS ended, argMax(ended_ns, ts_ns) AS ended_ns, argMax(emitted, ts_ns) AS emitted, "
-            "argMax(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown, ts_ns) "
-            "AS dropped, argMax(recovered, ts_ns) AS recovered "
-            f"FROM {stats} GROUP BY source_id {having}"
-        )
-        sql = (
-            f"WITH latest AS ({latest}) "
-            "SELECT l.source_id AS source_id, l.instance AS instance, l.engine AS engine, l.ended AS ended, "
-            "l.ended_ns AS ended_ns, l.emitted AS emitted, l.dropped AS dropped, l.recovered AS recovered, "
-            "ifNull(e.stored, 0) AS stored, ifNull(e.max_seq, -1) AS max_seq "
-            "FROM latest AS l LEFT JOIN ("
-            "SELECT source_id, uniqExact(seq) AS stored, toInt64(max(seq)) AS max_seq "
-            f"FROM {events} WHERE source_id IN (SELECT source_id FROM latest) GROUP BY source_id"
-            ") AS e ON e.source_id = l.source_id ORDER BY ended_ns, source_id"
-        )
-        rows = self.query_arrow(sql, {"ended": (ended or Ending.RUNNING).value},
-                                settings={"join_use_nulls": 1}).to_pylist()
+        having = "1" if ended is None else "ended = {ended:String}"
+        rows = self.query_arrow(f"{endings_sql(self.db, having=having)} ORDER BY ended_ns, source_id",
+                                {"ended": (ended or Ending.RUNNING).value}).to_pylist()
         return [EmitterEnd(source_id=int(r["source_id"]), instance=r["instance"], engine=r["engine"],
                            ended=Ending(r["ended"]), ended_ns=int(r["ended_ns"]), emitted=int(r["emitted"]),
                            dropped=int(r["dropped"]), recovered=int(r["recovered"]), stored=int(r["stored"]),
-                           max_seq=int(r["max_seq"])) for r in rows]
+                           max_seq=int(r["max_seq"]), missing=int(r["missing"])) for r in rows]
 
     def status(self) -> StoreStatus:
         version = self.stored_schema_version()

@@ -38,7 +38,8 @@ def replay(store: Store) -> None:
     matched (unsafe reuse) while checkpoints go missing; both offload and reload."""
     recipe = BUILTIN["mamba-hybrid"]
     for instance, adopt in (("engine-a", AdoptPolicy.COMPLETE), ("engine-b", AdoptPolicy.LOGICAL)):
-        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20), register_atexit=False,
+                               instance=instance)
         sim = CacheSimulator(SimConfig(recipe=recipe, model="jamba", instance=instance, adopt=adopt,
                                        capacity_bytes=(12 << 20, 1 << 30, 0), load_latency_ns=(40_000, 0),
                                        prefill_ns_per_token=30_000, prefill_ns_per_token_pair=3), emitter)
@@ -132,6 +133,11 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     both = [r["resident_gib"] for r in rows["tiers"] if r["tier"] == "device"]
     assert max(both) == pytest.approx(2 * 12 / 1024)
     assert rows["transfers"] and rows["residency"]
+    # both replays' emitters shut down, clean, nothing missing; an emitter ends in wall-clock time,
+    # not in the replay's
+    ended = client.get("/api/panels/endings", params={"from": 0, "to": int(time.time()) + 60}).json()
+    assert {(r["instance"], r["ended"], r["missing"]) for r in ended} == {
+        ("engine-a", "clean", 0), ("engine-b", "clean", 0)}
     assert {(r["instance"], r["agreement"]) for r in rows["verify"]} >= {("engine-a", "recoverable_identical")}
     assert {r["tier"] for r in rows["restore"]} == {"host"} and rows["restore"][0]["tokens"] > 0
     usage = [r for r in rows["usage"] if r["tier"] == "device"]

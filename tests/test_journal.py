@@ -415,6 +415,24 @@ def test_a_full_journal_counts_its_drops_and_db_status_shows_the_gap(tmp_path: P
     assert f"child-1 (test, source {source:016x})" in out
     assert f"{end.missing:,} missing ({end.dropped:,} dropped as counted, 0 unaccounted)" in out
 
+    # the default alert rules fire on it, counting the gap; the dashboards' panel lists it
+    from kvtrace.dashboards.alerts import AlertLoop, Evaluator, rules_from_path
+    from kvtrace.dashboards.queries import by_key, render
+
+    said: list[str] = []
+    loop = AlertLoop(Evaluator(store, rules_from_path(None)), out=said.append)
+    fired = [a for a in loop.cycle() if a.rule.name == "engine-ended-unclean"]
+    assert [(a.labels, a.value) for a in fired] == [((("instance", "child-1"),), 1.0)], said
+    description = fired[0].payload()["annotations"]["description"]
+    assert f"test source {source:016x} ended unclean" in description
+    assert f"{end.missing:,} events missing ({end.dropped:,} dropped as counted, 0 unaccounted)" in description
+    assert any(line.startswith("FIRING   engine-ended-unclean instance=child-1") for line in said), said
+    lo, hi = end.ended_ns // 10**9 - 60, end.ended_ns // 10**9 + 60
+    (row,) = store.query_polars(render(by_key("endings"), store.db, lo, hi)).to_dicts()
+    assert (row["instance"], row["ended"], row["source"], row["missing"], row["dropped"], row["stored"]) == (
+        "child-1", "unclean", f"{source:016X}", end.missing, end.dropped, end.stored)
+    assert store.query_polars(render(by_key("endings"), store.db, lo, hi, variables={"instance": "x"})).is_empty()
+
 
 # -- in one process ------------------------------------------------------------------------------------
 
