@@ -181,8 +181,8 @@ PANELS: tuple[Panel, ...] = (
                     "shipper sends its last counters. missing is its sequence gap, events it numbered that the "
                     "store does not hold; dropped is how many of them it counted as dropped; recovered is what "
                     "was shipped from its journal after it died. Model and tenant filters do not apply.",
-        sql="SELECT fromUnixTimestamp64Nano(ended_ns) AS time, instance, engine, ended, hex(source_id) AS source, "
-            "emitted, stored, missing, dropped, recovered "
+        sql="SELECT fromUnixTimestamp64Nano(ended_ns) AS time, instance, engine, ended, "
+            "lower(leftPad(hex(source_id), 16, '0')) AS source, emitted, stored, missing, dropped, recovered "
             f"FROM ({endings_sql('{db}', having=_ENDED_IN_RANGE)}) "
             "ORDER BY ended = 'unclean' DESC, ended_ns DESC, source_id LIMIT 500"),
 )

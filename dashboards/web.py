@@ -51,8 +51,18 @@ class View:
         return html.escape(urlencode(items))
 
 
-def _bounds(store: Store) -> tuple[int, int]:
-    row = store.query_arrow(f"SELECT min(ts_ns) AS lo, max(ts_ns) AS hi FROM {store.db}.events").to_pylist()[0]
+# Panels in the emitters' own clock (wall time; an end can come long after the last event, and a
+# replay's events are in its trace's time): their pages default to the range of the emitters' stats.
+_EMITTER_CLOCK = frozenset({"endings"})
+
+
+def _bounds(store: Store, keys: tuple[str, ...] = ()) -> tuple[int, int]:
+    """The default time range of a page showing these panels: everything stored."""
+    if keys and _EMITTER_CLOCK.issuperset(keys):
+        sql = f"SELECT min(ts_ns) AS lo, max(greatest(ts_ns, ended_ns)) AS hi FROM {store.db}.emitter_stats"
+    else:
+        sql = f"SELECT min(ts_ns) AS lo, max(ts_ns) AS hi FROM {store.db}.events"
+    row = store.query_arrow(sql).to_pylist()[0]
     lo, hi = row["lo"] or 0, row["hi"] or 0
     return int(lo // 10**9), int(hi // 10**9) + 1
 
@@ -127,9 +137,9 @@ def _chart(div: str, figure: dict[str, Any]) -> str:
 def create_dashboard_app(store: Store) -> FastAPI:
     app = FastAPI(title="kvtrace dashboard", docs_url=None, redoc_url=None)
 
-    def view_of(start: int | None, end: int | None, model: str, instance: str, tenant: str, engine: str,
-                interval_s: int | None) -> View:
-        lo, hi = _bounds(store)
+    def view_of(keys: tuple[str, ...], start: int | None, end: int | None, model: str, instance: str, tenant: str,
+                engine: str, interval_s: int | None) -> View:
+        lo, hi = _bounds(store, keys)
         from_s, to_s = start if start is not None else lo, end if end is not None else hi
         step = interval_s or max(1, (to_s - from_s) // 120)  # about 120 points across the range
         return View(from_s, to_s, step, {"model": model, "instance": instance, "tenant": tenant, "engine": engine})
@@ -166,7 +176,7 @@ def create_dashboard_app(store: Store) -> FastAPI:
                           end: int | None = Query(None, alias="to", ge=0),
                           model: str = "", instance: str = "", tenant: str = "", engine: str = "",
                           interval_s: int | None = Query(None, ge=1)) -> HTMLResponse:
-            view = view_of(start, end, model, instance, tenant, engine, interval_s)
+            view = view_of(PAGES[path][1], start, end, model, instance, tenant, engine, interval_s)
             return HTMLResponse(await run_in_threadpool(page, path, view))
 
         return handler
@@ -183,7 +193,7 @@ def create_dashboard_app(store: Store) -> FastAPI:
             panel = by_key(key)
         except KeyError:
             return JSONResponse({"error": f"no panel {key!r}; panels: {', '.join(p.key for p in PANELS)}"}, 404)
-        view = view_of(start, end, model, instance, tenant, engine, interval_s)
+        view = view_of((key,), start, end, model, instance, tenant, engine, interval_s)
         rows = await run_in_threadpool(panel_rows, store, panel, view)
         return Response(msgspec.json.encode(rows.to_dicts()), media_type="application/json")
 

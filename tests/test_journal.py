@@ -430,7 +430,7 @@ def test_a_full_journal_counts_its_drops_and_db_status_shows_the_gap(tmp_path: P
     lo, hi = end.ended_ns // 10**9 - 60, end.ended_ns // 10**9 + 60
     (row,) = store.query_polars(render(by_key("endings"), store.db, lo, hi)).to_dicts()
     assert (row["instance"], row["ended"], row["source"], row["missing"], row["dropped"], row["stored"]) == (
-        "child-1", "unclean", f"{source:016X}", end.missing, end.dropped, end.stored)
+        "child-1", "unclean", f"{source:016x}", end.missing, end.dropped, end.stored)
     assert store.query_polars(render(by_key("endings"), store.db, lo, hi, variables={"instance": "x"})).is_empty()
 
 

@@ -1,16 +1,19 @@
 """The production path as a new user runs it, every part a real process: `kvtrace collector` with
 bearer tokens, vLLM's OpenAI server with the plugin on by environment only, requests over HTTP
-built from a Mooncake trace for two tenants (`cache_salt`), a restart of the server under the
-same instance name, then `kvtrace db status`, `kvtrace analyze` and `kvtrace dashboard` on the
-store the collector filled. No recipe is named anywhere: kvtrace judges the lookups by the one
-the engine published when it attached, and a wrong one given by hand is refused.
+built from a Mooncake trace for two tenants (`cache_salt`), each server stopped with SIGTERM
+right after its last response, a restart of the server under the same instance name, a third
+server killed with SIGKILL in the middle of its load, then `kvtrace db status`, `kvtrace
+analyze`, `kvtrace alerts` and `kvtrace dashboard` on the store the collector filled. No recipe
+is named anywhere: kvtrace judges the lookups by the one the engine published when it attached,
+and a wrong one given by hand is refused.
 
-One module-scoped setup runs the whole scenario (two and a half minutes on two cores, most of it
-vLLM starting twice) and records what each part said; the tests below check it.
+One module-scoped setup runs the whole scenario (about four minutes on two cores, most of it
+vLLM starting three times) and records what each part said; the tests below check it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,6 +52,8 @@ TENANTS = ("tenant-a", "tenant-b")
 READ_TOKENS = {"tenant-a": "read-a-5f1c", "tenant-b": "read-b-93d0"}
 ENGINE_TOKEN = "engine-7a2e"  # writes both tenants' namespaces
 FIRST_RUN_LINES = 400  # the trace's first 400 lines go to the first server, the next 200 to the restarted one
+KILLED_RUN = 3  # the third server gets the first run's requests again and is killed in the middle of them
+KILL_AFTER = 20  # responses the third server gives before it is killed
 IN_FLIGHT = 4  # requests the client keeps open at once
 START_S = 300  # bound on vLLM's start-up (about 40 s on two busy cores)
 SETTLE_S = 120  # bound on the collector storing and judging what the engine sent
@@ -173,6 +179,10 @@ class Observed:
     dashboard_dom: str = ""
     unsafe_dom: str = ""
     refusal: subprocess.CompletedProcess[str] | None = None
+    answered_before_kill: list[str] = field(default_factory=list)  # X-Request-Ids the killed server answered
+    journals_left: list[str] = field(default_factory=list)  # after the shippers had their time
+    alerts: subprocess.CompletedProcess[str] | None = None
+    health_dom: str = ""
 
 
 def metric(text: str, name: str) -> int:
@@ -222,10 +232,8 @@ class Setup:
         return self.start(name, [sys.executable, "-m", "kvtrace.cli.main", "--dsn", self.dsn, *argv], self.cli_env)
 
 
-def serve_run(setup: Setup, collector: Proc, run: int, batch: list[Sent], judged_before: Counter[str]) -> Served:
-    """Start vLLM's OpenAI server, send the run's requests, read /metrics after the last
-    response, wait until the collector has judged every request, then stop the server with
-    SIGTERM as an operator would."""
+def start_server(setup: Setup, run: int) -> tuple[Proc, str]:
+    """vLLM's OpenAI server, healthy."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model_dir = setup.root / MODEL
@@ -235,11 +243,21 @@ def serve_run(setup: Setup, collector: Proc, run: int, batch: list[Sent], judged
         "--block-size", "32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--enable-prefix-caching",
         "--enable-prompt-tokens-details"], setup.vllm_env)
     server.wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, START_S, "a healthy server")
+    return server, url
+
+
+def serve_run(setup: Setup, collector: Proc, run: int, batch: list[Sent], judged_before: Counter[str]) -> Served:
+    """Start vLLM's OpenAI server, send the run's requests, read /metrics after the last
+    response and stop the server at once with SIGTERM, as an operator would (vLLM then kills its
+    engine core, whose emitter has had no time to flush); then wait until the collector has
+    judged every request."""
+    server, url = start_server(setup, run)
     served = Served()
     with httpx.Client() as client, ThreadPoolExecutor(IN_FLIGHT) as pool:
         for sent, usage in zip(batch, pool.map(lambda s: send(client, url, s), batch), strict=True):
             served.usage[sent.header_id] = usage
     text = httpx.get(f"{url}/metrics", timeout=30).text
+    served.exit_code = server.stop()
     served.queries = metric(text, "vllm:prefix_cache_queries_total")
     served.hits = metric(text, "vllm:prefix_cache_hits_total")
     # Every request's lookup and adopt are stored once the collector has judged them all.
@@ -248,8 +266,34 @@ def serve_run(setup: Setup, collector: Proc, run: int, batch: list[Sent], judged
         lambda: all(judged(setup.collector_url, t) >= expected[t] for t in TENANTS), SETTLE_S,
         lambda: (f"verdicts of {dict(expected)} requests, {({t: judged(setup.collector_url, t) for t in TENANTS})} "
                  f"judged; the server's log ends:\n{server.tail(2000)}"))
-    served.exit_code = server.stop()
     return served
+
+
+def kill_mid_load(setup: Setup, batch: list[Sent]) -> list[str]:
+    """A server killed with SIGKILL, the whole process group at once (what an OOM kill of the
+    container's engine or `kill -9` does), while requests are in flight; the X-Request-Ids it
+    answered before."""
+    server, url = start_server(setup, KILLED_RUN)
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def attempt(client: httpx.Client, sent: Sent) -> None:
+        try:
+            send(client, url, sent)
+        except (httpx.HTTPError, AssertionError):
+            return  # in flight when the server died, or sent after
+        with lock:
+            answered.append(sent.header_id)
+
+    with httpx.Client() as client, ThreadPoolExecutor(IN_FLIGHT) as pool:
+        futures = [pool.submit(attempt, client, s) for s in batch]
+        server.wait_until(lambda: len(answered) >= KILL_AFTER, SETTLE_S, f"{KILL_AFTER} responses")
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        for f in futures:
+            f.result()
+    server.stop()
+    assert len(answered) < len(batch), "the server answered everything before it was killed"
+    return answered
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +325,17 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             batch = [s for s in requests if s.run == run]
             out.runs.append(serve_run(setup, collector, run, batch, judged_so_far))
             judged_so_far.update(s.tenant for s in batch)
+        served_until = int(time.time())  # what the two servers served, for the dashboard's parity view
+        again = [dataclasses.replace(s, run=KILLED_RUN, header_id=f"r{KILLED_RUN}-" + s.header_id.split("-", 1)[1])
+                 for s in requests if s.run == 1]
+        out.answered_before_kill = kill_mid_load(setup, again)
+        journal_dir = Path(setup.vllm_env["KVTRACE_HOME"]) / "journal"
+        # the shipper the killed engine core started outside its process tree delivers what its
+        # journal held, its counters marked unclean, and removes the journal
+        deadline = time.monotonic() + SETTLE_S
+        while list(journal_dir.glob("*.kvjournal")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out.journals_left = sorted(p.name for p in journal_dir.glob("*.kvjournal"))
         for tenant in TENANTS:
             out.verdicts[tenant] = collector_rows(collector_url, "/v1/verdicts", tenant, limit=10_000)
             out.hit_rates[tenant] = collector_rows(collector_url, "/v1/hit-rates", tenant, by="tenant")
@@ -289,6 +344,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 
         # The embedded store serves one process at a time: now the operator's commands on it.
         out.status = kvtrace(setup.cli_env, setup.dsn, "db", "status")
+        out.alerts = kvtrace(setup.cli_env, setup.dsn, "alerts", "--once")
         results = root / "analyzed.parquet"
         out.analyze = kvtrace(setup.cli_env, setup.dsn, "analyze", "--by", "tenant", "-o", str(results))
         if out.analyze.returncode == 0:
@@ -300,9 +356,11 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         dashboard = setup.kvtrace_process("dashboard", "dashboard", "--port", str(dash_port))
         dashboard.wait_until(lambda: httpx.get(f"{dash_url}/api/panels/funnel", timeout=5).status_code == 200, 120,
                              "the dashboard")
-        view = "interval_s=1000000000"  # one time bucket over the whole range: the rates of the totals
+        # one time bucket over what the first two servers served: the rates of their totals
+        view = f"interval_s=1000000000&to={served_until}"
         out.dashboard_dom = dump_dom(f"{dash_url}/?{view}")
         out.unsafe_dom = dump_dom(f"{dash_url}/unsafe?{view}")
+        out.health_dom = dump_dom(f"{dash_url}/health")
         dashboard.stop()
         yield out
     finally:
@@ -370,7 +428,7 @@ def test_no_unsafe_or_missed_reuse_across_the_restart(observed: Observed) -> Non
 
 def test_each_server_emitted_from_its_engine_core_alone_and_attached_with_its_recipe(observed: Observed) -> None:
     """vLLM loads the plugin in its API server, engine core and worker processes: only the
-    engine core (which has the scheduler) emits, one source per start, and nothing was refused,
+    engine core (which has the scheduler) emits, one source per start (three), and nothing was refused,
     quarantined or dropped on the way. `kvtrace db status` shows the engine as it attached."""
     import vllm
 
@@ -381,7 +439,7 @@ def test_each_server_emitted_from_its_engine_core_alone_and_attached_with_its_re
     assert [len(s) for s in sources] == [1, 1] and sources[0] != sources[1], sources
     status = observed.status
     assert status is not None and status.returncode == 0, status
-    assert re.search(r"^event sources:\s+2$", status.stdout, re.MULTILINE), status.stdout
+    assert re.search(r"^event sources:\s+3$", status.stdout, re.MULTILINE), status.stdout  # the killed one too
     assert re.search(r"^dropped events:\s+0 ", status.stdout, re.MULTILINE), status.stdout
     assert re.search(r"^\s+quarantine\s+0 rows", status.stdout, re.MULTILINE), status.stdout
     line = next((ln for ln in status.stdout.splitlines() if ln.strip().startswith(INSTANCE)), "")
@@ -435,3 +493,32 @@ def test_a_recipe_the_engine_contradicts_is_refused(observed: Observed) -> None:
     assert r is not None and r.returncode == 2, r
     assert f"recipe 'dense' given for model '{MODEL}' contradicts what its engine reported" in r.stderr, r.stderr
     assert "group 0: the recipe's block_size is 16, the engine's 32" in r.stderr, r.stderr
+
+
+def test_a_server_killed_mid_load_is_reported_never_silent(observed: Observed) -> None:
+    """SIGKILL to the whole server while requests were in flight: the engine core's journal
+    outlived it, its shipper delivered it, and `kvtrace db status`, the alert rules and the
+    dashboard say that this instance's emitter ended unclean, with its sequence gap: nothing
+    missing, every request it answered before the kill looked up and adopted."""
+    assert not observed.journals_left, f"journals left undelivered: {observed.journals_left}"
+    rows = by_request(observed)
+    answered = observed.answered_before_kill
+    assert len(answered) >= KILL_AFTER and all(rid in rows for rid in answered), \
+        sorted(set(answered) - rows.keys())[:5]
+    sources = {rows[rid]["source_id"] for rid in answered}
+    assert len(sources) == 1, sources
+    source = sources.pop()
+    status = observed.status
+    assert status is not None and status.returncode == 0, status
+    line = next((ln for ln in status.stdout.splitlines() if f"source {source:016x})" in ln), "")
+    assert line.strip().startswith(f"{INSTANCE} (vllm, source {source:016x}): ended "), status.stdout
+    emitted = re.search(r"([\d,]+) emitted, ([\d,]+) stored, nothing missing", line)
+    assert emitted and emitted.group(1) == emitted.group(2), line
+    alerts = observed.alerts
+    assert alerts is not None and alerts.returncode == 0, alerts
+    fired = re.search(rf"^FIRING\s+engine-ended-unclean instance={INSTANCE} value=\d+: (.*)$", alerts.stdout,
+                      re.MULTILINE)
+    assert fired and f"vllm source {source:016x} ended unclean" in fired.group(1), alerts.stdout
+    row = re.search(rf"<tr><td>[^<]*</td><td>{INSTANCE}</td><td>vllm</td><td>unclean</td>"
+                    rf"<td>{source:016x}</td><td>(\d+)</td><td>(\d+)</td><td>0</td>", observed.health_dom)
+    assert row and row.group(1) == row.group(2) == emitted.group(1).replace(",", ""), observed.health_dom[-3000:]
