@@ -101,6 +101,13 @@ class Reconstructor:
             out.append(self._result(oldest, None))
         return out
 
+    def close_source(self, instance: str, source_id: int) -> list[LookupResult]:
+        """Close the lookups of one emitter that ended (its process is gone: no adopt can
+        come), without waiting for the end of the stream; their verdicts are what `finish`
+        would give them."""
+        keys = [k for k, p in self._pending.items() if k[0] == instance and p.lookup.source_id == source_id]
+        return [self._result(self._pending.pop(k), None) for k in keys]
+
     def finish(self) -> list[LookupResult]:
         """Close every lookup still waiting for its adopt."""
         out = [self._result(p, None) for p in self._pending.values()]

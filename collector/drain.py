@@ -25,6 +25,7 @@ from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_rec
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import Ending
 from kvtrace.schema.records import EmitterStats, Rejection
 from kvtrace.store.client import Store
 
@@ -37,11 +38,13 @@ class Drain:
 
     def __init__(self, spool: DurableSpool, store: Store, metrics: CollectorMetrics,
                  on_stored: Callable[[list[Event]], None] | None = None,
+                 on_ended: Callable[[list[tuple[str, int]]], None] | None = None,
                  chunk_bytes: int = 32 << 20, max_backoff_s: float = 30.0, idle_s: float = 0.05) -> None:
         self.spool = spool
         self.store = store
         self.metrics = metrics
         self.on_stored = on_stored
+        self.on_ended = on_ended  # (instance, source id) of emitters whose stored stats say they ended
         self.chunk_bytes = chunk_bytes
         self.max_backoff_s = max_backoff_s
         self.idle_s = idle_s
@@ -93,7 +96,7 @@ class Drain:
                 self._wake.clear()
                 continue
             try:
-                events = self._store(chunk)
+                events, ended = self._store(chunk)
             except Exception as exc:  # noqa: BLE001 - store trouble: retry the same chunk later
                 attempt += 1
                 self.store_ok = False
@@ -117,13 +120,15 @@ class Drain:
                 self.metrics.lag.set((time.monotonic_ns() - self._oldest_ns) / 1e9)
                 if not self.spool.pending_bytes:
                     self._oldest_ns = 0
-            if self.on_stored is not None and events:
-                try:
+            try:
+                if self.on_stored is not None and events:
                     self.on_stored(events)
-                except Exception:  # noqa: BLE001 - live analysis must never stop ingest
-                    log.exception("live reconstruction failed on a chunk; ingest continues")
+                if self.on_ended is not None and ended:
+                    self.on_ended(ended)
+            except Exception:  # noqa: BLE001 - live analysis must never stop ingest
+                log.exception("live reconstruction failed on a chunk; ingest continues")
 
-    def _store(self, chunk: Chunk) -> list[Event]:
+    def _store(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, int]]]:
         records, tables, rejections = self._records(chunk)
         lines = b"".join(r.lines for r in records)
         columns = pa.concat_tables(tables or [arrow_schema().empty_table()])
@@ -147,10 +152,11 @@ class Drain:
             for tenant, count in r.tenants.items():
                 self.metrics.stored.labels(tenant).inc(count)
         self.stored_events += n
+        ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
         if self.on_stored is None or not (lines or columns.num_rows):
-            return []
+            return [], ended
         with no_gc():
-            return _decode_events(lines) + from_arrow(columns)
+            return _decode_events(lines) + from_arrow(columns), ended
 
     def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[pa.Table], list[Rejection]]:
         """The chunk's records, and the events of those that came as columns (in the current

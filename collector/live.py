@@ -51,6 +51,7 @@ class _Instance:
     last_seen_s: float = 0.0
     counter: int = 0
     probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
+    ended: set[int] = field(default_factory=set)  # sources whose emitter ended, with lookups maybe still open
 
 
 class LiveReconstruction:
@@ -97,10 +98,31 @@ class LiveReconstruction:
                     heapq.heappush(inst.heap, (_key(event), inst.counter, event))
                     inst.newest_ns = max(inst.newest_ns, event.ts_ns)
                 inst.last_seen_s = now
-            for inst in self._instances.values():
+            for name, inst in self._instances.items():
                 self._release(inst, inst.newest_ns - self.lateness_ns, results)
+                self._close_ended(name, inst, results)
             self.metrics.live_instances.set(len(self._instances))
             return self._write(results)
+
+    def ended(self, sources: list[tuple[str, int]]) -> int:
+        """(instance, source id) of emitters whose last stats say they ended, cleanly or not:
+        their lookups still without an adopt never get one (a server killed mid-load), so their
+        verdicts are written once the source's events are all released, not when the instance
+        has been idle for `idle_s`. Returns rows written."""
+        with self._lock:
+            results: list[LookupResult] = []
+            for name, source in sources:
+                if (inst := self._instances.get(name)) is not None:
+                    inst.ended.add(source)
+                    self._close_ended(name, inst, results)
+            return self._write(results)
+
+    def _close_ended(self, name: str, inst: _Instance, results: list[LookupResult]) -> None:
+        for source in [s for s in inst.ended if all(e.source_id != s for _, _, e in inst.heap)]:
+            inst.ended.discard(source)
+            done = inst.reconstructor.close_source(name, source)
+            results.extend(done)
+            self._rows.extend(inst.probes.verdicts(done))
 
     def tick(self, force: bool = False) -> int:
         """Release what quiet instances still hold (or everything, when `force`); finish and
@@ -112,6 +134,7 @@ class LiveReconstruction:
                 quiet = now - inst.last_seen_s
                 if force or quiet >= self.lateness_ns / 1e9:
                     self._release(inst, None, results)
+                    self._close_ended(name, inst, results)
                 if force or quiet >= self.idle_s:
                     done = inst.reconstructor.finish()
                     results.extend(done)

@@ -81,7 +81,8 @@ class Collector:
                                         config.lateness_ns, config.rebuild_window_ns)
                      if config.recipes is not None else None)
         self.drain = Drain(self.spool, self.store, self.metrics,
-                           on_stored=self.live.feed if self.live is not None else None)
+                           on_stored=self.live.feed if self.live is not None else None,
+                           on_ended=self.live.ended if self.live is not None else None)
         self._stopping = False
         self._started = False
         self._ticker: threading.Thread | None = None

@@ -386,6 +386,36 @@ def test_idle_instances_are_finished_and_forgotten(store: Store, store_dsn: str,
     assert store.scalar(f"SELECT count() FROM {store.db}.verdicts") == 3
 
 
+
+def test_a_dead_emitters_open_lookups_get_their_verdicts_when_its_end_arrives(store: Store, store_dsn: str,
+                                                                              tmp_path: Path) -> None:
+    """A server killed mid-load leaves lookups whose adopt never comes. Once its emitter's last
+    stats say it ended, the live state closes them (as the end of the stream would), instead of
+    holding them until the instance has been idle for an hour; a running emitter's stay open."""
+    from kvtrace.schema.kinds import Ending
+    from kvtrace.schema.records import EmitterStats
+
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), recipes=load_recipe("dense"),
+                             lateness_ns=50_000_000)
+    with Served(config) as s, s.client() as client:
+        dead = [replace(e, request_id=f"dead-{e.seq}") for e in events(3, source=31, instance="eng")]
+        alive = [replace(e, request_id=f"alive-{e.seq}") for e in events(2, source=32, instance="eng")]
+        assert post(client, alive).status_code == 200
+        last = EmitterStats(ts_ns=time.time_ns(), source_id=31, instance="eng", engine="vllm", emitted=3,
+                            exported=3, ended=Ending.UNCLEAN, ended_ns=time.time_ns())
+        body = encode_batch(Batch(source_id=31, batch_seq=1, sent_ns=time.time_ns(), events=dead, stats=last))
+        assert client.post("/v1/batches", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
+        deadline = time.monotonic() + 30
+        while s.collector.live.verdicts_written < 3:
+            assert time.monotonic() < deadline, s.collector.live.verdicts_written
+            time.sleep(0.05)
+        time.sleep(0.5)  # several ticks: the running emitter's lookups are still open
+        written = store.query_arrow(f"SELECT request_id, adopt_seen FROM {store.db}.verdicts FINAL").to_pylist()
+        assert sorted((r["request_id"], r["adopt_seen"]) for r in written) == [
+            ("dead-0", False), ("dead-1", False), ("dead-2", False)]
+    # stopping closes the rest
+    assert store.scalar(f"SELECT count() FROM {store.db}.verdicts FINAL") == 5
+
 def test_live_reconstruction_judges_a_canarys_probe_against_its_re_run(store: Store) -> None:
     """A probe arrives after its re-run's adopt: the verdict and the probe make one verification row."""
     from kvtrace.collector.live import LiveReconstruction

@@ -212,6 +212,12 @@ def judged(url: str, tenant: str) -> int:
     return sum(r["lookups"] for r in collector_rows(url, "/v1/hit-rates", tenant, by="tenant"))
 
 
+def judged_all(url: str, tenant: str) -> bool:
+    """Every lookup of `tenant` the collector stored has its verdict."""
+    lookups = collector_rows(url, "/v1/events", tenant, kind="lookup", limit=10_000)
+    return len(collector_rows(url, "/v1/verdicts", tenant, limit=10_000)) == len(lookups)
+
+
 @dataclass
 class Setup:
     """Where everything lives, and the processes started (each stopped in the end)."""
@@ -336,6 +342,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         while list(journal_dir.glob("*.kvjournal")) and time.monotonic() < deadline:
             time.sleep(0.5)
         out.journals_left = sorted(p.name for p in journal_dir.glob("*.kvjournal"))
+        # and the collector judges every lookup it stored, those the kill left without an adopt
+        # too: its emitter's last stats say it ended
+        collector.wait_until(lambda: all(judged_all(collector_url, t) for t in TENANTS), SETTLE_S,
+                             "a verdict for every lookup stored")
         for tenant in TENANTS:
             out.verdicts[tenant] = collector_rows(collector_url, "/v1/verdicts", tenant, limit=10_000)
             out.hit_rates[tenant] = collector_rows(collector_url, "/v1/hit-rates", tenant, by="tenant")
