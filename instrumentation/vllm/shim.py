@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +52,37 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
+# Many keys at once, decoded in C from the hashes joined: a 32-byte hash's low 64 bits, and a
+# pool key's (hash + 4-byte group id) low 64 bits of the hash and its group.
+_POOL_KEYS = struct.Struct(">24xQ4x").iter_unpack
+
+
+def _hash_keys(joined: bytes) -> list[int]:
+    """The keys of sha256 hashes (32 bytes each) joined: every fourth big-endian uint64, read
+    by `array` in C, never a Python step per key."""
+    words = array("Q")
+    words.frombytes(joined)
+    if sys.byteorder == "little":
+        words.byteswap()
+    keys = words[3::4].tolist()
+    return [k or 1 for k in keys] if 0 in keys else keys
+
+
+def _pool_key_runs(joined: bytes, n: int) -> dict[int, list[int]]:
+    """Pool keys (a 32-byte hash and a 4-byte group id, `n` of them joined) as one run of keys
+    per group, in order. Group ids below 256 (every model there is) are read as one byte per
+    key in C; the keys come from one `iter_unpack`."""
+    keys = [k or 1 for (k,) in _POOL_KEYS(joined)]
+    if joined[32::36].count(0) == joined[33::36].count(0) == joined[34::36].count(0) == n:
+        low = joined[35::36]
+        groups = set(low)
+        if len(groups) == 1:
+            return {low[0]: keys}
+        return {g: [k for k, b in zip(keys, low, strict=True) if b == g] for g in sorted(groups)}
+    runs: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        runs.setdefault(int.from_bytes(joined[36 * i + 32 : 36 * i + 36], "big"), []).append(key)
+    return runs
 _PROBES = threading.local()  # per-group hits seen during the lookup in progress on this thread
 _probes_installed = False
 
@@ -233,7 +266,12 @@ class CacheManagerShim:
         if keys is None:
             keys = request._kvtrace_keys = []
         if len(keys) < len(hashes):
-            keys.extend(_U64(h, len(h) - 8)[0] or 1 for h in hashes[len(keys):])
+            new = hashes[len(keys):]
+            joined = b"".join(new)
+            if len(joined) == 32 * len(new):  # sha256 hashes, vLLM's default
+                keys.extend(_hash_keys(joined))
+            else:
+                keys.extend(_U64(h, len(h) - 8)[0] or 1 for h in new)
         return keys
 
     def chains(self, request: Any) -> list[list[int]]:
@@ -325,6 +363,13 @@ class CacheManagerShim:
         """One event for the run of blocks this call published (block_key + more_keys)."""
         same = self._same_chain
         chain = self._request_keys(request) if same else None
+        if chain is not None and stop <= len(chain):
+            # Every block of the run published (a full-attention group always; a window's blocks
+            # behind it are null): their keys are a slice of the request's chain.
+            if None not in [b._block_hash for b in blocks[start:stop]]:
+                if start < stop:
+                    self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
+                return
         keys: list[int] = []
         first = last = -1
         for i in range(start, stop):
@@ -336,8 +381,10 @@ class CacheManagerShim:
             if first < 0:
                 first = i
             last = i
-        if not keys:
-            return
+        if keys:
+            self._emit_commit(request, group, block_size, keys, first, last)
+
+    def _emit_commit(self, request: Any, group: int, block_size: int, keys: list[int], first: int, last: int) -> None:
         _, component, page = self.groups[group]
         self.emitter.emit(replace(
             self._event(EventKind.COMMIT, request), request_id="", component=component, group_id=group,
@@ -348,29 +395,48 @@ class CacheManagerShim:
     def _wrap_evict(self, pool: Any) -> None:
         """Evictions happen block by block inside `get_new_blocks` (and `evict_blocks`, for
         connectors). Wrapping the per-block method would cost a call per allocated block, so the
-        shim reads the keys of the blocks about to be reused (the head of vLLM's free queue, or
-        the ids a connector names) before the call, and reports those that lost their key,
-        as one run per group."""
+        shim takes the keys of the blocks `get_new_blocks` pops off vLLM's free queue (its
+        `popleft_n`, which hands them over as a list) or of the ids a connector names, before
+        vLLM drops them, and reports those that lost their key, as one run per group."""
         allocate = getattr(pool, "get_new_blocks", None)
         queue = getattr(pool, "free_block_queue", None)
-        if allocate is None or not hasattr(queue, "fake_free_list_head"):
-            log.warning("kvtrace: vLLM's BlockPool has no get_new_blocks / free queue head; evictions are off")
+        popleft_n = getattr(queue, "popleft_n", None)
+        if allocate is None or popleft_n is None:
+            log.warning("kvtrace: vLLM's BlockPool has no get_new_blocks / free queue popleft_n; evictions are off")
             return
+        shim = self
+        popped: list[list[bytes]] = []  # the keys of the last popleft_n inside get_new_blocks
 
-        def head_keys(num_blocks: int, *args: Any, **kwargs: Any) -> list[bytes]:
-            keys, node = [], queue.fake_free_list_head.next_free_block
-            for _ in range(num_blocks):
-                if node is None:
-                    break
-                if node._block_hash is not None:
-                    keys.append(node._block_hash)
-                node = node.next_free_block
-            return keys
+        def take(n: int, *args: Any, **kwargs: Any) -> Any:
+            blocks = popleft_n(n, *args, **kwargs)
+            if watching:
+                try:
+                    popped.append([h for b in blocks if (h := b._block_hash) is not None])
+                except Exception:  # noqa: BLE001
+                    shim._failed("get_new_blocks")
+            return blocks
+
+        watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
+
+        def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
+            watching.append(True)
+            try:
+                result = allocate(*args, **kwargs)
+            finally:
+                watching.pop()
+            if popped:
+                keys = [k for run in popped for k in run]
+                popped.clear()
+                if keys:
+                    shim._report_evictions(pool, keys)
+            return result
+
+        self.hooks.replace(queue, "popleft_n", take)
+        self.hooks.replace(pool, "get_new_blocks", get_new_blocks)
 
         def named_keys(block_ids: Any, *args: Any, **kwargs: Any) -> list[bytes]:
             return [k for i in block_ids if (k := pool.blocks[i]._block_hash) is not None]
 
-        self._wrap_reuse(pool, "get_new_blocks", head_keys)
         if getattr(pool, "evict_blocks", None) is not None:
             self._wrap_reuse(pool, "evict_blocks", named_keys)
 
@@ -397,17 +463,20 @@ class CacheManagerShim:
         try:
             index = pool.cached_block_hash_to_block
             cache = getattr(index, "_cache", None)  # vLLM's dict behind the map: a plain `in` is cheapest
-            by_group: dict[bytes, list[int]] = {}
-            for key in keys:
-                if (key in cache) if cache is not None else (index.get_one_block(key) is not None):
-                    continue  # another physical block still holds this key
-                group = key[-4:]
-                run = by_group.get(group)
-                if run is None:
-                    run = by_group[group] = []
-                run.append(_U64(key, len(key) - 12)[0] or 1)
+            if cache is not None:  # another physical block may still hold a key
+                gone = [k for k in keys if k not in cache]
+            else:
+                gone = [k for k in keys if index.get_one_block(k) is None]
+            if not gone:
+                return
+            joined = b"".join(gone)
+            if len(joined) == 36 * len(gone):  # sha256 hashes and group ids, vLLM's default
+                by_group = _pool_key_runs(joined, len(gone))
+            else:
+                by_group = {}
+                for k in gone:
+                    by_group.setdefault(int.from_bytes(k[-4:], "big"), []).append(_U64(k, len(k) - 12)[0] or 1)
             for group, run in by_group.items():
-                base = self._evict_base[int.from_bytes(group, "big")]
-                self.emitter.emit(replace(base, block_key=run[0], more_keys=run[1:]))
+                self.emitter.emit(replace(self._evict_base[group], block_key=run[0], more_keys=run[1:]))
         except Exception:  # noqa: BLE001
             self._failed("evictions")
