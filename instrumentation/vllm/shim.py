@@ -30,6 +30,7 @@ shim and the KV-event bridge name the same blocks with the same keys.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import struct
 import sys
@@ -37,6 +38,8 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from itertools import compress, filterfalse
+from operator import attrgetter
 from typing import Any
 
 from msgspec.structs import replace
@@ -54,7 +57,7 @@ log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
 # Many keys at once, decoded in C from the hashes joined: a 32-byte hash's low 64 bits, and a
 # pool key's (hash + 4-byte group id) low 64 bits of the hash and its group.
-_POOL_KEYS = struct.Struct(">24xQ4x").iter_unpack
+_HASH_OF = attrgetter("_block_hash")
 
 
 def _hash_keys(joined: bytes) -> list[int]:
@@ -68,21 +71,31 @@ def _hash_keys(joined: bytes) -> list[int]:
     return [k or 1 for k in keys] if 0 in keys else keys
 
 
+@functools.cache
+def _group_mask(group: int) -> bytes:
+    """A `bytes.translate` table: group's byte -> 1, every other -> 0 (the mask `compress` takes)."""
+    return bytes(int(i == group) for i in range(256))
+
+
 def _pool_key_runs(joined: bytes, n: int) -> dict[int, list[int]]:
     """Pool keys (a 32-byte hash and a 4-byte group id, `n` of them joined) as one run of keys
-    per group, in order. Group ids below 256 (every model there is) are read as one byte per
-    key in C; the keys come from one `iter_unpack`."""
-    keys = [k or 1 for (k,) in _POOL_KEYS(joined)]
+    per group, in order, all in C: the keys by one `struct.unpack`, and with group ids below 256
+    (every model there is) each key's group as one byte, split by `compress` on a mask."""
+    keys = list(struct.unpack(">" + "24xQ4x" * n, joined))
+    if 0 in keys:
+        keys = [k or 1 for k in keys]
     if joined[32::36].count(0) == joined[33::36].count(0) == joined[34::36].count(0) == n:
         low = joined[35::36]
         groups = set(low)
         if len(groups) == 1:
             return {low[0]: keys}
-        return {g: [k for k, b in zip(keys, low, strict=True) if b == g] for g in sorted(groups)}
+        return {g: list(compress(keys, low.translate(_group_mask(g)))) for g in sorted(groups)}
     runs: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
         runs.setdefault(int.from_bytes(joined[36 * i + 32 : 36 * i + 36], "big"), []).append(key)
     return runs
+
+
 _PROBES = threading.local()  # per-group hits seen during the lookup in progress on this thread
 _probes_installed = False
 
@@ -411,7 +424,7 @@ class CacheManagerShim:
             blocks = popleft_n(n, *args, **kwargs)
             if watching:
                 try:
-                    popped.append([h for b in blocks if (h := b._block_hash) is not None])
+                    popped.append(list(filter(None, map(_HASH_OF, blocks))))  # the hashed ones
                 except Exception:  # noqa: BLE001
                     shim._failed("get_new_blocks")
             return blocks
@@ -464,7 +477,7 @@ class CacheManagerShim:
             index = pool.cached_block_hash_to_block
             cache = getattr(index, "_cache", None)  # vLLM's dict behind the map: a plain `in` is cheapest
             if cache is not None:  # another physical block may still hold a key
-                gone = [k for k in keys if k not in cache]
+                gone = list(filterfalse(cache.__contains__, keys))
             else:
                 gone = [k for k in keys if index.get_one_block(k) is None]
             if not gone:
