@@ -140,9 +140,9 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     print()
     print(f"report     {report_path}")
     print(f"data       {shown}   [{time.monotonic() - started:.0f} s]")
-    print(f"next       kvtrace --dsn '{shown}' analyze --recipe demo-jamba={RECIPE} --by instance")
+    print(f"next       kvtrace --dsn '{shown}' analyze --by instance   # by the recipe the engine attached with")
     print(f"           kvtrace --dsn '{shown}' export -o demo.parquet")
-    print("           kvtrace analyze --path duckdb --recipe mamba-hybrid demo.parquet   # no ClickHouse needed")
+    print("           kvtrace analyze --path duckdb demo.parquet   # no ClickHouse needed")
     print("           python -c \"import duckdb; "
           "duckdb.sql(\\\"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\\\").show()\"")
     return 0
