@@ -14,12 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import pytest
+from emitter_helpers import _restore_global_emitter, wait_until  # noqa: F401 - an autouse fixture
 
 from kvtrace.instrumentation import api
 from kvtrace.instrumentation.api import NoopEmitter, get_emitter, set_emitter
@@ -80,15 +80,6 @@ def assert_balanced(stats: EmitterStats) -> None:
     ), stats
 
 
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
-
-
 class GateSink(MemorySink):
     """A MemorySink whose export blocks until the test opens the gate."""
 
@@ -120,15 +111,6 @@ class FlakySink(MemorySink):
                 self.calls += 1
             return ExportResult(self.status, retry_after_s=self.retry_after_s, detail="flaky")
         return super().export(batch)
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_emitter() -> Iterator[None]:
-    previous = set_emitter(None)
-    yield
-    current = set_emitter(previous)
-    if current is not previous:
-        current.shutdown()
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from emitter_helpers import _restore_global_emitter, wait_until  # noqa: F401 - an autouse fixture
 
-from kvtrace.instrumentation.api import set_emitter
 from kvtrace.instrumentation.config import ConfigError, EmitterSettings, JournalMode, SinkKind
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter, JournalConfig
 from kvtrace.instrumentation.journal import HEADER_BYTES, Journal, State, journals
@@ -38,27 +37,14 @@ CHILD = Path(__file__).with_name("journal_child.py")
 QUIET = BatchConfig(max_queue_size=1 << 20, max_export_batch_size=1 << 20, schedule_delay_millis=60_000)
 
 
+def wait_until_slow(predicate, timeout_s: float = 30.0) -> bool:  # noqa: ANN001
+    """A child process and its shipper take their time: a longer bound, a slower poll."""
+    return wait_until(predicate, timeout_s, poll_s=0.02)
+
+
 def ev(key: int, keys: int = 0) -> Event:
     return Event(kind=EventKind.COMMIT, component=ComponentKind.FULL_ATTENTION, block_key=key, tier=Tier.DEVICE,
                  more_keys=list(range(1, keys + 1)))
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_emitter() -> Iterator[None]:
-    previous = set_emitter(None)
-    yield
-    current = set_emitter(previous)
-    if current is not previous:
-        current.shutdown()
-
-
-def wait_until(predicate, timeout_s: float = 30.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- engine stand-ins ----------------------------------------------------------------------------------
@@ -311,7 +297,7 @@ def test_a_process_killed_right_after_emit_loses_nothing(tmp_path: Path, end: st
     n = 3000
     source, code = run_child(tmp_path, str(n), "--end", end)
     assert code == -(signal.SIGKILL if end == "kill" else signal.SIGTERM)
-    assert wait_until(lambda: not journals_left(tmp_path)), (tmp_path / "child.log").read_text()
+    assert wait_until_slow(lambda: not journals_left(tmp_path)), (tmp_path / "child.log").read_text()
     got = spooled(tmp_path / "spool")[source]
     assert sorted(got.seqs) == list(range(n))
     final = got.stats[-1]
@@ -337,7 +323,7 @@ def test_the_shipper_is_outside_the_engines_process_tree(tmp_path: Path) -> None
         os.kill(pid, signal.SIGKILL)
     proc.wait(30)
     proc.stdout.close()
-    assert wait_until(lambda: not journal.exists() and not shippers_of(journal))
+    assert wait_until_slow(lambda: not journal.exists() and not shippers_of(journal))
     got = spooled(tmp_path / "spool")[source]
     assert sorted(got.seqs) == list(range(500)) and got.stats[-1].ended is Ending.UNCLEAN
 
@@ -357,7 +343,7 @@ def test_the_next_start_ships_what_a_dead_emitter_left(tmp_path: Path) -> None:
                       journal=cfg)
     for i in range(10):
         em.emit(ev(i + 1))
-    assert wait_until(lambda: not left.exists())
+    assert wait_until_slow(lambda: not left.exists())
     assert em.force_flush(10_000) is True
     assert em.shutdown() is True
     assert not journals_left(tmp_path)
@@ -374,7 +360,7 @@ def test_a_clean_shutdown_leaves_no_journal_and_says_clean(tmp_path: Path) -> No
     source, code = run_child(tmp_path, "1000", "--end", "exit")
     assert code == 0
     assert not journals_left(tmp_path)
-    assert wait_until(lambda: not shippers_of(tmp_path / "journal" / f"{source:016x}.kvjournal"))
+    assert wait_until_slow(lambda: not shippers_of(tmp_path / "journal" / f"{source:016x}.kvjournal"))
     got = spooled(tmp_path / "spool")[source]
     assert sorted(got.seqs) == list(range(1000))
     final = got.stats[-1]
@@ -394,7 +380,7 @@ def test_a_full_journal_counts_its_drops_and_db_status_shows_the_gap(tmp_path: P
     source, code = run_child(tmp_path, str(n), "--end", "kill", "--stalled-sink", KVTRACE_JOURNAL_MIB="1",
                              KVTRACE_MAX_EXPORT_BATCH_SIZE="100", KVTRACE_SCHEDULE_DELAY_MILLIS="5")
     assert code == -signal.SIGKILL and time.monotonic() - started < 30
-    assert wait_until(lambda: not journals_left(tmp_path))
+    assert wait_until_slow(lambda: not journals_left(tmp_path))
     got = spooled(tmp_path / "spool")[source]
     final = got.stats[-1]
     assert final.ended is Ending.UNCLEAN and final.emitted == n
@@ -511,7 +497,8 @@ def test_a_shutdown_that_cannot_deliver_leaves_the_journal_to_the_next_taker(tmp
     for i in range(50):
         em.emit(ev(i + 1))
     assert em.shutdown() is False
-    assert em._worker is not None and wait_until(lambda: not em._worker.is_alive())  # its last try, at the deadline
+    # its last try, at the deadline
+    assert em._worker is not None and wait_until_slow(lambda: not em._worker.is_alive())
     st = em.stats()
     assert st.dropped == 0 and st.queue_depth == 50
     (left,) = journals_left(tmp_path)
