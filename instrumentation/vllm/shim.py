@@ -55,9 +55,7 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 
 log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
-# Many keys at once, decoded in C from the hashes joined: a 32-byte hash's low 64 bits, and a
-# pool key's (hash + 4-byte group id) low 64 bits of the hash and its group.
-_HASH_OF = attrgetter("_block_hash")
+_HASH_OF = attrgetter("_block_hash")  # a block's hash (None when it has none), read in C by map()
 
 
 def _hash_keys(joined: bytes) -> list[int]:
@@ -77,23 +75,24 @@ def _group_mask(group: int) -> bytes:
     return bytes(int(i == group) for i in range(256))
 
 
-def _pool_key_runs(joined: bytes, n: int) -> dict[int, list[int]]:
-    """Pool keys (a 32-byte hash and a 4-byte group id, `n` of them joined) as one run of keys
-    per group, in order, all in C: the keys by one `struct.unpack`, and with group ids below 256
-    (every model there is) each key's group as one byte, split by `compress` on a mask."""
-    keys = list(struct.unpack(">" + "24xQ4x" * n, joined))
-    if 0 in keys:
-        keys = [k or 1 for k in keys]
-    if joined[32::36].count(0) == joined[33::36].count(0) == joined[34::36].count(0) == n:
-        low = joined[35::36]
-        groups = set(low)
-        if len(groups) == 1:
-            return {low[0]: keys}
-        return {g: list(compress(keys, low.translate(_group_mask(g)))) for g in sorted(groups)}
-    runs: dict[int, list[int]] = {}
-    for i, key in enumerate(keys):
-        runs.setdefault(int.from_bytes(joined[36 * i + 32 : 36 * i + 36], "big"), []).append(key)
-    return runs
+def _pool_key_runs(keys: list[bytes]) -> dict[int, list[int]] | None:
+    """Pool keys (a 32-byte sha256 hash and a 4-byte group id each, vLLM's default) as one run
+    of keys per group, in order, all in C: the keys by one `struct.unpack`, each key's group as
+    one byte, split by `compress` on a mask. None for other keys (another hash, a group id of
+    256 or more): the caller reads those one by one."""
+    n = len(keys)
+    joined = b"".join(keys)
+    if len(joined) != 36 * n or not (joined[32::36].count(0) == joined[33::36].count(0)
+                                     == joined[34::36].count(0) == n):
+        return None
+    values = list(struct.unpack(">" + "24xQ4x" * n, joined))
+    if 0 in values:
+        values = [k or 1 for k in values]
+    low = joined[35::36]
+    groups = set(low)
+    if len(groups) == 1:
+        return {low[0]: values}
+    return {g: list(compress(values, low.translate(_group_mask(g)))) for g in sorted(groups)}
 
 
 _PROBES = threading.local()  # per-group hits seen during the lookup in progress on this thread
@@ -419,6 +418,7 @@ class CacheManagerShim:
             return
         shim = self
         popped: list[list[bytes]] = []  # the keys of the last popleft_n inside get_new_blocks
+        watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
 
         def take(n: int, *args: Any, **kwargs: Any) -> Any:
             blocks = popleft_n(n, *args, **kwargs)
@@ -428,8 +428,6 @@ class CacheManagerShim:
                 except Exception:  # noqa: BLE001
                     shim._failed("get_new_blocks")
             return blocks
-
-        watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
 
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             watching.append(True)
@@ -482,10 +480,8 @@ class CacheManagerShim:
                 gone = [k for k in keys if index.get_one_block(k) is None]
             if not gone:
                 return
-            joined = b"".join(gone)
-            if len(joined) == 36 * len(gone):  # sha256 hashes and group ids, vLLM's default
-                by_group = _pool_key_runs(joined, len(gone))
-            else:
+            by_group = _pool_key_runs(gone)
+            if by_group is None:
                 by_group = {}
                 for k in gone:
                     by_group.setdefault(int.from_bytes(k[-4:], "big"), []).append(_U64(k, len(k) - 12)[0] or 1)
