@@ -105,17 +105,17 @@ class AttachedEngine:
     attached_ns: int
 
 
-def endings_sql(db: str, where: str = "1", having: str = "1") -> str:
+def endings_sql(db: str, having: str = "1") -> str:
     """Each emitter as its latest stats row says it is (how it ended, its counters) beside what
     the store holds of its events, with its sequence gap as `missing`: one query, which
-    `Store.emitter_endings` and the dashboards' panel both run. `where` filters the stats rows,
-    `having` the emitters (`ended`, `ended_ns`, `instance`, ... as of their latest row)."""
+    `Store.emitter_endings` and the dashboards' panel both run. `having` filters the emitters
+    (`ended`, `ended_ns`, `instance`, ... as of their latest row)."""
     latest = (
         "SELECT source_id, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
         "argMax(ended, ts_ns) AS ended, argMax(ended_ns, ts_ns) AS ended_ns, argMax(emitted, ts_ns) AS emitted, "
         "argMax(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown, ts_ns) "
         "AS dropped, argMax(recovered, ts_ns) AS recovered "
-        f"FROM {db}.{EMITTER_STATS.name} WHERE {where} GROUP BY source_id HAVING {having}"
+        f"FROM {db}.{EMITTER_STATS.name} GROUP BY source_id HAVING {having}"
     )
     return (
         f"WITH latest AS ({latest}) "
