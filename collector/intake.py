@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -22,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.collector.auth import Grant
+from kvtrace.collector.bounds import ROW_CAP, json_rows_over, msgpack_array_length, protobuf_records_over
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.arrow_checks import clean_rows
 from kvtrace.schema.arrow_wire import ARROW_TYPE, TooLarge, read_stream
@@ -90,6 +93,47 @@ class Intake:
         self.table = None
 
 
+@dataclass(frozen=True, slots=True)
+class TimeWindow:
+    """When an event may plausibly have happened, relative to when the collector received it.
+
+    Rows outside it are quarantined with the rule named, before they reach the store: a clock
+    far off (or a hostile sender) would otherwise write rows into partitions no query looks
+    at, or a batch spanning years of days would make the store refuse the whole insert (one
+    part per day touched) and stall every tenant's drain behind it.
+    """
+
+    max_age_s: float = 30 * 86400  # an emitter's journal shipped after a long outage is still welcome
+    max_ahead_s: float = 600  # clock skew between an engine host and the collector's
+
+    def bounds(self, received_ns: int) -> tuple[int, int]:
+        """[low, high] in ns; an infinite bound is the whole Int64 range."""
+        age, ahead = self.max_age_s * 1e9, self.max_ahead_s * 1e9
+        return (received_ns - int(age) if age < 2**62 else -(2**63),
+                received_ns + int(ahead) if ahead < 2**62 else 2**63 - 1)
+
+    def problem(self, ts_ns: int, received_ns: int) -> str:
+        low, high = self.bounds(received_ns)
+        if ts_ns < low:
+            return (f"{_when(ts_ns)} is more than {_span(self.max_age_s)} before the collector received it "
+                    f"({_when(received_ns)}); older rows are quarantined (collector --max-event-age)")
+        if ts_ns > high:
+            return (f"{_when(ts_ns)} is more than {_span(self.max_ahead_s)} after the collector received it "
+                    f"({_when(received_ns)}); is the sender's clock right? (collector --max-clock-ahead)")
+        return ""
+
+
+def _when(ns: int) -> str:
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9))
+    except (OverflowError, OSError, ValueError):
+        return f"ts_ns {ns}"
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"
+
+
 def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
@@ -139,8 +183,51 @@ class _JsonBatch(msgspec.Struct, kw_only=True):
     source_id: int
     batch_seq: int
     sent_ns: int
-    events: list[msgspec.Raw] = []
+    events: msgspec.Raw = msgspec.Raw(b"[]")  # counted before its rows are split (`bounds`)
     stats: EmitterStats | None = None
+
+
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_json_rows = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class _MsgpackRows(msgspec.Struct):
+    """A msgpack batch's events, skimmed as one raw value: its array header says how many rows
+    it holds before any is decoded."""
+
+    events: msgspec.Raw = msgspec.Raw(b"\x90")
+
+
+_msgpack_rows = msgspec.msgpack.Decoder(_MsgpackRows)
+
+
+def _too_many(rows: int) -> IntakeError:
+    return IntakeError(413, f"{rows} rows in one request; the limit is {ROW_CAP} (send smaller batches)")
+
+
+def _check_msgpack_rows(payload: bytes) -> None:
+    """Refuse a msgpack batch over the row cap from its array header (a skim, ~5 % of a decode);
+    a payload that is not a map is left for the decoders to name."""
+    try:
+        raw = _msgpack_rows.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return
+    rows = msgpack_array_length(bytes(raw.events))
+    if rows > ROW_CAP:
+        raise _too_many(rows)
+
+
+def _json_event_rows(env: _JsonBatch) -> list[msgspec.Raw]:
+    """The envelope's rows, once they are known to be within the cap."""
+    raw = bytes(env.events)
+    try:
+        over = json_rows_over(raw)
+    except ValueError as exc:
+        raise IntakeError(400, f"not a kvtrace batch: events: {exc}") from None
+    if over:
+        raise _too_many(over)
+    return _json_rows.decode(raw)
 
 
 # Lax for the envelope only: JSON writers (JavaScript, jq) may write an integer as 1.0, which
@@ -163,6 +250,10 @@ def _envelope(data: bytes, what: str = "") -> _JsonBatch:
     try:
         env = _json_envelope.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if _LONE_SURROGATE.search(data):
+            raise IntakeError(400, f"not a kvtrace batch: {what}a string holds a lone UTF-16 surrogate escape "
+                                   f"({_LONE_SURROGATE.search(data).group().decode()}), which is not Unicode text: "
+                                   "escape characters outside the BMP as a surrogate pair") from None
         raise IntakeError(400, f"not a kvtrace batch: {what}{exc}") from None
     _check_envelope(env)
     if env.wire_version != WIRE_VERSION:
@@ -174,22 +265,45 @@ def _origin(batch: _JsonBatch | Batch | object, grant: Grant) -> str:
     return f"{grant.name}:{getattr(batch, 'source_id', 0):016x}:{getattr(batch, 'batch_seq', 0)}"
 
 
-def _place(events: list[Event], grant: Grant) -> bool:
-    """Put every event without a tenant in the grant's home (`Grant.home`), or refuse the
-    request naming the first row that reaches into another tenant's namespace. Returns whether
-    any event was changed."""
-    if grant.operator:
-        return False
+def _good_rows(events: int, rejections: list[Rejection]) -> Iterator[int]:
+    """The 1-based request row of each accepted event: the rows no rejection names, in order."""
+    refused = {r.row for r in rejections if r.row > 0}
+    row = 0
+    for _ in range(events):
+        row += 1
+        while row in refused:
+            row += 1
+        yield row
+
+
+def _place(batch: Batch, grant: Grant, received_ns: int, window: TimeWindow | None) -> None:
+    """Quarantine events outside the time window, put every event without a tenant in the
+    grant's home (`Grant.home`), or refuse the request naming the first row (its number in the
+    request) that reaches into another tenant's namespace."""
+    if grant.operator and window is None:
+        return
     home = grant.home
-    changed = False
-    for row, event in enumerate(events, start=1):
+    low, high = window.bounds(received_ns) if window is not None else (-(2**63), 2**63)
+    kept: list[Event] = []
+    late: list[Rejection] = []
+    for row, event in zip(_good_rows(len(batch.events), batch.rejections), batch.events, strict=True):
+        if not low <= event.ts_ns <= high:
+            assert window is not None
+            late.append(Rejection(received_ns=received_ns, origin=_origin(batch, grant), row=row, field="ts_ns",
+                                  reason=window.problem(event.ts_ns, received_ns),
+                                  raw=msgspec.json.encode(event).decode()[:65536]))
+            continue
+        kept.append(event)
+        if grant.operator:
+            continue
         if not event.tenant:
             if home:
                 event.tenant = home
-                changed = True
         elif not grant.allows(event.tenant):
             raise IntakeError(403, f"row {row}: tenant {event.tenant!r} is outside this token's namespace")
-    return changed
+    if late:
+        batch.events = kept
+        batch.rejections = sorted([*batch.rejections, *late], key=lambda r: r.row)
 
 
 @contextlib.contextmanager
@@ -224,13 +338,22 @@ def _fast(payload: bytes) -> Batch | None:
     return batch
 
 
-def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
+def intake_batch(payload: bytes, content_type: str, grant: Grant, window: TimeWindow | None = None) -> Intake:
     """A kvtrace batch in the msgpack wire format, its JSON form or as Arrow columns."""
+    try:
+        return _intake_batch(payload, content_type, grant, window)
+    except RecursionError:
+        raise IntakeError(400, "not a kvtrace batch: values nest too deep (an event row is an object of "
+                               "scalars and lists)") from None
+
+
+def _intake_batch(payload: bytes, content_type: str, grant: Grant, window: TimeWindow | None) -> Intake:
     kind = media_type(content_type)
     received_ns = time.time_ns()
     if kind == ARROW_TYPE:
-        return intake_columns(payload, grant)
+        return intake_columns(payload, grant, window)
     if kind == CONTENT_TYPE:
+        _check_msgpack_rows(payload)
         batch = _fast(payload)
         if batch is None:
             try:
@@ -244,17 +367,18 @@ def intake_batch(payload: bytes, content_type: str, grant: Grant) -> Intake:
                           stats=raw.stats, rejections=bad)
     elif kind == JSON_TYPE:
         env = _envelope(payload)
-        good, bad = validate_rows(env.events, _origin(env, grant), decode=lambda r: event_from_json(bytes(r)))
+        good, bad = validate_rows(_json_event_rows(env), _origin(env, grant),
+                                  decode=lambda r: event_from_json(bytes(r)))
         batch = Batch(source_id=env.source_id, batch_seq=env.batch_seq, sent_ns=env.sent_ns, events=good,
                       stats=env.stats, rejections=bad)
     else:
         raise IntakeError(415, f"Content-Type {content_type or '(none)'!r} not supported: send {CONTENT_TYPE}, "
                                f"{ARROW_TYPE} or {JSON_TYPE}")
-    _finish(batch, grant, received_ns)
+    _finish(batch, grant, received_ns, window)
     return Intake(batch, len(batch.events) + len(batch.rejections))
 
 
-def intake_columns(payload: bytes, grant: Grant) -> Intake:
+def intake_columns(payload: bytes, grant: Grant, window: TimeWindow | None = None) -> Intake:
     """A columnar batch (`arrow_wire`): rows checked column-wise, and only the rows that fail
     go through the row path, which names their fault; the accepted rows stay columns."""
     received_ns = time.time_ns()
@@ -263,20 +387,37 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
     except WireError as exc:
         raise IntakeError(413 if isinstance(exc, TooLarge) else 400, str(exc)) from None
     env = _envelope(meta, "envelope: ")
-    ok = clean_rows(table)  # rows stored as they came
+    clean_mask = clean_rows(table)  # rows stored as they came
+    ok = clean_mask.copy()  # of those, the ones kept
     rejections: list[Rejection] = []
-    if ok.all():
+    low, high = window.bounds(received_ns) if window is not None else (-(2**63), 2**63)
+    if window is not None:
+        ts = table.column("ts_ns")
+        late = np.asarray(pc.fill_null(pc.or_(pc.less(ts, low), pc.greater(ts, high)), False)) & clean_mask
+        if late.any():
+            rejections += _late_rows(window, _origin(env, grant), received_ns,
+                                     _numbered_rows(table, np.flatnonzero(late)))
+            ok &= ~late
+    if clean_mask.all():
         _check_tenants(table, ok, grant)
     else:
-        dirty = np.flatnonzero(~ok)
-        good, rejections = validate_numbered(_numbered_rows(table, dirty), _origin(env, grant))
+        dirty = np.flatnonzero(~clean_mask)
+        good, refused = validate_numbered(_numbered_rows(table, dirty), _origin(env, grant))
+        refused_rows = {r.row for r in refused}
+        numbers = [i + 1 for i in dirty.tolist() if i + 1 not in refused_rows]
+        # rows the row path accepted after all (an older schema version, upgraded), in the window or not
+        on_time = [(n, e) for n, e in zip(numbers, good, strict=True) if low <= e.ts_ns <= high]
+        if len(on_time) < len(good):
+            rejections += _late_rows(window, _origin(env, grant), received_ns,  # type: ignore[arg-type]
+                                     ((n, msgspec.to_builtins(e)) for n, e in zip(numbers, good, strict=True)
+                                      if not low <= e.ts_ns <= high))
+        rejections = sorted([*rejections, *refused], key=lambda r: r.row)
         accepted = ok.copy()
-        refused = {r.row - 1 for r in rejections}
-        accepted[[i for i in dirty.tolist() if i not in refused]] = True
+        accepted[[n - 1 for n, _ in on_time]] = True
         _check_tenants(table, accepted, grant)
         table = table.filter(pa.array(ok))
-        if good:  # rows the row path accepted after all (an older schema version, upgraded)
-            table = pa.concat_tables([table, to_arrow(good)])
+        if on_time:
+            table = pa.concat_tables([table, to_arrow([e for _, e in on_time])])
     if grant.home:
         tenant = table.column("tenant")
         if pc.any(pc.equal(tenant, "")).as_py():
@@ -286,6 +427,13 @@ def intake_columns(payload: bytes, grant: Grant) -> Intake:
                   rejections=rejections)
     _finish(batch, grant, received_ns)  # may quarantine the stats: counted as received, as in the row formats
     return Intake(batch, table.num_rows + len(batch.rejections), table=table)
+
+
+def _late_rows(window: TimeWindow, origin: str, received_ns: int,
+               rows: Iterable[tuple[int, dict]]) -> list[Rejection]:
+    return [Rejection(received_ns=received_ns, origin=origin, row=number, field="ts_ns",
+                      reason=window.problem(row["ts_ns"], received_ns), raw=msgspec.json.encode(row).decode()[:65536])
+            for number, row in rows]
 
 
 def _numbered_rows(table: pa.Table, rows: np.ndarray, step: int = 8192) -> Iterator[tuple[int, dict]]:
@@ -327,7 +475,7 @@ def intake_events(batch: Batch, grant: Grant) -> Intake:
     return Intake(out, len(out.events) + len(out.rejections))
 
 
-def _finish(batch: Batch, grant: Grant, received_ns: int) -> None:
+def _finish(batch: Batch, grant: Grant, received_ns: int, window: TimeWindow | None = None) -> None:
     """Quarantine emitter stats with out-of-range counters, stamp rejections, place events."""
     if batch.stats is not None and (found := range_problems(batch.stats)):
         batch.rejections.append(Rejection(received_ns=received_ns, origin=_origin(batch, grant), row=0,
@@ -336,13 +484,26 @@ def _finish(batch: Batch, grant: Grant, received_ns: int) -> None:
         batch.stats = None
     for rejection in batch.rejections:
         rejection.received_ns = received_ns
-    _place(batch.events, grant)
+    _place(batch, grant, received_ns, window)
 
 
 # -- OTLP/HTTP logs ----------------------------------------------------------------------------
-def _any_value(value: object) -> object:
-    which = value.WhichOneof("value")  # type: ignore[attr-defined]
+def _any_value(value: Any, depth: int = 0) -> object:
+    """An OTLP AnyValue as plain builtins, whatever it holds: a kvlist is an object, an array a
+    list (so an event may come as a structured body as well as JSON text)."""
+    which = value.WhichOneof("value")
+    if which == "kvlist_value":
+        if depth >= _MAX_ANY_DEPTH:
+            raise IntakeError(400, f"not an OTLP ExportLogsServiceRequest: a body nests deeper than {_MAX_ANY_DEPTH}")
+        return {kv.key: _any_value(kv.value, depth + 1) for kv in value.kvlist_value.values}
+    if which == "array_value":
+        if depth >= _MAX_ANY_DEPTH:
+            raise IntakeError(400, f"not an OTLP ExportLogsServiceRequest: a body nests deeper than {_MAX_ANY_DEPTH}")
+        return [_any_value(v, depth + 1) for v in value.array_value.values]
     return getattr(value, which) if which else None
+
+
+_MAX_ANY_DEPTH = 8
 
 
 # The repeated fields down to the records, each under its two JSON names (the collector's
@@ -373,7 +534,8 @@ def _otlp_shape_problem(doc: dict, path: tuple[tuple[str, str], ...]) -> str:
     return ""
 
 
-def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake, int]:
+def intake_otlp(payload: bytes, content_type: str, grant: Grant,
+                window: TimeWindow | None = None) -> tuple[Intake, int]:
     """kvtrace events inside OTLP log records (our OTLP sink's shape: the event's JSON as the
     body, named `kvtrace.event`). Other records are not ours and are counted, not rejected.
 
@@ -387,8 +549,13 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
     request = ExportLogsServiceRequest()
     try:
         if kind == PROTOBUF_TYPE:
+            if (records := protobuf_records_over(payload)) > 0:
+                raise _too_many(records)
             request.ParseFromString(payload)
         elif kind == JSON_TYPE:
+            if (objects := payload.count(b"{")) > 2 * ROW_CAP:  # every record is one, its body another
+                raise IntakeError(413, f"{objects} JSON objects in one request; the limit is {2 * ROW_CAP} "
+                                       "(send smaller batches)")
             doc = json.loads(payload)  # the standard parser: JSON may escape lone surrogates in unknown keys
             if not isinstance(doc, dict):
                 raise IntakeError(400, "not an OTLP ExportLogsServiceRequest: the JSON body must be an object")
@@ -412,10 +579,11 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
         for scope_logs in resource_logs.scope_logs:
             for record in scope_logs.log_records:
                 name = record.event_name or next(
-                    (str(_any_value(a.value)) for a in record.attributes if a.key == "event.name"), "")
+                    (str(_any_value(a.value)) for a in record.attributes if a.key == "event.name"
+                     and a.value.WhichOneof("value") == "string_value"), "")
                 body = _any_value(record.body) if record.HasField("body") else None
                 if name == OTLP_EVENT:
-                    rows.append(body if isinstance(body, str | bytes) else msgspec.json.encode(body))
+                    rows.append(body)  # JSON text, or an object (a kvlist body)
                 elif name == OTLP_STATS and isinstance(body, str | bytes):
                     try:
                         stats = msgspec.json.decode(body, type=EmitterStats)
@@ -423,11 +591,13 @@ def intake_otlp(payload: bytes, content_type: str, grant: Grant) -> tuple[Intake
                         foreign += 1
                 else:
                     foreign += 1
+    if len(rows) > ROW_CAP:
+        raise _too_many(len(rows))
     good, bad = validate_rows(rows, f"{grant.name}:otlp", decode=_otlp_row)
     now = time.time_ns()
     batch = Batch(source_id=stats.source_id if stats and 0 <= stats.source_id < 2**64 else 0, batch_seq=0,
                   sent_ns=now, events=good, stats=stats, rejections=bad)
-    _finish(batch, grant, now)
+    _finish(batch, grant, now, window)
     return Intake(batch, len(batch.events) + len(batch.rejections)), foreign
 
 
