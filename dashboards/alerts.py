@@ -281,11 +281,11 @@ class Evaluator:
 
     def _drops(self, rule: Rule, since: int, now: int) -> list[Sample]:
         rows = self.store.query_arrow(
-            "SELECT instance, sum(d) AS dropped FROM (SELECT instance, source_id, "
+            "SELECT instance, sum(d) AS dropped FROM (SELECT instance, source_id, writer, "
             "max(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown) - "
             "min(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown) AS d "
             f"FROM {self.store.db}.emitter_stats FINAL WHERE ts_ns >= {{a:Int64}} AND ts_ns <= {{b:Int64}} "
-            "GROUP BY instance, source_id) GROUP BY instance", {"a": since, "b": now}).to_pylist()
+            "GROUP BY instance, source_id, writer) GROUP BY instance", {"a": since, "b": now}).to_pylist()
         return [Sample(rule.name, (("instance", r["instance"]),), float(r["dropped"]), r["dropped"] > rule.threshold)
                 for r in rows]
 

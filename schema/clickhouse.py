@@ -1,8 +1,10 @@
 """ClickHouse DDL derived from the stored Structs: single-node and replicated cluster variants.
 
 Tables are MergeTree partitioned by day. Events are a ReplacingMergeTree whose sort key ends in
-the event id (source_id, seq), so an event delivered twice collapses to one row; the key starts
-with instance and time because reconstruction reads one instance's stream in time order.
+the event id (source_id, seq) and the tenant, so an event delivered twice collapses to one row,
+while a row another tenant sends under the same id stays a row of its own: no token can
+replace a row of a tenant it may not write. The key starts with instance and time because
+reconstruction reads one instance's stream in time order.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ EVENTS = TableSpec(
     name="events",
     struct=Event,
     time_column="ts_ns",
-    order_by=("instance", "ts_ns", "source_id", "seq"),
+    order_by=("instance", "ts_ns", "source_id", "seq", "tenant"),
     shard_key="cityHash64(instance)",
     replacing=True,
     indexes=(
@@ -58,7 +60,7 @@ EMITTER_STATS = TableSpec(
     name="emitter_stats",
     struct=EmitterStats,
     time_column="ts_ns",
-    order_by=("source_id", "ts_ns"),
+    order_by=("source_id", "writer", "ts_ns"),
     shard_key="source_id",
     replacing=True,
 )
@@ -66,7 +68,7 @@ VERDICTS = TableSpec(  # written by the collector's live reconstruction, one row
     name="verdicts",
     struct=LookupResult,
     time_column="ts_ns",
-    order_by=("instance", "ts_ns", "source_id", "seq"),
+    order_by=("instance", "ts_ns", "source_id", "seq", "tenant"),
     shard_key="cityHash64(instance)",
     replacing=True,  # a collector rebuilding an instance may write a lookup's row again
 )
@@ -81,7 +83,7 @@ VERIFICATIONS = TableSpec(  # `kvtrace verify` and engine canaries: requests re-
     name="verifications",
     struct=Verification,
     time_column="ts_ns",
-    order_by=("instance", "ts_ns", "request_id"),
+    order_by=("instance", "ts_ns", "request_id", "tenant"),
     shard_key="cityHash64(instance)",
     replacing=True,  # a collector rebuilding an instance may judge a canary's probe again
 )
@@ -282,6 +284,30 @@ def migration_statements(table: TableSpec, existing: set[str], opts: DdlOptions)
                 f"ADD COLUMN IF NOT EXISTS {column_definition(spec)}{after}"
             )
     return out
+
+
+REKEY_SUFFIX = "__rekey"
+
+
+def sorting_key(table: TableSpec) -> str:
+    """The sort key as `system.tables.sorting_key` spells it."""
+    return ", ".join(table.order_by)
+
+
+def rekey_statements(table: TableSpec, opts: DdlOptions) -> list[str]:
+    """Statements that give a single-node table made by an earlier version this version's sort
+    key (ClickHouse cannot change the key of a table in place): a new table beside it, every
+    row copied, the two swapped atomically, the old one dropped. A crash part-way leaves the
+    `__rekey` table, which the next run drops before it starts again."""
+    if opts.cluster:
+        raise ValueError(f"{opts.database}.{table.name}: changing the sort key of a replicated table is not "
+                         "automated; see docs/store.md (re-keying a cluster)")
+    name, spare = f"{opts.database}.{table.name}", f"{opts.database}.{table.name}{REKEY_SUFFIX}"
+    create = create_table(table, opts).replace(f"{name}\n", f"{spare}\n", 1)
+    columns = ", ".join(f"`{s.name}`" for s in field_specs(table.struct))
+    return [f"DROP TABLE IF EXISTS {spare}", create,
+            f"INSERT INTO {spare} ({columns}) SELECT {columns} FROM {name}",
+            f"EXCHANGE TABLES {name} AND {spare}", f"DROP TABLE {spare}"]
 
 
 def settings_statements(opts: DdlOptions) -> list[str]:

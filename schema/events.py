@@ -33,7 +33,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Bump when fields are added; readers accept every version up to this one."""
 
 

@@ -44,6 +44,9 @@ class EmitterStats(msgspec.Struct, kw_only=True, omit_defaults=True):
         Ending.RUNNING)
     ended_ns: Annotated[TimeNs, msgspec.Meta(
         description="When it ended: its shutdown, or the last sign of life of a process that died.")] = 0
+    writer: Annotated[Label, msgspec.Meta(
+        description="Set by the collector: the tenants of the token that sent these counters "
+                    "('' for an operator's token or an open collector); emitters leave it empty.")] = ""
 
     @property
     def dropped(self) -> int:

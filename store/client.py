@@ -25,13 +25,16 @@ from kvtrace.schema.clickhouse import (
     EVENTS,
     META_TABLE,
     QUARANTINE,
+    REKEY_SUFFIX,
     TABLES,
     VERDICTS,
     VERIFICATIONS,
     DdlOptions,
     migration_statements,
+    rekey_statements,
     schema_statements,
     settings_statements,
+    sorting_key,
     storage_table,
     zero_when_omitted,
 )
@@ -69,6 +72,7 @@ class EmitterEnd:
     max_seq: int  # the highest seq stored, -1 when none is
     missing: int  # its sequence gap: events it numbered (by its count, or by a higher seq stored)
     # that the store does not hold
+    writer: str = ""  # the tenants of the token that reported it ('' an operator's, or open)
 
     @property
     def unaccounted(self) -> int:
@@ -84,7 +88,7 @@ class StoreStatus:
     code_schema_version: int
     tables: tuple[TableStatus, ...]
     sources: int
-    dropped_events: int  # reported by emitters (latest counters per source)
+    dropped_events: int  # reported by emitters (latest counters per source and writer)
     unclean: tuple[EmitterEnd, ...] = ()  # emitters whose process died before they shut down
 
 
@@ -111,15 +115,16 @@ def endings_sql(db: str, having: str = "1") -> str:
     `Store.emitter_endings` and the dashboards' panel both run. `having` filters the emitters
     (`ended`, `ended_ns`, `instance`, ... as of their latest row)."""
     latest = (
-        "SELECT source_id, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
+        "SELECT source_id, writer, argMax(instance, ts_ns) AS instance, argMax(engine, ts_ns) AS engine, "
         "argMax(ended, ts_ns) AS ended, argMax(ended_ns, ts_ns) AS ended_ns, argMax(emitted, ts_ns) AS emitted, "
         "argMax(dropped_queue_full + dropped_export_failed + dropped_invalid + dropped_shutdown, ts_ns) "
         "AS dropped, argMax(recovered, ts_ns) AS recovered "
-        f"FROM {db}.{EMITTER_STATS.name} GROUP BY source_id HAVING {having}"
+        f"FROM {db}.{EMITTER_STATS.name} GROUP BY source_id, writer HAVING {having}"
     )
     return (
         f"WITH latest AS ({latest}) "
-        "SELECT l.source_id AS source_id, l.instance AS instance, l.engine AS engine, l.ended AS ended, "
+        "SELECT l.source_id AS source_id, l.writer AS writer, l.instance AS instance, l.engine AS engine, "
+        "l.ended AS ended, "
         "l.ended_ns AS ended_ns, l.emitted AS emitted, l.dropped AS dropped, l.recovered AS recovered, "
         "ifNull(e.stored, 0) AS stored, if(ifNull(e.seen, 0) = 1, assumeNotNull(e.max_seq), -1) AS max_seq, "
         "toInt64(greatest(l.emitted, max_seq + 1)) - toInt64(stored) AS missing "
@@ -139,6 +144,7 @@ class Store:
     def __init__(self, dsn: str | None = None) -> None:
         self.dsn = parse_dsn(dsn or default_dsn())
         self.db = self.dsn.database
+        self.last_ping_error = ""
         self._lock = threading.RLock()
         self._client: Any = None
 
@@ -181,11 +187,15 @@ class Store:
         self.close()
 
     def ping(self) -> bool:
+        """Whether the store answers; when it does not, `last_ping_error` says why."""
         try:
             with self._lock:
-                return bool(self.client.command("SELECT 1") == 1)
-        except Exception:  # noqa: BLE001 - a health check answers, it does not raise
+                ok = self.client.command("SELECT 1") == 1
+            self.last_ping_error = "" if ok else "SELECT 1 did not answer 1"
+        except Exception as exc:  # noqa: BLE001 - a health check answers, it does not raise
+            self.last_ping_error = f"{type(exc).__name__}: {str(exc).strip() or 'no reason given'}"[:500]
             return False
+        return ok
 
     # -- schema ------------------------------------------------------------------------------
     def stored_schema_version(self) -> int | None:
@@ -227,6 +237,7 @@ class Store:
                 for stmt in migration_statements(table, existing, opts):
                     self.client.command(stmt)
                     applied.append(stmt)
+            applied += self._rekey(opts)
             for stmt in settings_statements(opts):  # stores made before a setting existed get it too
                 self.client.command(stmt)
             if stored != SCHEMA_VERSION:
@@ -236,6 +247,29 @@ class Store:
                     column_names=["key", "value", "updated_ns"],
                 )
                 applied.append(f"schema_version {stored} -> {SCHEMA_VERSION}")
+        return applied
+
+    def _rekey(self, opts: DdlOptions) -> list[str]:
+        """Give tables an earlier version made this version's sort key (see `rekey_statements`).
+        Runs under the store's lock: a collector starting on an old store waits for its copy."""
+        rows = self.client.query(
+            "SELECT name, sorting_key FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.db}).result_rows
+        keys = {name: key.strip("()").replace(" ", "") for name, key in rows}
+        applied: list[str] = []
+        for table in TABLES:
+            name = storage_table(table, opts)
+            if f"{name}{REKEY_SUFFIX}" in keys and keys.get(name) == sorting_key(table).replace(" ", ""):
+                self.client.command(f"DROP TABLE IF EXISTS {self.db}.{name}{REKEY_SUFFIX}")  # a crash after the swap
+            if name not in keys or keys[name] == sorting_key(table).replace(" ", ""):
+                continue
+            try:
+                statements = rekey_statements(table, opts)
+            except ValueError as exc:
+                raise StoreError(str(exc)) from None
+            for stmt in statements:
+                self.client.command(stmt)
+            applied.append(f"{self.db}.{name}: sort key ({keys[name]}) -> ({sorting_key(table)})")
         return applied
 
     def require_schema(self) -> None:
@@ -364,7 +398,7 @@ class Store:
         return [EmitterEnd(source_id=int(r["source_id"]), instance=r["instance"], engine=r["engine"],
                            ended=Ending(r["ended"]), ended_ns=int(r["ended_ns"]), emitted=int(r["emitted"]),
                            dropped=int(r["dropped"]), recovered=int(r["recovered"]), stored=int(r["stored"]),
-                           max_seq=int(r["max_seq"]), missing=int(r["missing"])) for r in rows]
+                           max_seq=int(r["max_seq"]), missing=int(r["missing"]), writer=r["writer"]) for r in rows]
 
     def status(self) -> StoreStatus:
         version = self.stored_schema_version()
@@ -386,7 +420,7 @@ class Store:
                 self.scalar(
                     "SELECT sum(d) FROM (SELECT argMax(dropped_queue_full + dropped_export_failed + "
                     "dropped_invalid + dropped_shutdown, ts_ns) AS d "
-                    f"FROM {self.db}.{EMITTER_STATS.name} GROUP BY source_id)"
+                    f"FROM {self.db}.{EMITTER_STATS.name} GROUP BY source_id, writer)"
                 )
                 or 0
             )
