@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -27,10 +30,23 @@ from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import Ending
 from kvtrace.schema.records import EmitterStats, Rejection
+from kvtrace.schema.wire import FRAME_OVERHEAD
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector.drain")
 _decode_events = msgspec.json.Decoder(Event).decode_lines
+
+
+# ClickHouse error codes that blame the rows of an insert, not the store's state: what cannot be
+# parsed or converted, a value out of range, a table constraint violated.
+DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 69, 70, 72, 117, 131, 469})
+_CODE = re.compile(r"\bCode: (\d+)")
+
+
+def refuses_data(exc: BaseException) -> bool:
+    """Whether an insert's error blames its rows (see DATA_ERRORS)."""
+    found = _CODE.search(str(exc))
+    return found is not None and int(found.group(1)) in DATA_ERRORS
 
 
 class Drain:
@@ -39,15 +55,21 @@ class Drain:
     def __init__(self, spool: DurableSpool, store: Store, metrics: CollectorMetrics,
                  on_stored: Callable[[list[Event]], None] | None = None,
                  on_ended: Callable[[list[tuple[str, int]]], None] | None = None,
-                 chunk_bytes: int = 32 << 20, max_backoff_s: float = 30.0, idle_s: float = 0.05) -> None:
+                 on_drained: Callable[[Counter[str]], None] | None = None,
+                 chunk_bytes: int = 32 << 20, max_backoff_s: float = 30.0, idle_s: float = 0.05,
+                 refusals_before_isolating: int = 3) -> None:
         self.spool = spool
         self.store = store
         self.metrics = metrics
         self.on_stored = on_stored
         self.on_ended = on_ended  # (instance, source id) of emitters whose stored stats say they ended
+        self.on_drained = on_drained  # spool bytes stored per writer (the grant named in each record's origin)
+        self._sizes: Counter[str] = Counter()
         self.chunk_bytes = chunk_bytes
         self.max_backoff_s = max_backoff_s
         self.idle_s = idle_s
+        self.refusals_before_isolating = refusals_before_isolating
+        self.isolated_rows = 0  # rows the store refused on their own, quarantined with its reason
         self.store_ok = True
         self.last_error = ""
         self.stored_events = 0
@@ -82,6 +104,7 @@ class Drain:
 
     def _run(self) -> None:
         attempt = 0
+        refusals = 0  # failed attempts on this chunk while the store answered a ping
         while not self._stop.is_set():
             chunk = self.spool.read(max_bytes=self.chunk_bytes)
             if chunk is None:
@@ -91,14 +114,22 @@ class Drain:
                 if time.monotonic() - self._pinged >= self.ping_every_s:  # idle: is the store still there?
                     self._pinged = time.monotonic()
                     self.store_ok = self.store.ping()
+                    if not self.store_ok:
+                        self.last_error = self.store.last_ping_error
                     self.metrics.store_up.set(int(self.store_ok))
                 self._wake.wait(self.idle_s)
                 self._wake.clear()
                 continue
             try:
-                events, ended = self._store(chunk)
+                if refusals >= self.refusals_before_isolating:
+                    # The store answers, yet refused this chunk again and again: find the rows it
+                    # refuses and quarantine them, so no one's rows wait behind them any longer.
+                    events, ended = self._isolate(chunk)
+                else:
+                    events, ended = self._store(chunk)
             except Exception as exc:  # noqa: BLE001 - store trouble: retry the same chunk later
                 attempt += 1
+                refusals = refusals + 1 if self.store.ping() else 0  # it answers, yet does not store
                 self.store_ok = False
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.metrics.store_up.set(0)
@@ -111,10 +142,12 @@ class Drain:
                 continue
             if attempt:
                 log.info("store reachable again after %d failed attempts", attempt)
-            attempt = 0
+            attempt = refusals = 0
             self.store_ok = True
             self.metrics.store_up.set(1)
             self.spool.done(chunk)
+            if self.on_drained is not None:
+                self.on_drained(self._sizes)
             self.metrics.spool_bytes.set(self.spool.pending_bytes)
             if self._oldest_ns:
                 self.metrics.lag.set((time.monotonic_ns() - self._oldest_ns) / 1e9)
@@ -158,6 +191,108 @@ class Drain:
         with no_gc():
             return _decode_events(lines) + from_arrow(columns), ended
 
+    def _isolate(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, int]]]:
+        """Store a chunk the store keeps refusing, a record at a time, halving any insert it
+        refuses until the refused rows stand alone; those are quarantined with the store's own
+        reason. Every insert's de-duplication token is named by its place in the chunk, so a
+        crash part-way and the retry that follows store nothing twice. Raises (and the chunk is
+        retried whole) when the store stops answering meanwhile: that is an outage, not a
+        refusal, and no row is quarantined for it."""
+        records, tables, rejections = self._records(chunk)
+        self._stored_any, self._unblamed = False, 0
+        refused: list[Rejection] = []
+        lines_kept: list[bytes] = []
+        tables_kept: list[pa.Table] = []
+        stats: dict[int, EmitterStats] = {}
+        columns = iter(tables)
+        for i, r in enumerate(records):
+            origin = f"spool:{chunk.token}#{i + 1}"
+            rows = [line for line in r.lines.split(b"\n") if line]
+            kept, bad = self._split_insert(rows, f"{chunk.token}:{i}", origin, self._insert_lines)
+            lines_kept += kept
+            refused += bad
+            if r.columns:
+                table = next(columns)
+                kept_tables, bad = self._split_insert(table, f"{chunk.token}:{i}:columns", origin, self._insert_table)
+                tables_kept += kept_tables
+                refused += bad
+            rejections.extend(r.rejections)
+            if r.stats is not None:
+                stats[r.stats.source_id] = r.stats
+        if self._unblamed:
+            # Rows refused alone by an error that does not blame their data (a full or read-only
+            # disk, a store coming back part-way): the chunk is retried whole (what was stored
+            # is not stored twice: the tokens repeat), and only after rounds of the same do the
+            # rows refused that way go to quarantine, where their content is kept.
+            if self._isolating != chunk.token:
+                self._isolating, self._unblamed_rounds = chunk.token, 0
+            self._unblamed_rounds += self._stored_any  # a round counts when the store took the other rows
+            rounds = self._unblamed_rounds
+            if rounds < self.unblamed_rounds_before_quarantine:
+                raise RuntimeError(f"the store refused {self._unblamed} rows alone, not for their data "
+                                   f"(round {rounds}): {refused[0].reason}")
+        self.isolated_rows += len(refused)
+        if refused:
+            log.error("the store refused %d rows of spooled chunk %s on their own; quarantined with its reason, "
+                      "the rest stored (first: %s)", len(refused), chunk.token, refused[0].reason)
+        rejections += refused
+        if rejections:
+            self.store.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection), dedup_token=chunk.token)
+        if stats:
+            self.store.insert_arrow(EMITTER_STATS.name, to_arrow(list(stats.values()), EmitterStats),
+                                    dedup_token=chunk.token)
+        stored = len(lines_kept) + sum(t.num_rows for t in tables_kept)
+        self.stored_events += stored
+        for r in records:
+            for tenant, count in r.tenants.items():
+                self.metrics.stored.labels(tenant).inc(count)
+        ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
+        if self.on_stored is None or not stored:
+            return [], ended
+        with no_gc():
+            return _decode_events(b"\n".join(lines_kept)) + (from_arrow(pa.concat_tables(tables_kept))
+                                                              if tables_kept else []), ended
+
+    def _insert_lines(self, rows: list[bytes], token: str) -> None:
+        self.store.insert_json_lines(EVENTS.name, b"\n".join(rows) + b"\n", dedup_token=token)
+
+    def _insert_table(self, table: pa.Table, token: str) -> None:
+        self.store.insert_arrow(EVENTS.name, table, dedup_token=token)
+
+    def _split_insert(self, rows: Any, token: str, origin: str, insert: Callable[[Any, str], None],
+                      first: int = 1) -> tuple[list[Any], list[Rejection]]:
+        """Insert `rows` (JSON lines or a table); when the store refuses, insert each half on its
+        own. Returns what was stored (lines, or tables) and the rows refused alone."""
+        n = len(rows)
+        if not n:
+            return [], []
+        try:
+            insert(rows, token)
+            self._stored_any = True
+            return (list(rows) if isinstance(rows, list) else [rows]), []
+        except Exception as exc:  # noqa: BLE001
+            if not self.store.ping():
+                raise  # an outage: retry the chunk whole later
+            if n == 1:
+                self._unblamed += not refuses_data(exc)
+                raw = rows[0].decode("utf-8", "replace") if isinstance(rows, list) else \
+                    msgspec.json.encode(rows.to_pylist()[0]).decode()
+                return [], [Rejection(received_ns=time.time_ns(), origin=origin, row=first, field="",
+                                      reason=f"the store refused this row: {type(exc).__name__}: {exc}"[:4096],
+                                      raw=raw[:65536])]
+        half = n // 2
+        head = rows[:half] if isinstance(rows, list) else rows.slice(0, half)
+        tail = rows[half:] if isinstance(rows, list) else rows.slice(half)
+        kept, bad = self._split_insert(head, f"{token}:0", origin, insert, first)
+        kept2, bad2 = self._split_insert(tail, f"{token}:1", origin, insert, first + half)
+        return kept + kept2, bad + bad2
+
+    _stored_any = False  # an insert of the chunk being isolated succeeded
+    _isolating = ""  # the token of the chunk isolated last
+    _unblamed_rounds = 0  # isolations of it that stored rows and refused others, not for their data
+    unblamed_rounds_before_quarantine = 10
+    _unblamed = 0  # rows of it refused alone by an error that does not blame their data
+
     def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[pa.Table], list[Rejection]]:
         """The chunk's records, and the events of those that came as columns (in the current
         schema, whatever schema version spooled them). One that cannot be read back (a spool
@@ -166,9 +301,11 @@ class Drain:
         records: list[SpoolRecord] = []
         tables: list[pa.Table] = []
         bad: list[Rejection] = []
+        self._sizes = Counter()
         for i, payload in enumerate(chunk.payloads):
             try:
                 record = decode_record(payload)
+                self._sizes[record.origin.split(":", 1)[0]] += len(payload) + FRAME_OVERHEAD
                 table = conform(pa.ipc.open_stream(record.columns).read_all()) if record.columns else None
             except Exception as exc:  # noqa: BLE001
                 log.error("spooled record %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
