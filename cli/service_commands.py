@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
     col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
     col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
+    col.add_argument("--max-event-age-days", type=non_negative, default=30,
+                     help="quarantine rows stamped more than this before they arrive (default 30; 0: no bound)")
+    col.add_argument("--max-clock-ahead-s", type=non_negative, default=600,
+                     help="quarantine rows stamped more than this after they arrive (default 600)")
+    col.add_argument("--public-metrics", action="store_true",
+                     help="serve /metrics (which names tenants) without an operator token")
     col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     col.set_defaults(handler=cmd_collector, extra="collector")
 
@@ -58,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_collector(args: argparse.Namespace) -> int:
     from kvtrace.collector.auth import AuthConfigError, TokenTable
+    from kvtrace.collector.intake import TimeWindow
     from kvtrace.collector.serve import serve
     from kvtrace.collector.service import config_from_env
     from kvtrace.collector.subscribe import KvEventSource
@@ -68,7 +75,9 @@ def cmd_collector(args: argparse.Namespace) -> int:
             dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
             tokens=TokenTable.from_env(path=args.tokens_file),
             recipes=None if args.no_live else RecipeBook.parse(args.recipe),
-            lateness_ns=args.lateness_ms * 10**6,
+            lateness_ns=args.lateness_ms * 10**6, public_metrics=args.public_metrics,
+            time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
+                                   max_ahead_s=args.max_clock_ahead_s),
             kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
                                             args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
     except (AuthConfigError, RecipeError, ValueError) as exc:

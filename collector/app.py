@@ -8,6 +8,7 @@ body's schema there is the one derived from the event Struct.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import Annotated, Any
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvtrace.collector.auth import Grant
 from kvtrace.collector.intake import ENVELOPE_BOUNDS, JSON_TYPE, PROTOBUF_TYPE, IntakeError, Unavailable, media_type
@@ -31,8 +33,10 @@ from kvtrace.schema.events import WIRE_REQUIRED
 from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch
 
+log = logging.getLogger("kvtrace.collector")
 MAX_ROWS = 10_000
 _INT_PARAMS = {"limit", "since_ns"}
+INT64_MAX = 2**63 - 1
 
 
 class RowProblem(BaseModel):
@@ -119,15 +123,27 @@ def _grant(collector: Collector, request: Request) -> Grant:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing early (413) once it passes the limit."""
+    """The raw body, refused (413) before a byte of it is read when its Content-Length is over
+    the limit, and as soon as it passes the limit when it comes chunked. A client that hangs up
+    mid-body is not an error of the collector: nothing was acknowledged, so nothing is lost."""
+    declared = request.headers.get("content-length", "")
+    if declared.strip().isdigit() and int(declared) > limit:
+        raise _Refused(413, f"Content-Length {int(declared)} is over the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Refused(413, f"body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Gone() from None
     return b"".join(chunks)
+
+
+class _Gone(Exception):
+    """The client went away before its body arrived; there is no one to answer."""
 
 
 def _tenant_filter(grant: Grant, params: dict[str, Any]) -> str:
@@ -135,6 +151,26 @@ def _tenant_filter(grant: Grant, params: dict[str, Any]) -> str:
         return "1"
     params["tenants"] = sorted(grant.tenants)
     return "tenant IN {tenants:Array(String)}"
+
+
+def _link_reads(spec: dict[str, Any]) -> None:
+    """OpenAPI links from an accepted batch to the reads that return it (the events and verdicts
+    of its first row's instance, the rates): what a client does next, and what a stateful API
+    fuzzer follows."""
+    ops = {(path, method): op for path, item in spec.get("paths", {}).items() for method, op in item.items()}
+    post = ops.get(("/v1/batches", "post"))
+    if post is None:
+        return
+    links = {}
+    for name, path in (("ReadEvents", "/v1/events"), ("ReadVerdicts", "/v1/verdicts"), ("ReadRates", "/v1/hit-rates")):
+        target = ops.get((path, "get"))
+        if target is None:
+            continue
+        link: dict[str, Any] = {"operationId": target["operationId"]}
+        if path != "/v1/hit-rates":
+            link["parameters"] = {"instance": "$request.body#/events/0/instance"}
+        links[name] = link
+    post["responses"]["200"]["links"] = links
 
 
 def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
@@ -155,6 +191,11 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
     @app.exception_handler(_Refused)
     async def refused(_: Request, exc: _Refused) -> JSONResponse:
         return _error(exc.status, exc.message)
+
+    @app.exception_handler(_Gone)
+    async def gone(_: Request, exc: _Gone) -> Response:
+        log.info("a client disconnected before its request body arrived; nothing was accepted")
+        return Response(status_code=499)  # nginx's "client closed request": never sent, only logged
 
     @app.exception_handler(RequestValidationError)
     async def bad_params(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -255,7 +296,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
         instance: str | None = None,
         request_id: str | None = None,
         kind: EventKind | None = None,
-        since_ns: Annotated[int, Query(ge=0)] = 0,
+        since_ns: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
     ) -> Response:
         filters = {"instance": instance, "request_id": request_id, "kind": kind.value if kind else None}
@@ -266,7 +307,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
         request: Request,
         instance: str | None = None,
         request_id: str | None = None,
-        since_ns: Annotated[int, Query(ge=0)] = 0,
+        since_ns: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
     ) -> Response:
         return await _select(request, VERDICTS.name, {"instance": instance, "request_id": request_id}, since_ns, limit)
@@ -276,7 +317,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
     async def get_hit_rates(
         request: Request,
         by: GroupBy = GroupBy.MODEL,
-        since_ns: Annotated[int, Query(ge=0)] = 0,
+        since_ns: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     ) -> list[HitRates]:
         grant = _grant(collector, request)
         params: dict[str, Any] = {"since": since_ns}
@@ -308,8 +349,19 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
                 "spool_bound_bytes": r.spool_bound_bytes, "shutting_down": r.shutting_down, "detail": r.detail}
         return JSONResponse(body, status_code=200 if r.ready else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
+    refusal = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorReply"}}}
+
+    @app.get("/metrics", summary="Prometheus metrics (an operator token, unless made public)",
+             response_class=PlainTextResponse,
+             responses={401: {"description": "missing or unknown token", "content": refusal},
+                        403: {"description": "not an operator token", "content": refusal}})
+    async def metrics(request: Request) -> Response:
+        """The collector's counters, labelled by tenant: a scrape needs an operator token (a
+        Prometheus `authorization` credential) unless the collector runs with public metrics, so
+        no client learns the names of other tenants."""
+        if collector.config.tokens.enabled and not collector.config.public_metrics:
+            if not _grant(collector, request).operator:
+                raise _Refused(403, "/metrics names every tenant: it needs an operator token (or --public-metrics)")
         return Response(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
@@ -327,6 +379,7 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
             for name, (low, high) in ENVELOPE_BOUNDS.items():
                 batch["properties"][name] = {"type": "integer", "minimum": low, "maximum": high}
             spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            _link_reads(spec)
             app.openapi_schema = spec
         return app.openapi_schema
 

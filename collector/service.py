@@ -23,6 +23,7 @@ from kvtrace.collector.drain import Drain
 from kvtrace.collector.intake import (
     Intake,
     IntakeError,
+    TimeWindow,
     Unavailable,
     decompress,
     intake_batch,
@@ -31,12 +32,14 @@ from kvtrace.collector.intake import (
 )
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.collector.owners import SourceWriters, writer_of
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
 from kvtrace.collector.subscribe import KvEventSource, Subscription
 from kvtrace.schema.arrow_wire import write_stream
 from kvtrace.schema.paths import data_dir
 from kvtrace.schema.recipes import Recipe, RecipeBook
-from kvtrace.schema.wire import Batch
+from kvtrace.schema.records import Rejection
+from kvtrace.schema.wire import FRAME_OVERHEAD, Batch
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector")
@@ -58,6 +61,9 @@ class CollectorConfig:
     rebuild_window_ns: int = 3600 * 10**9
     drain_timeout_s: float = 30.0
     kv_event_sources: tuple[KvEventSource, ...] = ()  # ZMQ KV-event streams to subscribe to
+    time_window: TimeWindow | None = TimeWindow()  # rows outside it are quarantined (None: any time)
+    public_metrics: bool = False  # /metrics (which names tenants) without an operator token
+    fair_spool: bool = True  # a writer past its share of the spool is told 429 while others still write
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,7 @@ class Collector:
         self.config = config
         self.metrics = CollectorMetrics()
         self.store = Store(config.dsn)
+        self.writers = SourceWriters(self.store)
         spool_dir = config.spool_dir or str(data_dir() / "collector-spool")
         self.spool = DurableSpool(spool_dir, max_bytes=config.max_spool_bytes, fsync=config.fsync)
         self.live = (LiveReconstruction(self.store, config.recipes, self.metrics, config.policy,
@@ -82,7 +89,10 @@ class Collector:
                      if config.recipes is not None else None)
         self.drain = Drain(self.spool, self.store, self.metrics,
                            on_stored=self.live.feed if self.live is not None else None,
-                           on_ended=self.live.ended if self.live is not None else None)
+                           on_ended=self.live.ended if self.live is not None else None,
+                           on_drained=self._drained)
+        self._pending_by: Counter[str] = Counter()  # spooled, not yet stored bytes per writer (grant name)
+        self._pending_lock = threading.Lock()
         self._stopping = False
         self._started = False
         self._ticker: threading.Thread | None = None
@@ -152,12 +162,39 @@ class Collector:
     def authenticate(self, authorization: str | None) -> Grant | None:
         return self.config.tokens.from_header(authorization)
 
-    def _admit(self, size: int) -> None:
+    def _drained(self, sizes: Counter[str]) -> None:
+        with self._pending_lock:
+            self._pending_by.subtract(sizes)
+            for name in [n for n, v in self._pending_by.items() if v <= 0]:
+                del self._pending_by[name]
+
+    def _admit(self, size: int, writer: str = "") -> None:
+        """Refuse what cannot be spooled now (429 or 503, with Retry-After) or ever (413).
+
+        Fair use: the spool's high-water bound is shared equally by the writers that have bytes
+        waiting in it (the requester counted), and a writer past its share is told 429 even while
+        the spool has room. Until the high-water mark is reached a lone writer uses all of it;
+        the bytes between it and the hard bound stay for the others, so a tenant that floods the
+        collector while the store is slow never locks the rest out.
+        """
         if self._stopping:
             raise Unavailable(503, "collector is shutting down", 5)
         bound = self.config.max_spool_bytes * self.config.high_water
+        if size > bound:  # waiting would never help: say so, not 429 forever
+            raise IntakeError(413, f"a {size}-byte request can never fit the collector's spool ({int(bound)} bytes "
+                                   "accepted at once); send smaller batches")
+        wait = 2 if self.drain.store_ok else 10
+        if self.config.fair_spool and writer:
+            with self._pending_lock:
+                mine = self._pending_by.get(writer, 0)
+                writers = len(self._pending_by) + (writer not in self._pending_by)
+            share = bound / writers
+            if writers > 1 and mine + size > share:
+                raise Unavailable(429, f"this token has {mine} bytes waiting in the spool, its share of {int(share)} "
+                                       f"while {writers} writers wait for the store; retry later", wait)
+            if writers > 1 and self.spool.pending_bytes + size <= self.config.max_spool_bytes:
+                return  # within its share: the headroom above high water is there for it
         if self.spool.pending_bytes + size > bound:
-            wait = 2 if self.drain.store_ok else 10
             raise Unavailable(429, f"spool is full ({self.spool.pending_bytes} of {int(bound)} bytes waiting "
                                    "for the store); retry later", wait)
 
@@ -165,15 +202,39 @@ class Collector:
                otlp: bool = False) -> tuple[Intake, int]:
         """Validate, spool durably, and return the intake (and foreign OTLP records skipped)."""
         started = time.perf_counter()
-        self._admit(len(body))
+        self._admit(len(body), grant.name)
         payload = decompress(body, encoding, self.config.max_request_bytes)
+        window = self.config.time_window
         if otlp:
-            intake, foreign = intake_otlp(payload, content_type or "", grant)
+            intake, foreign = intake_otlp(payload, content_type or "", grant, window)
         else:
-            intake, foreign = intake_batch(payload, content_type or "", grant), 0
+            intake, foreign = intake_batch(payload, content_type or "", grant, window), 0
+        self._own(intake, grant)
         self._spool(intake, grant, started)
         intake.release()
         return intake, foreign
+
+    def _own(self, intake: Intake, grant: Grant) -> None:
+        """Quarantine stats that claim a source whose events another token writes (`owners`),
+        mark the rest with the writer they came from, and remember whose events these are."""
+        batch = intake.batch
+        pairs = {(e.source_id, e.tenant) for e in batch.events}
+        if intake.table is not None and intake.table.num_rows:
+            both = intake.table.select(["source_id", "tenant"]).group_by(["source_id", "tenant"]).aggregate([])
+            pairs.update(zip(both.column("source_id").to_pylist(), both.column("tenant").to_pylist(), strict=True))
+        stats = batch.stats
+        if stats is not None:
+            if stats.source_id in {s for s, _ in pairs} or self.writers.may_report(stats.source_id, grant):
+                stats.writer = writer_of(grant)
+            else:
+                batch.rejections.append(Rejection(
+                    received_ns=time.time_ns(), origin=f"{grant.name}:{stats.source_id:016x}:{batch.batch_seq}",
+                    row=0, field="stats.source_id",
+                    reason=f"source {stats.source_id:016x} writes events of other tenants: this token may not "
+                           "report its counters", raw=msgspec.json.encode(stats).decode()[:65536]))
+                batch.stats = None
+                intake.quarantined += 1
+        self.writers.wrote(pairs)
 
     def accept(self, batch: Batch, grant: Grant) -> Intake:
         """Typed events from inside this process (the KV-event subscriber), validated and
@@ -201,9 +262,14 @@ class Collector:
             try:
                 self.spool.append(data)
             except SpoolFull as exc:
+                if len(data) + 8 > self.spool.max_bytes:
+                    raise IntakeError(413, f"this request spools as {len(data)} bytes, more than the whole spool "
+                                           f"holds ({self.spool.max_bytes}); send smaller batches") from None
                 raise Unavailable(429, str(exc), 2) from None
             except OSError as exc:
                 raise Unavailable(503, f"cannot write the spool: {exc.strerror}", 5) from None
+            with self._pending_lock:
+                self._pending_by[grant.name] += len(data) + FRAME_OVERHEAD
             self.metrics.spooled_bytes.inc(len(data))
             self.metrics.spool_bytes.set(self.spool.pending_bytes)
             self.drain.poke()
@@ -221,7 +287,7 @@ class Collector:
         store_ok = self.drain.store_ok
         ready = store_ok and not full and not self._stopping and self._started
         detail = ("shutting down" if self._stopping else "not started" if not self._started
-                  else f"store unreachable: {self.drain.last_error}" if not store_ok
+                  else f"store unreachable: {self.drain.last_error or 'no reason given yet'}" if not store_ok
                   else "spool nearly full" if full else "ok")
         return Readiness(ready, store_ok, pending, bound, self._stopping, detail)
 
