@@ -133,12 +133,16 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from kvtrace.store.client import Store
-    from kvtrace.store.export import EventFilter, ExportFormat, export_events
+    from kvtrace.store.export import EventFilter, ExportError, ExportFormat, export_events
 
     flt = EventFilter(args.since, args.until, args.instance, args.model, args.tenant)
     with Store(args.dsn) as store:
         store.require_schema()
-        rows = export_events(store, args.output, ExportFormat(args.format), flt)
+        try:
+            rows = export_events(store, args.output, ExportFormat(args.format), flt)
+        except ExportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"wrote {rows} events to {args.output}")
     return 0
 
