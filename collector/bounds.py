@@ -54,7 +54,7 @@ def json_rows_over(raw: bytes, cap: int = ROW_CAP) -> int:
     if not body.startswith(b"[") or not body.endswith(b"]"):
         raise ValueError("expected a JSON array")
     inner = body[1:-1]
-    if inner.count(b",") < cap:
+    if not inner.strip() or inner.count(b",") < cap:
         return 0
     count = _top_level_commas(inner) + 1
     return count if count > cap else 0

@@ -400,6 +400,8 @@ def intake_columns(payload: bytes, grant: Grant, window: TimeWindow | None = Non
             ok &= ~late
     if clean_mask.all():
         _check_tenants(table, ok, grant)
+        if not ok.all():
+            table = table.filter(pa.array(ok))
     else:
         dirty = np.flatnonzero(~clean_mask)
         good, refused = validate_numbered(_numbered_rows(table, dirty), _origin(env, grant))
