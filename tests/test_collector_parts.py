@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 from pathlib import Path
 
 import msgspec
@@ -259,3 +260,47 @@ def test_spool_directory_keeps_its_id(tmp_path: Path) -> None:
     a = DurableSpool(tmp_path).spool_id
     assert DurableSpool(tmp_path).spool_id == a and len(a) == 16  # tokens stay meaningful across restarts
     assert DurableSpool(tmp_path / "other").spool_id != a  # and never collide with another collector's
+
+
+def test_rows_are_counted_before_they_are_decoded() -> None:
+    from kvtrace.collector.bounds import json_rows_over, msgpack_array_length, protobuf_records_over
+
+    # JSON: commas and brackets inside strings and nested lists are not rows
+    rows = [{"request_id": "a,b,[c]{d}\\\",", "group_block_keys": [[1, 2], [3]]}] * 40
+    raw = msgspec.json.encode(rows)
+    assert json_rows_over(raw, cap=1000) == 0 and json_rows_over(raw, cap=39) == 40
+    assert json_rows_over(b"[]", cap=0) == 0 and json_rows_over(b"[{},{}]", cap=1) == 2
+    with pytest.raises(ValueError, match="nest deeper"):
+        json_rows_over(b"[" + b"[" * 20 + b"1,2" + b"]" * 20 + b"]", cap=0)
+    for n in (0, 15, 16, 65535, 65536):
+        assert msgpack_array_length(msgspec.msgpack.encode([0] * n)) == n
+    assert msgpack_array_length(msgspec.msgpack.encode({"a": 1})) == -1
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    req = ExportLogsServiceRequest()
+    for _ in range(3):
+        scope = req.resource_logs.add().scope_logs.add()
+        for _ in range(4):
+            scope.log_records.add().body.string_value = "x"
+    body = req.SerializeToString()
+    assert protobuf_records_over(body, cap=12) == 0 and protobuf_records_over(body, cap=11) == 12
+    assert protobuf_records_over(b"\xff\xff", cap=0) == 0  # malformed: left for protobuf to name
+
+
+def test_a_time_window_quarantines_rows_it_would_not_believe_in_every_format() -> None:
+    from kvtrace.collector.intake import TimeWindow
+
+    now = time.time_ns()
+    rows = [lookup(i) for i in range(4)]
+    rows = [msgspec.structs.replace(e, ts_ns=t) for e, t in
+            zip(rows, (now, now - 40 * 86400 * 10**9, now + 3600 * 10**9, now - 1), strict=True)]
+    window = TimeWindow()
+    for body, ctype in ((encode_batch(Batch(source_id=7, batch_seq=1, sent_ns=1, events=rows)), CONTENT_TYPE),
+                        (encode_columns(Envelope(source_id=7, batch_seq=1, sent_ns=1), rows), ARROW_TYPE)):
+        intake = intake_batch(body, ctype, OPEN, window)
+        assert (intake.accepted, intake.quarantined) == (2, 2)
+        assert [(r.row, r.field) for r in intake.batch.rejections] == [(2, "ts_ns"), (3, "ts_ns")]
+        assert "more than 30 days before" in intake.batch.rejections[0].reason
+        assert "after the collector received it" in intake.batch.rejections[1].reason
+    assert intake_batch(encode_batch(Batch(source_id=7, batch_seq=1, sent_ns=1, events=rows)), CONTENT_TYPE,
+                        OPEN).accepted == 4  # no window: any time

@@ -152,8 +152,23 @@ def test_every_data_endpoint_refuses_a_missing_or_unknown_token(served: Served) 
                 assert r.status_code == 401, (method, path, token)
                 assert r.json() == {"error": "missing or unknown bearer token"}
                 assert r.headers["WWW-Authenticate"].startswith("Bearer")
-    with served.client() as c:  # operations endpoints stay open for probes and scrapers
-        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+    with served.client() as c:  # probes need no token
+        assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
+        docs = c.get("/openapi.json").text + c.get("/docs").text
+        assert "acme" not in docs and "beta" not in docs  # the API's description names no tenant
+        assert c.get("/metrics").status_code == 401  # its series are labelled by tenant
+    with served.client("tok-acme") as c:
+        r = c.get("/metrics")
+        assert r.status_code == 403 and "operator token" in r.json()["error"]
+    with served.client("tok-op") as c:
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_can_be_made_public(store: Store, store_dsn: str, tmp_path: Path) -> None:
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), tokens=TokenTable.parse_env(TOKENS),
+                             public_metrics=True)
+    with Served(config) as s, s.client() as c:
+        assert c.get("/metrics").status_code == 200
 
 
 def test_tenants_are_isolated_on_every_endpoint(served: Served, store: Store) -> None:
@@ -187,16 +202,41 @@ def test_tenants_are_isolated_on_every_endpoint(served: Served, store: Store) ->
         assert store.count_events() == 8  # nothing of the refused requests was stored
 
 
-def test_backpressure_answers_429_with_retry_after_and_the_emitter_waits(store: Store, store_dsn: str,
-                                                                          tmp_path: Path) -> None:
-    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), max_spool_bytes=4096)
+def test_backpressure_answers_429_with_retry_after_and_the_emitter_waits(tmp_path: Path) -> None:
+    """The store is down: the spool fills to its bound, then the collector says 429 (try later);
+    a batch larger than the whole bound gets 413 at once (it would never fit)."""
+    down = f"http://127.0.0.1:{free_port()}/kvtrace"
+    config = CollectorConfig(dsn=down, spool_dir=str(tmp_path / "spool"), max_spool_bytes=64 << 10, drain_timeout_s=1)
     with Served(config) as s, s.client() as c:
-        big = events(200)
-        r = post(c, big)
+        r = post(c, events(2000))
+        assert r.status_code == 413 and "can never fit" in r.json()["error"]
+        codes = [post(c, events(20, source=1 + i), seq=i).status_code for i in range(100)]
+        assert codes[0] == 200 and 429 in codes, codes
+        r = post(c, events(20, source=999))
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 and "spool is full" in r.json()["error"]
-        result = HttpSink(s.url).export(Batch(source_id=1, batch_seq=1, sent_ns=1, events=big))
-        assert result.status is ExportStatus.RETRY and result.retry_after_s >= 1
-        assert post(c, events(5)).status_code == 200  # small batches still fit
+        sink = HttpSink(s.url)  # the emitter's sink (compressed columns: smaller) is told to wait too
+        results = [sink.export(Batch(source_id=1, batch_seq=i, sent_ns=1, events=events(20))) for i in range(50)]
+        waits = [r for r in results if r.status is ExportStatus.RETRY]
+        assert waits and all(r.retry_after_s >= 1 for r in waits)
+        assert s.collector.spool.pending_bytes > 0
+
+
+def test_one_tenant_filling_the_spool_leaves_the_others_their_share(tmp_path: Path) -> None:
+    """The store is down and tenant A sends as fast as it can: A is told 429 once past its share
+    of the spool, while B, within its share, still gets its batches in."""
+    down = f"http://127.0.0.1:{free_port()}/kvtrace"
+    config = CollectorConfig(dsn=down, spool_dir=str(tmp_path / "spool"), max_spool_bytes=256 << 10,
+                             tokens=TokenTable.parse_env(TOKENS), drain_timeout_s=1)
+    with Served(config) as s, s.client("tok-acme") as acme, s.client("tok-beta") as beta:
+        codes = [post(acme, events(20, source=1 + i), seq=i).status_code for i in range(200)]
+        assert 429 in codes
+        first = codes.index(429)
+        assert all(c == 429 for c in codes[first:])  # nothing drains: A stays refused
+        assert s.collector.spool.pending_bytes >= 0.8 * config.max_spool_bytes * config.high_water
+        got = [post(beta, events(20, source=1000 + i), seq=i).status_code for i in range(5)]
+        assert got == [200] * 5, got  # B is within its share: taken, above A's high water
+        r = post(acme, events(20, source=999))
+        assert r.status_code == 429 and "its share" in r.json()["error"]
 
 
 def test_graceful_stop_drains_the_spool_and_restart_finds_nothing_left(store: Store, store_dsn: str,
@@ -215,6 +255,7 @@ def test_readiness_and_metrics_report_what_happened(served: Served) -> None:
         post(c, events(10))
         c.post("/v1/batches", content=b"nope", headers={"Content-Type": CONTENT_TYPE})
         served.settle()
+    with served.client("tok-op") as c:
         text = c.get("/metrics").text
     assert 'kvtrace_collector_events_accepted_total{tenant="acme"} 10.0' in text
     assert 'kvtrace_collector_requests_rejected_total{code="400",tenant="acme"} 1.0' in text
@@ -235,7 +276,7 @@ def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store:
     with Served(config) as s:
         emitter = BatchEmitter(HttpSink(s.url, wire=wire),
                                BatchConfig(max_export_batch_size=256, schedule_delay_millis=20))
-        sim = CacheSimulator(SimConfig(recipe=recipe, model="m"), emitter)
+        sim = CacheSimulator(SimConfig(recipe=recipe, model="m", start_ns=time.time_ns()), emitter)
         prefix = list(range(1000, 1000 + 96))
         for i in range(40):
             sim.serve(SimRequest(request_id=f"r{i}", tokens=prefix + [i] * (16 + i % 32)))
@@ -254,11 +295,14 @@ def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store:
     assert sum(r["recoverable_hit_tokens"] for r in live) > 0
 
 
-def test_every_field_survives_the_collector_exactly(served: Served, store: Store) -> None:
+def test_every_field_survives_the_collector_exactly(store: Store, store_dsn: str, tmp_path: Path) -> None:
     """Extremes, non-ASCII text, NUL bytes, every kind and enum: stored as sent, whether they
-    came as rows or as columns (alternately, so that drain chunks hold both)."""
+    came as rows or as columns (alternately, so that drain chunks hold both). Timestamps too,
+    from a collector told to take any time (the default quarantines implausible ones)."""
     sent = seeded_events(3000, seed=5)
-    with served.client("tok-op") as c:
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), tokens=TokenTable.parse_env(TOKENS),
+                             time_window=None)
+    with Served(config) as served, served.client("tok-op") as c:
         for i in range(0, len(sent), 500):
             part = sent[i:i + 500]
             if i // 500 % 2:
@@ -308,7 +352,8 @@ def test_a_collector_taking_over_an_instance_rebuilds_its_state_from_the_store(
     recipe = load_recipe("mamba-hybrid")
     prefix = list(range(5000, 5000 + 128))
     requests = [SimRequest(request_id=f"r{i}", tokens=prefix + [i] * (16 + i % 40)) for i in range(30)]
-    sim = CacheSimulator(SimConfig(recipe=recipe, model="m", instance="engine-7"), BatchEmitter(HttpSink("http://x")))
+    sim = CacheSimulator(SimConfig(recipe=recipe, model="m", instance="engine-7", start_ns=time.time_ns()),
+                         BatchEmitter(HttpSink("http://x")))
 
     def config(name: str) -> CollectorConfig:
         return CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / name), recipes=recipe,
@@ -422,7 +467,7 @@ def test_live_reconstruction_judges_a_canarys_probe_against_its_re_run(store: St
     from kvtrace.collector.metrics import CollectorMetrics
 
     live = LiveReconstruction(store, load_recipe("dense"), CollectorMetrics(), lateness_ns=0, idle_s=3600.0)
-    t, src = 1_750_000_000 * 10**9, 99
+    t, src = time.time_ns(), 99
     commit = Event(kind=EventKind.COMMIT, ts_ns=t, source_id=src, seq=0, instance="eng", model="m", block_size=16,
                    component=ComponentKind.FULL_ATTENTION, block_key=11, tier=Tier.DEVICE, token_end=16)
     rid = "kvtrace-verify-1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -264,6 +265,47 @@ def test_init_migrates_a_table_that_lacks_columns(store, meta):
     # the old row reads the added columns' defaults (transform's is 'exact', not '')
     assert back == [_event(0), *new]
     assert back[0].transform is Transform.EXACT
+
+
+def _sorting_key(store: Store, table: str) -> str:
+    return store.client.query(
+        "SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+        parameters={"db": store.db, "t": table}).result_rows[0][0]
+
+
+@pytest.mark.parametrize("crashed", [False, True], ids=["clean", "after-a-crash"])
+def test_init_rekeys_a_store_whose_event_identity_lacked_the_tenant(store, crashed):
+    """Schema 6 keyed events on (instance, ts_ns, source_id, seq) and stats on (source_id,
+    ts_ns): a tenant re-sending another's event id replaced its row. init gives the stored
+    tables the new keys, every row kept; a crash that left the copy behind is started over."""
+    db, opts = store.db, DdlOptions(database=store.db)
+    old_events = dataclasses.replace(EVENTS, order_by=("instance", "ts_ns", "source_id", "seq"))
+    old_stats = dataclasses.replace(EMITTER_STATS, order_by=("source_id", "ts_ns"))
+    for table in (old_events, old_stats):
+        store.client.command(f"DROP TABLE {db}.{table.name}")
+        store.client.command(create_table(table, opts))
+    store.client.command(f"ALTER TABLE {db}.emitter_stats DROP COLUMN writer")
+    rows = [_event(i, tenant="beta") for i in range(50)]
+    store.insert_events(rows)
+    store.client.command(f"INSERT INTO {db}.emitter_stats (ts_ns, source_id, emitted) VALUES (1, 5, 50)")
+    if crashed:  # a run that died after creating (and part-filling) its copy
+        store.client.command(create_table(EVENTS, opts).replace(f"{db}.events\n", f"{db}.events__rekey\n", 1))
+        store.insert_arrow("events__rekey", to_arrow(rows[:10]))
+    applied = store.init()
+    assert [a for a in applied if "sort key" in a] == [
+        f"{db}.events: sort key (instance,ts_ns,source_id,seq) -> (instance, ts_ns, source_id, seq, tenant)",
+        f"{db}.emitter_stats: sort key (source_id,ts_ns) -> (source_id, writer, ts_ns)"]
+    assert _sorting_key(store, "events") == "instance, ts_ns, source_id, seq, tenant"
+    assert _sorting_key(store, "emitter_stats") == "source_id, writer, ts_ns"
+    tables = {r[0] for r in store.client.query(f"SHOW TABLES FROM {db}").result_rows}
+    assert not {t for t in tables if t.endswith("__rekey")}
+    assert sorted((e for t in store.iter_event_batches() for e in from_arrow(t)), key=lambda e: e.seq) == rows
+    assert store.scalar(f"SELECT emitted FROM {db}.emitter_stats") == 50
+    # the same event id under another tenant is now a row of its own
+    store.insert_events([Event(kind=EventKind.ADOPT, ts_ns=rows[0].ts_ns, source_id=77, seq=0, request_id="forged",
+                              tenant="alpha")])
+    assert store.scalar(f"SELECT count() FROM {db}.events FINAL") == 51
+    assert store.init() == []
 
 
 def test_init_refuses_a_store_from_a_newer_kvtrace(store):
