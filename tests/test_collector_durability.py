@@ -78,7 +78,7 @@ def test_store_outage_under_load_spools_reports_not_ready_and_drains_after(tmp_p
             time.sleep(0.25)
         last = proc.ready()
         assert last["ready"] is False and last["store_ok"] is False and last["spool_pending_bytes"] > 0
-        assert "store unreachable" in last["detail"]
+        assert last["detail"].startswith("store unreachable: ") and "Operation not permitted" in last["detail"], last
     finally:
         _freeze(db, False)
     proc.wait_drained(timeout_s=180)
