@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import msgspec
 import pyarrow.compute as pc
@@ -43,6 +44,7 @@ from kvtrace.schema.wire import FRAME_OVERHEAD, Batch
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector")
+_SOURCE_TENANT = attrgetter("source_id", "tenant")
 json_lines = msgspec.json.Encoder().encode_lines
 
 
@@ -218,7 +220,7 @@ class Collector:
         """Quarantine stats that claim a source whose events another token writes (`owners`),
         mark the rest with the writer they came from, and remember whose events these are."""
         batch = intake.batch
-        pairs = {(e.source_id, e.tenant) for e in batch.events}
+        pairs = set(map(_SOURCE_TENANT, batch.events))
         if intake.table is not None and intake.table.num_rows:
             both = intake.table.select(["source_id", "tenant"]).group_by(["source_id", "tenant"]).aggregate([])
             pairs.update(zip(both.column("source_id").to_pylist(), both.column("tenant").to_pylist(), strict=True))
