@@ -43,6 +43,15 @@ DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 69, 70, 72, 117, 131, 469})
 _CODE = re.compile(r"\bCode: (\d+)")
 
 
+def _tenant_of(raw: str) -> str:
+    """The tenant of a refused row, from the JSON the quarantine keeps of it."""
+    try:
+        row = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return ""
+    return str(row.get("tenant", "")) if isinstance(row, dict) else ""
+
+
 def refuses_data(exc: BaseException) -> bool:
     """Whether an insert's error blames its rows (see DATA_ERRORS)."""
     found = _CODE.search(str(exc))
@@ -243,8 +252,12 @@ class Drain:
                                     dedup_token=chunk.token)
         stored = len(lines_kept) + sum(t.num_rows for t in tables_kept)
         self.stored_events += stored
+        per_tenant: Counter[str] = Counter()
         for r in records:
-            for tenant, count in r.tenants.items():
+            per_tenant.update(r.tenants)
+        per_tenant.subtract(_tenant_of(r.raw) for r in refused)  # quarantined, not stored
+        for tenant, count in per_tenant.items():
+            if count > 0:
                 self.metrics.stored.labels(tenant).inc(count)
         ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
         if self.on_stored is None or not stored:

@@ -182,6 +182,9 @@ def test_a_store_refusing_rows_costs_only_the_refused_rows(tmp_path: Path) -> No
         waited = time.monotonic() - sent
         wait_for(lambda: len(proc.events("tok-a")) == 9, timeout_s=30)
         assert waited < 15, waited
+        metrics = proc.client.get("/metrics", headers=auth("tok-op")).text  # the refused row is not counted stored
+        assert 'kvtrace_collector_events_stored_total{tenant="alpha"} 9.0' in metrics, metrics
+        assert 'kvtrace_collector_events_stored_total{tenant="beta"} 4.0' in metrics
     finally:
         assert proc.stop()
     (row,) = proc.query("SELECT count() AS n, any(reason) AS reason, any(raw) AS raw FROM kvtrace.quarantine")
