@@ -117,10 +117,10 @@ class TimeWindow:
         low, high = self.bounds(received_ns)
         if ts_ns < low:
             return (f"{_when(ts_ns)} is more than {_span(self.max_age_s)} before the collector received it "
-                    f"({_when(received_ns)}); older rows are quarantined (collector --max-event-age)")
+                    f"({_when(received_ns)}); older rows are quarantined (collector --max-event-age-days)")
         if ts_ns > high:
             return (f"{_when(ts_ns)} is more than {_span(self.max_ahead_s)} after the collector received it "
-                    f"({_when(received_ns)}); is the sender's clock right? (collector --max-clock-ahead)")
+                    f"({_when(received_ns)}); is the sender's clock right? (collector --max-clock-ahead-s)")
         return ""
 
 
@@ -254,9 +254,9 @@ def _envelope(data: bytes, what: str = "") -> _JsonBatch:
     try:
         env = _json_envelope.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        if _LONE_SURROGATE.search(data):
+        if lone := _LONE_SURROGATE.search(data):
             raise IntakeError(400, f"not a kvtrace batch: {what}a string holds a lone UTF-16 surrogate escape "
-                                   f"({_LONE_SURROGATE.search(data).group().decode()}), which is not Unicode text: "
+                                   f"({lone.group().decode()}), which is not Unicode text: "
                                    "escape characters outside the BMP as a surrogate pair") from None
         raise IntakeError(400, f"not a kvtrace batch: {what}{exc}") from None
     _check_envelope(env)
@@ -303,9 +303,7 @@ def _place(batch: Batch, grant: Grant, received_ns: int, window: TimeWindow | No
     for row, event in zip(_good_rows(len(batch.events), batch.rejections), batch.events, strict=True):
         if not low <= event.ts_ns <= high:
             assert window is not None
-            late.append(Rejection(received_ns=received_ns, origin=_origin(batch, grant), row=row, field="ts_ns",
-                                  reason=window.problem(event.ts_ns, received_ns),
-                                  raw=msgspec.json.encode(event).decode()[:65536]))
+            late += _late_rows(window, _origin(batch, grant), received_ns, [(row, msgspec.to_builtins(event))])
             continue
         kept.append(event)
         if grant.operator:

@@ -301,6 +301,8 @@ def test_a_time_window_quarantines_rows_it_would_not_believe_in_every_format() -
         assert (intake.accepted, intake.quarantined) == (2, 2)
         assert [(r.row, r.field) for r in intake.batch.rejections] == [(2, "ts_ns"), (3, "ts_ns")]
         assert "more than 30 days before" in intake.batch.rejections[0].reason
+        assert "--max-event-age-days" in intake.batch.rejections[0].reason  # the flag as the CLI spells it
+        assert "--max-clock-ahead-s" in intake.batch.rejections[1].reason
         assert "after the collector received it" in intake.batch.rejections[1].reason
     assert intake_batch(encode_batch(Batch(source_id=7, batch_seq=1, sent_ns=1, events=rows)), CONTENT_TYPE,
                         OPEN).accepted == 4  # no window: any time
