@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvtrace.schema.columns import U32, U64, Flag, Label, Text
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict, classify
 
 if TYPE_CHECKING:
     import polars as pl
@@ -77,12 +77,10 @@ def _join(e: LookupResult, s: LookupResult | None) -> JoinedResult:
             reason, side = s.reason, "store"  # type: ignore[union-attr]  # store_side implies s
         else:
             reason, side = e.reason, "engine"
-    if recoverable == 0:
-        verdict = Verdict.MISS
-    elif e.resident_hit_tokens >= recoverable:
-        verdict = Verdict.HIT
-    else:
-        verdict = Verdict.PARTIAL
+    # The joined hit is whole when recoverable reaches it, or falls short only by the side's
+    # alignment (that side's reason says so); the engine's device tier is what needs no restore.
+    aligned = recoverable if reason is GapReason.MISALIGNED else logical
+    verdict = classify(logical, aligned, recoverable, e.resident_hit_tokens)
     restore = 0
     if s is not None and s_recoverable > e.recoverable_hit_tokens:
         restore = s.restore_host_bytes + s.restore_disk_bytes + s.restore_remote_bytes

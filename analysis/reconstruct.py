@@ -18,7 +18,7 @@ from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
 from kvtrace.schema.recipes import Recipe, RecipeBook, recipe_from_json
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.verdicts import GapReason, LookupResult, classify
 
 
 @dataclass(slots=True)
@@ -141,12 +141,8 @@ class Reconstructor:
                 resident = min(resident, at_use.resident)
                 reason, group, detail = GapReason.CHANGED_BEFORE_USE, at_use.reason_group, at_use.reason.value
             cross = self._cross_tenant(pending, adopted)
-        if recoverable == 0:
-            verdict = Verdict.MISS
-        elif resident == recoverable:
-            verdict = Verdict.HIT
-        else:
-            verdict = Verdict.PARTIAL
+        step = pending.recipe.alignment
+        verdict = classify(ev.logical, ev.logical // step * step, recoverable, resident)
         restore = ev.restore_bytes
         return LookupResult(
             ts_ns=lookup.ts_ns,

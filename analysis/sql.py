@@ -534,7 +534,8 @@ def _final(d: Dialect, t: _Plan) -> str:
         f" {rec} AS recoverable_hit_tokens, {res} AS resident_hit_tokens, {adopted} AS adopted_tokens,"
         f" CASE WHEN {seen} THEN k.next_recomputed ELSE 0 END AS recomputed_tokens,"
         f" CASE WHEN {seen} THEN 1 ELSE 0 END AS adopt_seen,"
-        f" CASE WHEN {rec} = 0 THEN 'MISS' WHEN {res} = {rec} THEN 'HIT' ELSE 'PARTIAL' END AS verdict,"
+        f" CASE WHEN l.logical = 0 THEN 'MISS' WHEN {rec} >= l.top AND {res} >= {rec} THEN 'HIT' ELSE 'PARTIAL' END"
+        " AS verdict,"  # schema.verdicts.classify
         f" CASE WHEN {changed} THEN '{GapReason.CHANGED_BEFORE_USE.value}' ELSE {lookup_reason} END AS reason,"
         f" CASE WHEN {changed} THEN coalesce(af.g, -1) ELSE {lookup_group} END AS reason_group,"
         f" CASE WHEN {changed} THEN coalesce(af.code, '') ELSE {lookup_detail} END AS reason_detail,"

@@ -11,11 +11,23 @@ from kvtrace.schema.kinds import ComponentKind
 
 
 class Verdict(StrEnum):
-    """As inference engineers use the words."""
+    """Was the hash hit usable as is? The words answer what an engineer reading "HIT" on a
+    dashboard assumes, so the gap kvtrace exists to show is never hidden under a HIT."""
 
-    HIT = "HIT"  # recoverable with no restore action
-    PARTIAL = "PARTIAL"  # recoverable only after restoring from a lower tier
-    MISS = "MISS"  # nothing recoverable
+    HIT = "HIT"  # the whole aligned hash hit is recoverable, with nothing to restore
+    PARTIAL = "PARTIAL"  # a hash hit that needs a restore or a recompute before use
+    MISS = "MISS"  # no hash hit
+
+
+def classify(logical: int, aligned_logical: int, recoverable: int, resident: int) -> Verdict:
+    """The verdict of one lookup from its hit numbers; `aligned_logical` is the hash hit cut to
+    the recipe's alignment (a tail no group can resume at is not a loss the cache could avoid).
+    Every path (streaming, live, ClickHouse, DuckDB) writes the same rule."""
+    if logical <= 0:
+        return Verdict.MISS
+    if recoverable >= aligned_logical and resident >= recoverable:
+        return Verdict.HIT
+    return Verdict.PARTIAL
 
 
 class GapReason(StrEnum):

@@ -15,7 +15,7 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.reconstruct import Reconstructor, reconstruct
 from kvtrace.schema import ComponentKind, Event, EventKind, Reason, Tier
 from kvtrace.schema.recipes import BUILTIN, Recipe, RecipeError, load_recipe
-from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict
+from kvtrace.schema.verdicts import GapReason, LookupResult, Verdict, classify
 
 PROMPT = 1024 + 7  # 1031 tokens: the engine must compute at least the last one
 
@@ -97,7 +97,7 @@ def test_window_out_of_range() -> None:
     # every boundary whose window [p-512, p) contains token 800 fails: the best is 800
     assert r.recoverable_hit_tokens == 800
     assert r.reason is GapReason.WINDOW_OUT_OF_RANGE and r.reason_group == 1
-    assert r.unsafe_reuse and r.verdict is Verdict.HIT
+    assert r.unsafe_reuse and r.verdict is Verdict.PARTIAL  # the hash hit needs a recompute from 800
 
 
 def test_old_window_blocks_may_be_gone() -> None:
@@ -175,7 +175,7 @@ def test_identity_mismatch_names_the_field(field_name: str, committed: str, requ
     r = s.lookup_adopt(adopt=1024, **{field_name: requested})
     assert r.logical_hit_tokens == 1024 and r.recoverable_hit_tokens == 0
     assert r.reason is GapReason.IDENTITY_MISMATCH and field_name in r.reason_detail
-    assert r.verdict is Verdict.MISS and r.unsafe_reuse
+    assert r.verdict is Verdict.PARTIAL and r.unsafe_reuse  # a hash hit, none of it usable: not a MISS
 
 
 def test_tenant_mismatch_and_cross_tenant_reuse() -> None:
@@ -330,3 +330,20 @@ def test_funnel_and_reasons_frames() -> None:
     r = reasons(frame).row(0, named=True)
     assert r["reason"] == GapReason.NO_CHECKPOINT.value and r["tokens_lost"] == 64
     assert restore_bytes(frame).row(0) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("logical", "aligned", "recoverable", "resident", "verdict"),
+    [
+        (0, 0, 0, 0, Verdict.MISS),  # no hash hit
+        (512, 512, 512, 512, Verdict.HIT),  # the whole hit, on the device
+        (520, 512, 512, 512, Verdict.HIT),  # short only by the tail no group can resume at
+        (512, 512, 288, 288, Verdict.PARTIAL),  # 224 tokens to recompute
+        (512, 512, 0, 0, Verdict.PARTIAL),  # a hash hit, entirely unusable
+        (512, 512, 512, 256, Verdict.PARTIAL),  # all there, half of it on a lower tier
+    ],
+)
+def test_verdict_words_answer_was_the_hash_hit_usable_as_is(
+    logical: int, aligned: int, recoverable: int, resident: int, verdict: Verdict
+) -> None:
+    assert classify(logical, aligned, recoverable, resident) is verdict
