@@ -1,8 +1,10 @@
 """`kvtrace demo`: a real trace through a hybrid multi-tier cache, end to end, in minutes.
 
-The bundled slice of a Mooncake production trace is replayed through the reference simulator
-(a Mamba-hybrid recipe over device, host and disk tiers) and the real emitter into the store;
-the analysis runs inside the store; three retention policies are compared on the same trace;
+Three retention policies are first compared on the bundled slice of a Mooncake production
+trace; the trace is then replayed with the policy that kept the most reusable tokens, through
+the reference simulator (a Mamba-hybrid recipe over device, host and disk tiers, with timed
+loads and prefills) and the real emitter into the store; every lookup is reconstructed inside
+the store and its verdict stored, so the dashboards, alerts and `kvtrace costs` all have data;
 and a self-contained HTML report is written. Each run resets its own database, so running it
 twice neither fails nor double-counts.
 """
@@ -29,14 +31,14 @@ from kvtrace.instrumentation.simulator import PolicySpec, SimConfig
 from kvtrace.instrumentation.traces import TraceRequest, read_trace
 from kvtrace.schema.paths import data_dir
 from kvtrace.schema.recipes import BUILTIN, RecipeBook
+from kvtrace.schema.verdicts import Verdict
 from kvtrace.store.client import Store
 from kvtrace.store.dsn import default_dsn, parse_dsn
 
 DEMO_DATABASE = "kvtrace_demo"
 RECIPE = "mamba-hybrid"
 POLICIES = ("lru", "interval:512", "branch")
-# the replayed engine keeps Mamba state like SGLang's hybrid radix cache: ends and branch points
-ENGINE_POLICY = "branch"
+DASHBOARD_PORT = 8050  # `kvtrace dashboard`'s default
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class DemoSummary:
     resident: float
     adopted: float
     unsafe: int
+    policy: str
+    verdicts: int
     report: Path
 
 
@@ -58,13 +62,23 @@ def bundled_trace(limit: int) -> list[TraceRequest]:
 
 
 def demo_config() -> SimConfig:
-    """Small tiers so that a few hundred requests already offload, reload and evict."""
+    """Small tiers so that a few hundred requests already offload, reload and evict. Loads and
+    prefills are timed like a mid-size model on one GPU (host 20 GB/s + 50 us a transfer, disk
+    2 GB/s + 2 ms; prefill 40 us a token plus attention over the context), with 2 % noise,
+    so the load-vs-recompute fits have something to fit."""
     return SimConfig(recipe=BUILTIN[RECIPE], model="demo-jamba", instance="demo-0", bytes_per_token=4096,
-                     capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9)
+                     capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9,
+                     load_latency_ns=(50_000, 2_000_000), prefill_ns_per_token=40_000.0,
+                     prefill_ns_per_token_pair=2.0, timing_noise=0.02)
 
 
-def engine_config() -> SimConfig:
-    return PolicySpec.parse(ENGINE_POLICY).apply(demo_config())
+def best_policy(policies: pl.DataFrame) -> str:
+    """The policy whose replay reused the most tokens that were really recoverable (ties: the
+    fewest bytes written to the device); a policy with unsafe reuse is never chosen."""
+    safe = policies.filter(pl.col("unsafe_reuse") == 0)
+    ranked = (safe if safe.height else policies).sort(
+        ["adopted_recoverable_tokens", "device_write_bytes"], descending=[True, False], maintain_order=True)
+    return str(ranked["policy"][0])
 
 
 def _demo_dsn(dsn: str | None) -> str:
@@ -83,37 +97,42 @@ def _bar(total: int, desc: str) -> Any:
 def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = None) -> int:
     started = time.monotonic()
     trace = bundled_trace(requests)
-    config = engine_config()
     report_path = Path(report) if report else data_dir() / "demo-report.html"
+
+    print(f"[1/5] comparing retention policies on {len(trace)} requests of a Mooncake production trace: "
+          f"{', '.join(POLICIES)}")
+    with _bar(len(trace) * len(POLICIES), "policies") as bar:
+        policies = compare(trace, demo_config(), [PolicySpec.parse(p) for p in POLICIES],
+                           progress=lambda _n, _i: bar.update())
+    chosen = best_policy(policies)
+    config = PolicySpec.parse(chosen).apply(demo_config())
     with Store(_demo_dsn(dsn)) as store:
-        print(f"[1/4] store {store.dsn}: resetting the demo database")
+        print(f"[2/5] store {store.dsn}: resetting the demo database")
         store.command(f"DROP DATABASE IF EXISTS {DEMO_DATABASE}")
         store.init()
 
-        print(f"[2/4] replaying {len(trace)} requests of a Mooncake production trace through a {RECIPE} "
-              f"cache (device 1 GiB, host 3 GiB, disk 12 GiB; Mamba checkpoints: {ENGINE_POLICY}) into the store")
+        print(f"[3/5] replaying the trace through a {RECIPE} cache (device 1 GiB, host 3 GiB, disk 12 GiB; "
+              f"Mamba checkpoints: {chosen}, the policy that kept the most reusable tokens) into the store")
         with _bar(len(trace), "replay") as bar:
             recorded = record_replay(store, trace, config, ReplayOptions(tenant="default"),
                                      progress=lambda _: bar.update())
         replayed, stats = recorded.report, recorded.stats
 
-        print("[3/4] reconstructing every lookup inside ClickHouse")
+        print("[4/5] reconstructing every lookup inside ClickHouse and storing its verdict")
         results = clickhouse_results(store, RecipeBook({config.model: config.recipe}))
+        verdicts = store.insert_verdicts(results)
         stored = store.count_events()
         shown = str(store.dsn)  # never the password
-
-    print(f"[4/4] comparing retention policies on the same trace: {', '.join(POLICIES)}")
-    with _bar(len(trace) * len(POLICIES), "policies") as bar:
-        policies = compare(trace, demo_config(), [PolicySpec.parse(p) for p in POLICIES],
-                           progress=lambda _n, _i: bar.update())
 
     rates = funnel(results).row(0, named=True)
     top = reasons(results).head(3)
     summary = DemoSummary(
         requests=replayed.requests, events=stored, logical=rates["logical_token_rate"],
         recoverable=rates["recoverable_token_rate"], resident=rates["resident_token_rate"],
-        adopted=rates["adopted_token_rate"], unsafe=int(rates["unsafe_reuse"]), report=report_path,
+        adopted=rates["adopted_token_rate"], unsafe=int(rates["unsafe_reuse"]), policy=chosen, verdicts=verdicts,
+        report=report_path,
     )
+    counts = dict(results.group_by("verdict").len().iter_rows())
     lines = [
         ("requests", f"{summary.requests}"),
         ("events stored", f"{summary.events} (emitted {stats.emitted}, dropped {stats.dropped})"),
@@ -122,9 +141,12 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
         ("resident rate", f"{summary.resident:.1%} (recoverable without loading from host or disk)"),
         ("adopted hit rate", f"{summary.adopted:.1%} (what the engine reused)"),
         ("unsafe reuse", f"{summary.unsafe} lookups (adopted more than was recoverable)"),
+        ("verdicts", ", ".join(f"{counts.get(v.value, 0)} {v.value}" for v in Verdict)
+         + " (HIT: the whole hash hit usable as is; PARTIAL: needs a restore or a recompute; MISS: no hash hit)"),
     ]
     for row in top.iter_rows(named=True):
         lines.append((f"gap: {row['reason']}", f"{row['tokens_lost']} tokens in {row['lookups']} lookups"))
+    print("[5/5] writing the report")
     write_report(report_path, f"kvtrace demo: {RECIPE} on a Mooncake trace slice", lines, results,
                  replayed.occupancy, policies)
 
@@ -138,11 +160,11 @@ def run_demo(dsn: str | None = None, requests: int = 200, report: str | None = N
     for row in policies.iter_rows(named=True):
         print(f"{row['policy']:<13} {row['note']}")
     print()
+    print(f"policy     {chosen}: the replay above used the policy that kept the most reusable tokens")
     print(f"report     {report_path}")
-    print(f"data       {shown}   [{time.monotonic() - started:.0f} s]")
-    print(f"next       kvtrace --dsn '{shown}' analyze --by instance   # by the recipe the engine attached with")
-    print(f"           kvtrace --dsn '{shown}' export -o demo.parquet")
-    print("           kvtrace analyze --path duckdb demo.parquet   # no ClickHouse needed")
-    print("           python -c \"import duckdb; "
-          "duckdb.sql(\\\"SELECT kind, count(*) FROM 'demo.parquet' GROUP BY kind\\\").show()\"")
+    print(f"data       {shown}: {summary.verdicts} verdicts stored   [{time.monotonic() - started:.0f} s]")
+    print(f"more       kvtrace --dsn '{shown}' analyze --by instance   # by the recipe the engine attached with")
+    print(f"           kvtrace --dsn '{shown}' costs   # load vs recompute, fitted from the timed loads and prefills")
+    print(f"           kvtrace --dsn '{shown}' export -o demo.parquet && kvtrace analyze --path duckdb demo.parquet")
+    print(f"dashboard  kvtrace --dsn '{shown}' dashboard   # then open http://127.0.0.1:{DASHBOARD_PORT}/")
     return 0

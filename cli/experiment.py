@@ -72,6 +72,7 @@ def summarize(name: str, frame: pl.DataFrame, sim: CacheSimulator) -> dict[str, 
         "requests": frame.height,
         "object_hit_rate": logical / prompt,
         "recoverable_rate": recoverable / prompt,
+        "recoverable_tokens": recoverable,
         "adopted_recoverable_tokens": useful,
         "coverage": recoverable / logical if logical else 0.0,  # share of hash hits that are complete
         "recompute_tokens": int(frame["recomputed_tokens"].sum()),
@@ -97,16 +98,23 @@ def compare(
 
 
 def _note(row: dict[str, object], base: dict[str, object]) -> str:
-    """How a policy moved object hits and recoverable tokens against the first one, in points."""
+    """How a policy moved object hits and recoverable tokens against the first one, in points
+    of prompt tokens, and in plain words when it loses recoverable tokens: a policy can raise
+    hash hits while the state behind them is incomplete, which is the trap this table is for."""
     if row is base:
         return "baseline"
     d_obj = 100 * (float(row["object_hit_rate"]) - float(base["object_hit_rate"]))  # type: ignore[arg-type]
     d_rec = 100 * (float(row["recoverable_rate"]) - float(base["recoverable_rate"]))  # type: ignore[arg-type]
+    lost = int(base["recoverable_tokens"]) - int(row["recoverable_tokens"])  # type: ignore[call-overload]
     text = f"vs {base['policy']}: object hits {d_obj:+.2f} pt, recoverable {d_rec:+.2f} pt"
-    if d_obj > 0.005 and d_rec <= 0.005:
+    if lost > 0 and d_rec < -0.005:
+        text += f": LOSES {lost} recoverable tokens"
+        if d_obj > 0.005:
+            text += " despite more object hits"
+    elif d_obj > 0.005 and d_rec <= 0.005:
         text += ": more object hits, no more recoverable tokens"
-    elif d_obj >= -0.005 and d_rec < -0.005:
-        text += ": as many object hits, fewer recoverable tokens"
+    elif lost < 0 and d_rec > 0.005:
+        text += f": gains {-lost} recoverable tokens"
     return text
 
 
