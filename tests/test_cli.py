@@ -232,6 +232,17 @@ def test_demo_runs_on_the_default_store_and_is_repeatable(capsys, chdb_path, tmp
         assert value == pytest.approx(rates[f"{name}_token_rate"] * 100, abs=0.051), name
     assert printed["logical"] > 0
 
+    # Every dashboard page and `kvtrace costs` have data: verdicts, timed loads and prefills.
+    with Store(f"chdb://{chdb_path}?database={DEMO_DATABASE}") as s:
+        assert s.scalar(f"SELECT count() FROM {DEMO_DATABASE}.verdicts FINAL") == 30
+        assert s.scalar(f"SELECT count() FROM {DEMO_DATABASE}.events WHERE kind = 'load' AND duration_ns = 0") == 0
+        assert s.scalar(f"SELECT count() FROM {DEMO_DATABASE}.events WHERE kind = 'adopt' AND duration_ns > 0") == 30
+    chosen = re.search(r"^policy\s+(\S+): ", out, re.M).group(1)
+    assert chosen in ("lru", "interval:512", "branch")
+    assert re.search(rf"^{re.escape(chosen)}\s", out, re.M)  # it is one of the compared rows
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("dashboard ") and f"--dsn 'chdb://{chdb_path}?database={DEMO_DATABASE}' dashboard" in last
+
     code, out, _ = run(capsys, "demo", "--requests", "30", "--report", str(report))
     assert code == 0
     assert int(re.search(r"events stored\s+(\d+)", out).group(1)) == first
