@@ -199,7 +199,7 @@ DEDUP_WINDOW = 10_000
 # (inode allocation) cost as much CPU as parsing the rows. The collector's inserts (up to 32 MiB
 # of JSON lines, ~15 MB in ClickHouse) stay compact; merges turn parts past it into wide ones,
 # which column scans prefer. Measured on the collector's drain: ~11.5 -> ~8.3 us of CPU per
-# event (benchmarks/RESULTS.md, bench_collector).
+# event (docs/design/benchmark-history.md, bench_collector).
 WIDE_PART_BYTES = 64 << 20
 
 

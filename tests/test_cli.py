@@ -501,7 +501,7 @@ def test_the_readmes_duckdb_queries_run(capsys, store, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run(capsys, "--dsn", str(store.dsn), "export", "-o", "events.parquet")[0] == 0
     assert run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "llama=dense", "-o", "results.parquet")[0] == 0
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "analysis.md").read_text()
     section = readme.split("## Offline, in DuckDB", 1)[1].split("\n## ", 1)[0]
     queries = re.findall(r"```sql\n(.*?)```", section, re.S)
     assert len(queries) == 4

@@ -41,7 +41,7 @@ class StoreSink:
                     table, rejected = self._split(batch)
                 self.store.insert_arrow("events", table)
             # Counters are cumulative, so a row every few seconds loses nothing; one per batch
-            # cost 13% of export throughput (benchmarks/RESULTS.md). A stats-only batch (the
+            # cost 13% of export throughput (docs/design/benchmark-history.md). A stats-only batch (the
             # final one at shutdown) is always written.
             stats = batch.stats
             if stats is not None and (not batch.events or stats.ts_ns - self._stats_ns >= self.stats_interval_ns):
