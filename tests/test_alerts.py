@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvtrace.dashboards.alert_delivery import RetryPolicy
 from kvtrace.dashboards.alerts import (
     AlertLoop,
     AlertState,
@@ -92,8 +93,8 @@ class Engine:
 
 def loop_for(store: Store, receiver: Receiver) -> AlertLoop:
     rules = load_rules(RULES)
-    return AlertLoop(Evaluator(store, rules, computed_verdicts(store, BUILTIN["mamba-hybrid"])), receiver.url,
-                     out=lambda line: None)
+    return AlertLoop(Evaluator(store, rules, computed_verdicts(store, BUILTIN["mamba-hybrid"])), [receiver.url],
+                     out=lambda line: None, retry=RetryPolicy(attempts=2, backoff_s=0.01))
 
 
 def test_divergence_fires_within_one_cycle_and_resolves_after_a_clean_replay(store: Store, receiver: Receiver) -> None:
@@ -101,19 +102,19 @@ def test_divergence_fires_within_one_cycle_and_resolves_after_a_clean_replay(sto
     loop = loop_for(store, receiver)
     for t in range(4):
         engine.serve(t)  # clean: everything hit is recoverable
-    assert loop.cycle() == [] and receiver.received == []
+    assert loop.cycle().changed == [] and receiver.received == []
     engine.serve(10, fault=True)  # the Mamba checkpoint at the hit boundary is gone
-    changed = loop.cycle()
+    changed = loop.cycle().changed
     assert [(a.rule.name, a.status) for a in changed] == [("divergence", Status.FIRING)]
     assert receiver.alerts() == [("firing", "divergence")]
     body = receiver.received[-1]
     assert body["version"] == "4" and body["status"] == "firing"
     assert body["alerts"][0]["labels"] == {"alertname": "divergence", "severity": "warning", "kind": "divergence",
                                            "model": "jamba"}
-    assert loop.cycle() == []  # still firing: not sent again
+    assert loop.cycle().changed == []  # still firing: not sent again
     for t in range(200, 204):  # a clean replay, after the faulty lookup left the window
         engine.serve(t)
-    assert [(a.rule.name, a.status) for a in loop.cycle()] == [("divergence", Status.RESOLVED)]
+    assert [(a.rule.name, a.status) for a in loop.cycle().changed] == [("divergence", Status.RESOLVED)]
     assert receiver.alerts() == [("firing", "divergence"), ("resolved", "divergence")]
     assert receiver.received[-1]["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
 
@@ -123,7 +124,7 @@ def test_unsafe_reuse_fires(store: Store, receiver: Receiver) -> None:
     loop = loop_for(store, receiver)
     engine.serve(0)
     engine.serve(1, fault=True)
-    fired = {a.rule.name for a in loop.cycle() if a.status is Status.FIRING}
+    fired = {a.rule.name for a in loop.cycle().changed if a.status is Status.FIRING}
     assert "unsafe" in fired
     unsafe = next(a for body in receiver.received for a in body["alerts"] if a["labels"]["alertname"] == "unsafe")
     assert unsafe["labels"]["severity"] == "critical" and float(unsafe["annotations"]["value"]) >= 1
