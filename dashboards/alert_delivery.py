@@ -70,8 +70,9 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
     def alertmanager(self, valid_until_s: float) -> dict[str, Any]:
         """The postable alert of Alertmanager's v2 API. A firing alert ends at `valid_until_s`
         unless it is re-sent before then."""
+        ends = max(valid_until_s if self.firing else self.ends_at_s, self.starts_at_s)  # it refuses ends < starts
         return {"labels": self.labels, "annotations": self.annotations, "startsAt": rfc3339(self.starts_at_s),
-                "endsAt": rfc3339(valid_until_s if self.firing else self.ends_at_s),
+                "endsAt": rfc3339(ends),
                 "generatorURL": self.generator_url}
 
     def webhook(self) -> dict[str, Any]:

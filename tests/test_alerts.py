@@ -4,10 +4,7 @@ beyond what is recoverable fires the unsafe-reuse alert; bad rule files name rul
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -22,11 +19,10 @@ from kvtrace.dashboards.alerts import (
     computed_verdicts,
     load_rules,
 )
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
-from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
-from kvtrace.instrumentation.sinks.store import StoreSink
+from kvtrace.instrumentation.simulator import AdoptPolicy
 from kvtrace.schema.recipes import BUILTIN
 from kvtrace.store.client import Store
+from tests.alert_helpers import Engine, Receiver, S
 
 RULES = """
 rules:
@@ -39,31 +35,6 @@ rules:
     window_s: 60
     severity: critical
 """
-PREFIX = list(range(1, 1025))
-S = 10**9
-
-
-class Receiver:
-    """A local Alertmanager-webhook receiver that keeps what it is sent."""
-
-    def __init__(self) -> None:
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def alerts(self) -> list[tuple[str, str]]:
-        return [(a["status"], a["labels"]["alertname"]) for body in self.received for a in body["alerts"]]
 
 
 @pytest.fixture
@@ -71,24 +42,6 @@ def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.server.shutdown()
-
-
-class Engine:
-    """The reference simulator writing into the store, with a clock the test moves."""
-
-    def __init__(self, store: Store, adopt: AdoptPolicy = AdoptPolicy.COMPLETE) -> None:
-        self.emitter = BatchEmitter(StoreSink(store), BatchConfig(schedule_delay_millis=10), register_atexit=False)
-        self.sim = CacheSimulator(SimConfig(recipe=BUILTIN["mamba-hybrid"], model="jamba", adopt=adopt), self.emitter)
-        self.n = 0
-
-    def serve(self, at_s: float, fault: bool = False) -> None:
-        self.n += 1
-        arrival = self.sim.config.start_ns + int(at_s * S)
-        request = SimRequest(f"r{self.n}", [*PREFIX, self.n, self.n], arrival_ns=arrival)
-        if fault:
-            self.sim.inject(Fault.SKIP_CHECKPOINT, request, 1024)
-        self.sim.serve(request)
-        assert self.emitter.force_flush(10_000)
 
 
 def loop_for(store: Store, receiver: Receiver) -> AlertLoop:
