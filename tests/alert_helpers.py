@@ -36,16 +36,21 @@ def free_port() -> int:
 
 
 class Receiver:
-    """A local Alertmanager-webhook receiver that keeps what it is sent."""
+    """A local Alertmanager-webhook receiver (or Alertmanager alerts endpoint) that keeps what it
+    takes; set `status` to make it refuse (what it refuses is not kept)."""
 
     def __init__(self) -> None:
-        received: list[dict[str, Any]] = []
+        received: list[Any] = []
         self.received = received
+        self.status = 200
+        receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if receiver.status == 200:
+                    received.append(body)
+                self.send_response(receiver.status)
                 self.end_headers()
 
             def log_message(self, *args: object) -> None:

@@ -141,3 +141,107 @@ rules:
     breaching = sorted((s.rule, dict(s.labels)["instance"], s.value) for s in samples if s.breaching)
     assert breaching == [("drops", "steady", 5.0), ("gaps", "gappy", 3.0),
                          ("silent", "quiet", pytest.approx(190, abs=1))]
+
+
+def test_a_failed_webhook_delivery_is_retried_next_cycle(store: Store, receiver: Receiver) -> None:
+    engine = Engine(store)
+    loop = loop_for(store, receiver)
+    engine.serve(0)
+    engine.serve(10, fault=True)
+    receiver.status = 503
+    cycle = loop.cycle()
+    assert [a.rule.name for a in cycle.changed] == ["divergence"]
+    (line,) = cycle.failures
+    assert line == f"alert delivery to webhook {receiver.url} failed after 2 attempts: HTTP 503 Service Unavailable"
+    assert receiver.received == [] and len(loop.outboxes[0].queued) == 1
+    receiver.status = 200
+    cycle = loop.cycle()  # nothing changed, but the undelivered firing notification goes now
+    assert cycle.changed == [] and cycle.failures == []
+    assert receiver.alerts() == [("firing", "divergence")] and loop.outboxes[0].queued == []
+    receiver.status = 400  # a receiver that refuses the request is not asked again
+    for t in range(200, 203):
+        engine.serve(t)
+    (line,) = loop.cycle().failures
+    assert "failed after 1 attempt: HTTP 400" in line and loop.outboxes[0].queued == []
+
+
+def test_the_outbox_is_bounded() -> None:
+    from kvtrace.dashboards.alert_delivery import Notice, Outbox, Receiver, ReceiverKind
+
+    box = Outbox(Receiver(ReceiverKind.WEBHOOK, "http://127.0.0.1:9/"), limit=3)
+    box.add(Notice(labels={"alertname": str(i)}, annotations={}, firing=True, starts_at_s=i) for i in range(5))
+    assert [n.labels["alertname"] for n in box.queued] == ["2", "3", "4"] and box.dropped == 2
+
+
+def test_alertmanager_gets_firing_alerts_again_before_they_expire(store: Store, receiver: Receiver) -> None:
+    from kvtrace.dashboards.alert_delivery import Receiver as To
+
+    clock = [1_800_000_000.0]
+    engine = Engine(store)
+    loop = AlertLoop(Evaluator(store, load_rules(RULES), computed_verdicts(store, BUILTIN["mamba-hybrid"])),
+                     [To.alertmanager(receiver.url.removesuffix("/alerts"))], out=lambda line: None,
+                     interval_s=30, resend_s=60, clock=lambda: clock[0])
+    engine.serve(0)
+    engine.serve(10, fault=True)
+    loop.cycle()
+    (sent,) = receiver.received[0]
+    assert sent["startsAt"] == "2027-01-15T08:00:00.000Z"
+    assert sent["endsAt"] == "2027-01-15T08:04:00.000Z"  # valid for 4 x max(resend 60 s, interval 30 s)
+    assert sent["generatorURL"].startswith("http://127.0.0.1:8050/gaps?from=")
+    clock[0] += 30
+    loop.cycle()
+    assert len(receiver.received) == 1  # not due yet
+    clock[0] += 30
+    loop.cycle()
+    (again,) = receiver.received[1]
+    assert again["startsAt"] == sent["startsAt"] and again["endsAt"] == "2027-01-15T08:05:00.000Z"
+    clock[0] += 5
+    for t in range(200, 203):
+        engine.serve(t)
+    loop.cycle()
+    (resolved,) = receiver.received[2]
+    assert resolved["endsAt"] == "2027-01-15T08:01:05.000Z" and resolved["labels"] == sent["labels"]
+
+
+def test_fingerprints_are_alertmanagers() -> None:
+    from kvtrace.dashboards.alert_delivery import fingerprint
+
+    # as a real Alertmanager 0.25 reported them for these label sets
+    assert fingerprint({"alertname": "x", "model": "m"}) == "fb3d3aa8d643071c"
+    assert fingerprint({"model": "m", "alertname": "x"}) == "fb3d3aa8d643071c"
+    assert fingerprint({}) == "cbf29ce484222325"
+
+
+@pytest.mark.parametrize("rule, labels, page, span_s", [
+    ("{name: d, kind: divergence, window_s: 300}", (("model", "m"),), "gaps", 300),
+    ("{name: r, kind: recoverable_drop, window_s: 300, baseline_s: 3600}", (("model", "m"),), "gaps", 3600),
+    ("{name: u, kind: unsafe_reuse, by: [model, tenant]}", (("model", "m"), ("tenant", "")), "unsafe", 300),
+    ("{name: g, kind: stream_gap, by: [instance], window_s: 120}", (("instance", "i-1"),), "health", 120),
+])
+def test_generator_urls_point_at_the_page_showing_the_cause(rule: str, labels: tuple, page: str,
+                                                             span_s: int) -> None:
+    from urllib.parse import parse_qs, urlsplit
+
+    from kvtrace.dashboards.alerts import Alert, cause_url
+
+    (r,) = load_rules(f"rules: [{rule}]")
+    at = 1_750_000_000 * S + 500_000_000
+    url = urlsplit(cause_url("http://dash:8050/", Alert(r, labels, Status.FIRING, at, 1.0, fired_ns=at)))
+    assert url.path == f"/{page}"
+    query = {k: v[0] for k, v in parse_qs(url.query).items()}
+    assert query == {"from": str(1_750_000_000 - span_s), "to": str(1_750_000_001), **{k: v for k, v in labels if v}}
+
+
+def test_run_stops_promptly_from_another_thread(store: Store) -> None:
+    import threading
+    import time
+
+    loop = AlertLoop(Evaluator(store, load_rules(RULES)), out=lambda line: None)
+    stop = threading.Event()
+    worker = threading.Thread(target=loop.run, args=(3600, stop))
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    stop.set()
+    worker.join(5)
+    assert not worker.is_alive() and time.monotonic() - started < 5
