@@ -171,11 +171,11 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=loop.registry)
     if args.once:
-        cycle = loop.cycle()
-        firing = loop.state.firing()
-        failed = f"; {len(cycle.failures)} deliveries failed" if cycle.failures else ""
+        loop.cycle()
+        firing, failures = loop.state.firing(), loop.last_failures
+        failed = f"; {len(failures)} deliveries failed" if failures else ""
         print(f"{len(rules)} rules evaluated; {len(firing)} firing{failed}")
-        return 1 if cycle.failures else 0
+        return 1 if failures else 0
     print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
     loop.run(args.interval_s)
     return 0

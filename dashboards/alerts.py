@@ -361,6 +361,10 @@ class Alert:
     def fingerprint(self) -> str:
         return fingerprint(self.alert_labels)
 
+    def payload(self, dashboard_url: str = "") -> dict[str, Any]:
+        """The alert as it appears in a webhook notification."""
+        return notice(self, dashboard_url or DEFAULT_DASHBOARD_URL).webhook()
+
 
 @dataclass(slots=True)
 class AlertState:
@@ -448,16 +452,6 @@ def rules_from_path(path: str | Path | None) -> list[Rule]:
 DIMENSIONS = tuple(label.value for label in Label)
 
 
-@dataclass(frozen=True, slots=True)
-class Cycle:
-    """What one evaluation did: the store time it judged, the transitions, the failed deliveries
-    (one line each, naming the receiver and the cause)."""
-
-    now_ns: int
-    changed: list[Alert]
-    failures: list[str]
-
-
 class _Saved(msgspec.Struct, kw_only=True):
     """What `--state` keeps between runs: the active alerts and the undelivered notifications."""
 
@@ -507,6 +501,7 @@ class AlertLoop:
         self.last_sent_s: dict[Receiver, float] = {}
         self.failures: dict[Receiver, int] = dict.fromkeys(self.receivers, 0)
         self.samples: list[Sample] = []
+        self.last_failures: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.registry = CollectorRegistry()
@@ -518,7 +513,9 @@ class AlertLoop:
     def valid_for_s(self) -> float:
         return 4 * max(self.resend_s, self.interval_s)
 
-    def cycle(self) -> Cycle:
+    def cycle(self) -> list[Alert]:
+        """One evaluation: returns the transitions; `last_failures` holds the deliveries that
+        failed (one line each, naming the receiver and the cause)."""
         now = self.evaluator.now_ns()
         wall = self.clock()
         samples = self.evaluator.evaluate(now)
@@ -527,12 +524,12 @@ class AlertLoop:
             self.samples = samples
         for a in changed:
             detail = f": {a.detail}" if a.detail and a.status is Status.FIRING else ""
-            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g} "
-                     f"fingerprint={a.fingerprint}{detail}")
-        failures = self._deliver([notice(a, self.dashboard_url) for a in changed], wall)
+            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g}{detail} "
+                     f"fingerprint={a.fingerprint}")
+        self.last_failures = self._deliver([notice(a, self.dashboard_url) for a in changed], wall)
         if self.state_path is not None:
             self._save(self.state_path)
-        return Cycle(now, changed, failures)
+        return changed
 
     def _deliver(self, notices: list[Notice], wall: float) -> list[str]:
         failures = []
