@@ -126,15 +126,7 @@ def cmd_grafana(args: argparse.Namespace) -> int:
 def cmd_alerts(args: argparse.Namespace) -> int:
     import logging
 
-    from kvtrace.dashboards.alert_delivery import Receiver, ReceiverKind
-    from kvtrace.dashboards.alerts import (
-        DEFAULT_RULES,
-        AlertLoop,
-        Evaluator,
-        RuleError,
-        computed_verdicts,
-        rules_from_path,
-    )
+    from kvtrace.dashboards.alerts import DEFAULT_RULES, RuleError, alert_loop, rules_from_path
     from kvtrace.schema.recipes import RecipeBook, RecipeError
     from kvtrace.store.client import Store
 
@@ -152,18 +144,16 @@ def cmd_alerts(args: argparse.Namespace) -> int:
     except (RuleError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)  # failed deliveries: one line each, receiver and cause
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logging.getLogger("kvtrace.alerts").addHandler(handler)
     store = Store(args.dsn)
     store.require_schema()
-    receivers = [*(Receiver.alertmanager(u) for u in args.alertmanager),
-                 *(Receiver(ReceiverKind.WEBHOOK, u) for u in args.webhook)]
     try:
-        loop = AlertLoop(Evaluator(store, rules, computed_verdicts(store, recipes) if recipes else None), receivers,
-                         dashboard_url=args.dashboard_url, interval_s=args.interval_s, resend_s=args.resend_s,
-                         state_path=args.state)
-    except RuleError as exc:
+        loop = alert_loop(store, rules=rules, recipes=recipes, alertmanagers=args.alertmanager, webhooks=args.webhook,
+                          dashboard_url=args.dashboard_url, interval_s=args.interval_s, resend_s=args.resend_s,
+                          state_path=args.state)
+    except ValueError as exc:  # an unreadable --state file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.metrics_port:

@@ -600,7 +600,7 @@ class AlertLoop:
         try:
             saved = msgspec.json.decode(path.read_bytes(), type=_Saved)
         except (OSError, msgspec.DecodeError) as exc:
-            raise RuleError(f"{path}: not an alert state file: {exc}") from None
+            raise AlertStateError(f"{path}: not an alert state file: {exc}") from None
         rules = {r.name: r for r in self.evaluator.rules}
         for a in saved.active:
             if a.rule in rules:  # a rule removed since: its alerts go with it
@@ -611,6 +611,22 @@ class AlertLoop:
         for box in self.outboxes:
             box.add(saved.queued.get(str(box.receiver), []))
         self.last_sent_s = {r: saved.last_sent_s[str(r)] for r in self.receivers if str(r) in saved.last_sent_s}
+
+
+class AlertStateError(ValueError):
+    """A `--state` file that cannot be read back."""
+
+
+def alert_loop(store: Store, *, rules: Sequence[Rule] | None = None, recipes: RecipeBook | None = None,
+               alertmanagers: Sequence[str] = (), webhooks: Sequence[str] = (), **options: Any) -> AlertLoop:
+    """The loop over a store, as `kvtrace alerts` builds it: the built-in rules unless given,
+    verdicts from the collector's table unless recipes are named (then computed from the
+    events), Alertmanagers by base URL, webhooks by URL; `options` go to AlertLoop."""
+    verdicts = computed_verdicts(store, recipes) if recipes else None
+    evaluator = Evaluator(store, rules_from_path(None) if rules is None else rules, verdicts)
+    receivers = [*(Receiver.alertmanager(u) for u in alertmanagers),
+                 *(Receiver(ReceiverKind.WEBHOOK, u) for u in webhooks)]
+    return AlertLoop(evaluator, receivers, **options)
 
 
 class _Metrics:

@@ -244,3 +244,15 @@ def test_run_stops_promptly_from_another_thread(store: Store) -> None:
     stop.set()
     worker.join(5)
     assert not worker.is_alive() and time.monotonic() - started < 5
+
+
+def test_bad_cli_input_is_refused_with_one_line(store: Store, tmp_path, capsys) -> None:  # noqa: ANN001
+    from kvtrace.cli.main import main
+
+    state = tmp_path / "state.json"
+    state.write_text("{not json")
+    assert main(["--dsn", str(store.dsn), "alerts", "--once", "--state", str(state)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {state}: not an alert state file")
+    assert main(["--dsn", str(store.dsn), "alerts", "--once", "--alertmanager", "am:9093"]) == 2
+    assert capsys.readouterr().err.strip() == "error: 'am:9093': expected an http:// or https:// URL"
