@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     al.add_argument("--once", action="store_true",
                     help="evaluate once and exit (status 1 if a delivery failed after its retries)")
     al.add_argument("--metrics-port", type=positive, help="also serve the rule values as Prometheus metrics here")
-    al.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    al.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0, all)")
     al.set_defaults(handler=cmd_alerts, extra="dashboards")
 
 
