@@ -50,15 +50,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     graf.add_argument("--database", default="", help="database the panels query (default: the store's)")
     graf.set_defaults(handler=cmd_grafana)
 
-    al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to a webhook")
+    al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to Alertmanager or a webhook")
     al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
     al.add_argument("--show-default-rules", action="store_true", help="print the built-in rules and exit")
     al.add_argument("--recipe", action="append", default=[], metavar=RECIPE_METAVAR,
                     help="compute verdicts from events with these recipes (default: the collector's live verdicts)")
-    al.add_argument("--webhook", default="", help="Alertmanager-compatible webhook URL for firing/resolved alerts")
+    al.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+                    help="Alertmanager to push alerts to (its base URL, e.g. http://alertmanager:9093; "
+                         "repeatable): firing alerts are re-sent every --resend-s, resolved ones sent with endsAt")
+    al.add_argument("--webhook", action="append", default=[], metavar="URL",
+                    help="Alertmanager-compatible webhook receiver for firing/resolved transitions (repeatable)")
+    al.add_argument("--dashboard-url", default="http://127.0.0.1:8050",
+                    help="the `kvtrace dashboard` each alert's generatorURL links to (default http://127.0.0.1:8050)")
     al.add_argument("--interval-s", type=positive, default=30, help="seconds between evaluations (default 30)")
-    al.add_argument("--once", action="store_true", help="evaluate once and exit")
+    al.add_argument("--resend-s", type=positive, default=60,
+                    help="re-send firing alerts to Alertmanagers this often (default 60; each stays valid 4x "
+                         "the longer of this and --interval-s)")
+    al.add_argument("--state", metavar="FILE",
+                    help="keep pending/firing alerts and undelivered notifications here between runs, so a later "
+                         "`--once` run (from cron) resolves what an earlier one fired")
+    al.add_argument("--once", action="store_true",
+                    help="evaluate once and exit (status 1 if a delivery failed after its retries)")
     al.add_argument("--metrics-port", type=positive, help="also serve the rule values as Prometheus metrics here")
+    al.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0, all)")
     al.set_defaults(handler=cmd_alerts, extra="dashboards")
 
 
@@ -110,38 +124,48 @@ def cmd_grafana(args: argparse.Namespace) -> int:
 
 
 def cmd_alerts(args: argparse.Namespace) -> int:
-    from kvtrace.dashboards.alerts import (
-        DEFAULT_RULES,
-        AlertLoop,
-        Evaluator,
-        RuleError,
-        computed_verdicts,
-        rules_from_path,
-    )
+    import logging
+
+    from kvtrace.dashboards.alerts import DEFAULT_RULES, RuleError, alert_loop, rules_from_path
     from kvtrace.schema.recipes import RecipeBook, RecipeError
     from kvtrace.store.client import Store
 
     if args.show_default_rules:
         print(DEFAULT_RULES, end="")
         return 0
+    bad = next((u for u in [*args.alertmanager, *args.webhook, args.dashboard_url]
+                if not u.startswith(("http://", "https://"))), None)
+    if bad is not None:
+        print(f"error: {bad!r}: expected an http:// or https:// URL", file=sys.stderr)
+        return 2
     try:
         rules = rules_from_path(args.rules)
         recipes = RecipeBook.parse(args.recipe) if args.recipe else None
     except (RuleError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    handler = logging.StreamHandler(sys.stderr)  # failed deliveries: one line each, receiver and cause
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    logging.getLogger("kvtrace.alerts").addHandler(handler)
     store = Store(args.dsn)
     store.require_schema()
-    loop = AlertLoop(Evaluator(store, rules, computed_verdicts(store, recipes) if recipes else None), args.webhook)
+    try:
+        loop = alert_loop(store, rules=rules, recipes=recipes, alertmanagers=args.alertmanager, webhooks=args.webhook,
+                          dashboard_url=args.dashboard_url, interval_s=args.interval_s, resend_s=args.resend_s,
+                          state_path=args.state)
+    except ValueError as exc:  # an unreadable --state file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, registry=loop.registry)
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=loop.registry)
     if args.once:
         loop.cycle()
-        firing = loop.state.firing()
-        print(f"{len(rules)} rules evaluated; {len(firing)} firing")
-        return 0
+        firing, failures = loop.state.firing(), loop.last_failures
+        failed = f"; {len(failures)} deliveries failed" if failures else ""
+        print(f"{len(rules)} rules evaluated; {len(firing)} firing{failed}")
+        return 1 if failures else 0
     print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
     loop.run(args.interval_s)
     return 0

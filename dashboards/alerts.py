@@ -4,27 +4,41 @@ Rules live in a YAML file (`DEFAULT_RULES` when none is given). Each evaluation 
 window ending at the newest event in the store (so a replayed trace is judged in its own time),
 computes one value per label set (model, instance, ...), and moves each (rule, labels) through
 pending -> firing -> resolved, the way Prometheus does: a condition must hold for `for_s` before
-it fires, a firing alert is not re-sent every cycle, and it resolves once the condition clears.
-Transitions go to an Alertmanager-compatible webhook (the JSON Alertmanager posts to its
-receivers) and to the log; current values are also Prometheus gauges.
+it fires, and it resolves once the condition clears. What receivers see is stamped with the wall
+clock (when it fired and resolved here), with the data time as an annotation and a link to the
+dashboard page showing the cause. Transitions go to Alertmanagers (their v2 API) and to
+Alertmanager-style webhooks (`alert_delivery`) and to the log; current values are also
+Prometheus gauges, one label per dimension.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import threading
 import time
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 import msgspec
 import polars as pl
 
 from kvtrace.analysis.funnel import users
+from kvtrace.dashboards.alert_delivery import (
+    DeliveryError,
+    Notice,
+    Outbox,
+    Receiver,
+    ReceiverKind,
+    RetryPolicy,
+    deliver,
+    fingerprint,
+    rfc3339,
+    webhook_payload,
+)
 from kvtrace.schema.kinds import Ending
 from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.store.client import EmitterEnd, Store
@@ -312,7 +326,7 @@ _VERDICT_KINDS = (RuleKind.DIVERGENCE, RuleKind.UNSAFE_REUSE, RuleKind.RECOVERAB
 _PER_INSTANCE = (RuleKind.STREAM_GAP, RuleKind.SILENT, RuleKind.EMITTER_DROPS, RuleKind.UNCLEAN_END)
 
 
-# -- state and delivery ------------------------------------------------------------------------
+# -- state -------------------------------------------------------------------------------------
 class Status(StrEnum):
     PENDING = "pending"
     FIRING = "firing"
@@ -321,28 +335,35 @@ class Status(StrEnum):
 
 @dataclass(slots=True)
 class Alert:
+    """One (rule, label set) through pending -> firing -> resolved. Two clocks: the `_ns` times
+    are the store's (the data the rule judged), the `_s` times are the wall clock (when it fired
+    and resolved here, which is what receivers and people reading them expect)."""
+
     rule: Rule
     labels: tuple[tuple[str, str], ...]
     status: Status
-    since_ns: int  # when the condition started to hold (event time)
+    since_ns: int  # when the condition started to hold (data time)
     value: float
-    fired_ns: int = 0
+    fired_ns: int = 0  # data time of the evaluation that fired it
     resolved_ns: int = 0
     detail: str = ""
+    starts_at_s: float = 0.0  # wall clock
+    ends_at_s: float = 0.0
+    data_ns: int = 0  # data time of the latest evaluation that saw it
 
-    def payload(self) -> dict[str, Any]:
-        """One alert as Alertmanager writes it in its webhook payload."""
-        def iso(ns: int) -> str:
-            return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns / 1e9)) + f".{ns % 10**9 // 10**6:03d}Z"
+    @property
+    def alert_labels(self) -> dict[str, str]:
+        """The labels receivers see; a dimension without a value is left out, as Alertmanager does."""
+        return {"alertname": self.rule.name, "severity": self.rule.severity, "kind": self.rule.kind.value,
+                **{k: v for k, v in self.labels if v}}
 
-        labels = {"alertname": self.rule.name, "severity": self.rule.severity, "kind": self.rule.kind.value,
-                  **dict(self.labels)}
-        return {"status": "firing" if self.status is Status.FIRING else "resolved", "labels": labels,
-                "annotations": {"summary": self.rule.summary or self.rule.kind.value, "value": f"{self.value:.6g}",
-                                **({"description": self.detail} if self.detail else {})},
-                "startsAt": iso(self.fired_ns or self.since_ns),
-                "endsAt": iso(self.resolved_ns) if self.resolved_ns else "0001-01-01T00:00:00Z",
-                "generatorURL": "", "fingerprint": f"{self.rule.name}:{json.dumps(labels, sort_keys=True)}"}
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.alert_labels)
+
+    def payload(self, dashboard_url: str = "") -> dict[str, Any]:
+        """The alert as it appears in a webhook notification."""
+        return notice(self, dashboard_url or DEFAULT_DASHBOARD_URL).webhook()
 
 
 @dataclass(slots=True)
@@ -351,7 +372,9 @@ class AlertState:
 
     active: dict[tuple[str, tuple[tuple[str, str], ...]], Alert] = field(default_factory=dict)
 
-    def update(self, rules: Sequence[Rule], samples: Sequence[Sample], now_ns: int) -> list[Alert]:
+    def update(self, rules: Sequence[Rule], samples: Sequence[Sample], now_ns: int,
+               wall_s: float | None = None) -> list[Alert]:
+        wall = time.time() if wall_s is None else wall_s
         by_name = {r.name: r for r in rules}
         changed: list[Alert] = []
         seen = set()
@@ -362,45 +385,57 @@ class AlertState:
             if s.breaching:
                 if alert is None:
                     alert = self.active[key] = Alert(by_name[s.rule], s.labels, Status.PENDING, now_ns, s.value)
-                alert.value, alert.detail = s.value, s.detail
+                alert.value, alert.detail, alert.data_ns = s.value, s.detail, now_ns
                 if alert.status is Status.PENDING and now_ns - alert.since_ns >= alert.rule.for_s * 1e9:
-                    alert.status, alert.fired_ns = Status.FIRING, now_ns
+                    alert.status, alert.fired_ns, alert.starts_at_s = Status.FIRING, now_ns, wall
                     changed.append(alert)
             elif alert is not None:
-                self._clear(key, alert, now_ns, changed, s.value)
+                self._clear(key, alert, now_ns, wall, changed, s.value)
         for key, alert in list(self.active.items()):  # no sample at all any more: the condition is gone
             if key not in seen:
-                self._clear(key, alert, now_ns, changed, alert.value)
+                self._clear(key, alert, now_ns, wall, changed, alert.value)
         return changed
 
-    def _clear(self, key: Any, alert: Alert, now_ns: int, changed: list[Alert], value: float) -> None:
+    def _clear(self, key: Any, alert: Alert, now_ns: int, wall: float, changed: list[Alert], value: float) -> None:
         del self.active[key]
         if alert.status is Status.FIRING:
-            alert.status, alert.resolved_ns, alert.value = Status.RESOLVED, now_ns, value
+            alert.status, alert.resolved_ns, alert.ends_at_s, alert.value = Status.RESOLVED, now_ns, wall, value
+            alert.data_ns = now_ns
             changed.append(alert)
 
     def firing(self) -> list[Alert]:
         return [a for a in self.active.values() if a.status is Status.FIRING]
 
 
-def webhook_payload(alerts: Sequence[Alert], receiver: str = "kvtrace") -> dict[str, Any]:
-    """Alertmanager's webhook JSON (version 4), so any receiver built for it accepts ours."""
-    firing = any(a.status is Status.FIRING for a in alerts)
-    payloads = [a.payload() for a in alerts]
-    common = {}
-    if payloads:
-        common = {k: v for k, v in payloads[0]["labels"].items()
-                  if all(p["labels"].get(k) == v for p in payloads)}
-    return {"version": "4", "receiver": receiver, "status": "firing" if firing else "resolved",
-            "alerts": payloads, "groupLabels": {}, "commonLabels": common,
-            "commonAnnotations": {}, "externalURL": "", "groupKey": "kvtrace", "truncatedAlerts": 0}
+# -- where the cause is shown ------------------------------------------------------------------
+DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8050"  # `kvtrace dashboard`'s default address
+
+_PAGE = {RuleKind.DIVERGENCE: "gaps", RuleKind.RECOVERABLE_DROP: "gaps", RuleKind.UNSAFE_REUSE: "unsafe"}
 
 
-def post_webhook(url: str, alerts: Sequence[Alert], timeout_s: float = 10.0) -> None:
-    body = json.dumps(webhook_payload(alerts)).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        response.read()
+def cause_url(dashboard_url: str, alert: Alert) -> str:
+    """The dashboard page that shows why the alert fired: its page for the rule's kind (stream
+    rules: the event streams), filtered to the alert's labels, over the data range the rule judged
+    when it fired (Unix seconds of the store's clock, which is the dashboard's)."""
+    rule = alert.rule
+    page = _PAGE.get(rule.kind, "health")
+    span = rule.baseline_s if rule.kind in (RuleKind.RECOVERABLE_DROP, RuleKind.SILENT) else rule.window_s
+    at = alert.fired_ns or alert.data_ns or alert.since_ns
+    query = {"from": max(0, (at - int(span * 1e9)) // 10**9), "to": -(-at // 10**9),
+             **{k: v for k, v in alert.labels if v}}
+    return f"{dashboard_url.rstrip('/')}/{page}?{urlencode(query)}"
+
+
+def notice(alert: Alert, dashboard_url: str = DEFAULT_DASHBOARD_URL) -> Notice:
+    """The alert as receivers get it, frozen now."""
+    annotations = {"summary": alert.rule.summary or alert.rule.kind.value, "value": f"{alert.value:.6g}",
+                   "data_time": rfc3339(alert.data_ns / 1e9) if alert.data_ns else ""}
+    if alert.detail:
+        annotations["description"] = alert.detail
+    return Notice(labels=alert.alert_labels, annotations={k: v for k, v in annotations.items() if v},
+                  firing=alert.status is Status.FIRING, starts_at_s=alert.starts_at_s,
+                  ends_at_s=alert.ends_at_s if alert.status is Status.RESOLVED else 0.0,
+                  generator_url=cause_url(dashboard_url, alert) if dashboard_url else "")
 
 
 def rules_from_path(path: str | Path | None) -> list[Rule]:
@@ -413,49 +448,219 @@ def rules_from_path(path: str | Path | None) -> list[Rule]:
     return load_rules(text, str(path))
 
 
-class AlertLoop:
-    """Evaluate, update state, deliver: one `cycle()` per interval. Gauges mirror every value."""
+# -- the loop ----------------------------------------------------------------------------------
+DIMENSIONS = tuple(label.value for label in Label)
 
-    def __init__(self, evaluator: Evaluator, webhook: str = "", out: Callable[[str], None] = print) -> None:
-        from prometheus_client import CollectorRegistry, Gauge
+
+class _Saved(msgspec.Struct, kw_only=True):
+    """What `--state` keeps between runs: the active alerts and the undelivered notifications."""
+
+    class Active(msgspec.Struct, kw_only=True):
+        rule: str
+        labels: list[tuple[str, str]]
+        status: Status
+        since_ns: int
+        value: float
+        fired_ns: int = 0
+        starts_at_s: float = 0.0
+        detail: str = ""
+        data_ns: int = 0
+
+    active: list[Active] = []
+    queued: dict[str, list[Notice]] = {}
+    last_sent_s: dict[str, float] = {}
+
+
+class AlertLoop:
+    """Evaluate, update state, deliver: one `cycle()` per interval.
+
+    Safe to run in a thread of a process that does other work (it installs no signal handlers,
+    and `run` returns promptly once `stop` is set). Alertmanagers get every firing alert again
+    at least every `resend_s`, each valid for 4 x max(resend, interval) (as Prometheus does), so
+    an alert whose source dies resolves there on its own; webhooks get transitions only.
+    `registry` holds the gauges, one Prometheus label per dimension."""
+
+    def __init__(self, evaluator: Evaluator, receivers: Sequence[Receiver | str] = (), *,
+                 dashboard_url: str = DEFAULT_DASHBOARD_URL, out: Callable[[str], None] = print,
+                 interval_s: float = 30.0, resend_s: float = 60.0, retry: RetryPolicy | None = None,
+                 state_path: str | Path | None = None, outbox_limit: int = 1000,
+                 clock: Callable[[], float] = time.time) -> None:
+        from prometheus_client import CollectorRegistry
 
         self.evaluator = evaluator
         self.state = AlertState()
-        self.webhook = webhook
+        self.receivers = [Receiver(ReceiverKind.WEBHOOK, r) if isinstance(r, str) else r for r in receivers]
+        self.outboxes = [Outbox(r, outbox_limit) for r in self.receivers]
+        self.dashboard_url = dashboard_url
         self.out = out
+        self.interval_s = interval_s
+        self.resend_s = resend_s
+        self.retry = retry or RetryPolicy()
+        self.state_path = Path(state_path) if state_path else None
+        self.clock = clock
+        self.last_sent_s: dict[Receiver, float] = {}
+        self.failures: dict[Receiver, int] = dict.fromkeys(self.receivers, 0)
+        self.samples: list[Sample] = []
+        self.last_failures: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.registry = CollectorRegistry()
-        self.values = Gauge("kvtrace_rule_value", "A rule's current value per label set.", ["rule", "labels"],
-                            registry=self.registry)
-        self.firing = Gauge("kvtrace_alert_firing", "1 while the alert fires.", ["rule", "labels"],
-                            registry=self.registry)
-        self.delivery_errors = 0
+        self.registry.register(_Metrics(self))
+        if self.state_path is not None and self.state_path.exists():
+            self._load(self.state_path)
+
+    @property
+    def valid_for_s(self) -> float:
+        return 4 * max(self.resend_s, self.interval_s)
 
     def cycle(self) -> list[Alert]:
+        """One evaluation: returns the transitions; `last_failures` holds the deliveries that
+        failed (one line each, naming the receiver and the cause)."""
         now = self.evaluator.now_ns()
+        wall = self.clock()
         samples = self.evaluator.evaluate(now)
-        changed = self.state.update(self.evaluator.rules, samples, now)
-        for s in samples:
-            self.values.labels(s.rule, _label_text(s.labels)).set(s.value)
+        with self._lock:
+            changed = self.state.update(self.evaluator.rules, samples, now, wall)
+            self.samples = samples
         for a in changed:
-            self.firing.labels(a.rule.name, _label_text(a.labels)).set(1 if a.status is Status.FIRING else 0)
             detail = f": {a.detail}" if a.detail and a.status is Status.FIRING else ""
-            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g}{detail}")
-        if changed and self.webhook:
-            try:
-                post_webhook(self.webhook, changed)
-            except Exception as exc:  # noqa: BLE001 - a receiver down must not stop evaluation
-                self.delivery_errors += 1
-                log.warning("alert webhook %s failed: %s", self.webhook, exc)
+            self.out(f"{a.status.value.upper():8} {a.rule.name} {_label_text(a.labels)} value={a.value:.6g}{detail} "
+                     f"fingerprint={a.fingerprint}")
+        self.last_failures = self._deliver([notice(a, self.dashboard_url) for a in changed], wall)
+        if self.state_path is not None:
+            self._save(self.state_path)
         return changed
 
-    def run(self, interval_s: float, stop: Callable[[], bool] = lambda: False) -> None:
-        while not stop():
+    def _deliver(self, notices: list[Notice], wall: float) -> list[str]:
+        failures = []
+        for box in self.outboxes:
+            receiver = box.receiver
+            if receiver.kind is ReceiverKind.WEBHOOK:
+                box.add(notices)
+                if not box.queued:
+                    continue
+                body: Any = webhook_payload(box.queued)
+            else:
+                box.add(n for n in notices if not n.firing)  # firing ones are re-read from the state
+                firing = [notice(a, self.dashboard_url) for a in self.state.firing()]
+                due = notices or box.queued or wall - self.last_sent_s.get(receiver, 0.0) >= self.resend_s
+                if not due or not (firing or box.queued):
+                    continue
+                now_firing = {n.fingerprint for n in firing}
+                batch = [n for n in box.queued if n.fingerprint not in now_firing] + firing
+                body = [n.alertmanager(wall + self.valid_for_s) for n in batch]
+            try:
+                deliver(receiver, body, self.retry, sleep=self._stop.wait)
+            except DeliveryError as exc:
+                self.failures[receiver] += 1
+                failures.append(str(exc))
+                log.error("%s", exc)
+                if not exc.retryable:  # the receiver refuses these: sending them again will not help
+                    box.queued.clear()
+                continue
+            box.queued.clear()
+            self.last_sent_s[receiver] = wall
+        return failures
+
+    def run(self, interval_s: float, stop: threading.Event | None = None) -> None:
+        """Cycle every `interval_s` until `stop` is set; an evaluation that fails (the store
+        briefly away) is logged and tried again next interval."""
+        self.interval_s = interval_s
+        if stop is not None:
+            self._stop = stop
+        while not self._stop.is_set():
             started = time.monotonic()
             try:
                 self.cycle()
             except Exception:  # noqa: BLE001 - the store may be briefly away; try next cycle
                 log.exception("alert evaluation failed")
-            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+            self._stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def snapshot(self) -> tuple[list[Sample], list[Alert]]:
+        with self._lock:
+            return list(self.samples), list(self.state.active.values())
+
+    # -- persistence, for `--once` runs from cron --
+    def _save(self, path: Path) -> None:
+        saved = _Saved(
+            active=[_Saved.Active(rule=a.rule.name, labels=list(a.labels), status=a.status, since_ns=a.since_ns,
+                                  value=a.value, fired_ns=a.fired_ns, starts_at_s=a.starts_at_s, detail=a.detail,
+                                  data_ns=a.data_ns) for a in self.state.active.values()],
+            queued={str(box.receiver): box.queued for box in self.outboxes if box.queued},
+            last_sent_s={str(r): t for r, t in self.last_sent_s.items()})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(msgspec.json.encode(saved))
+        tmp.replace(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            saved = msgspec.json.decode(path.read_bytes(), type=_Saved)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise AlertStateError(f"{path}: not an alert state file: {exc}") from None
+        rules = {r.name: r for r in self.evaluator.rules}
+        for a in saved.active:
+            if a.rule in rules:  # a rule removed since: its alerts go with it
+                labels = tuple(tuple(kv) for kv in a.labels)
+                self.state.active[(a.rule, labels)] = Alert(
+                    rules[a.rule], labels, a.status, a.since_ns, a.value, fired_ns=a.fired_ns, detail=a.detail,
+                    starts_at_s=a.starts_at_s, data_ns=a.data_ns)
+        for box in self.outboxes:
+            box.add(saved.queued.get(str(box.receiver), []))
+        self.last_sent_s = {r: saved.last_sent_s[str(r)] for r in self.receivers if str(r) in saved.last_sent_s}
+
+
+class AlertStateError(ValueError):
+    """A `--state` file that cannot be read back."""
+
+
+def alert_loop(store: Store, *, rules: Sequence[Rule] | None = None, recipes: RecipeBook | None = None,
+               alertmanagers: Sequence[str] = (), webhooks: Sequence[str] = (), **options: Any) -> AlertLoop:
+    """The loop over a store, as `kvtrace alerts` builds it: the built-in rules unless given,
+    verdicts from the collector's table unless recipes are named (then computed from the
+    events), Alertmanagers by base URL, webhooks by URL; `options` go to AlertLoop."""
+    verdicts = computed_verdicts(store, recipes) if recipes else None
+    evaluator = Evaluator(store, rules_from_path(None) if rules is None else rules, verdicts)
+    receivers = [*(Receiver.alertmanager(u) for u in alertmanagers),
+                 *(Receiver(ReceiverKind.WEBHOOK, u) for u in webhooks)]
+    return AlertLoop(evaluator, receivers, **options)
+
+
+class _Metrics:
+    """The loop's gauges, read at scrape time from the latest evaluation: a label set that is
+    gone from the store is gone from the scrape (no stale series). Every dimension is its own
+    label, empty where a rule does not split by it, so `sum by (model) (kvtrace_rule_value)`
+    works across rules."""
+
+    def __init__(self, loop: AlertLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        samples, active = self.loop.snapshot()
+        values = GaugeMetricFamily("kvtrace_rule_value", "A rule's current value per label set.",
+                                   labels=["rule", *DIMENSIONS])
+        for s in samples:
+            values.add_metric([s.rule, *_dimensions(s.labels)], s.value)
+        firing = GaugeMetricFamily("kvtrace_alert_firing", "1 while the alert fires, 0 while pending.",
+                                   labels=["rule", "severity", *DIMENSIONS])
+        for a in active:
+            firing.add_metric([a.rule.name, a.rule.severity, *_dimensions(a.labels)],
+                              1.0 if a.status is Status.FIRING else 0.0)
+        failed = CounterMetricFamily("kvtrace_alert_delivery_failures", "Deliveries that failed after retries.",
+                                     labels=["receiver"])
+        for receiver, count in self.loop.failures.items():
+            failed.add_metric([str(receiver)], count)
+        return [values, firing, failed]
+
+
+def _dimensions(labels: tuple[tuple[str, str], ...]) -> list[str]:
+    given = dict(labels)
+    return [given.get(d, "") for d in DIMENSIONS]
 
 
 def _label_text(labels: tuple[tuple[str, str], ...]) -> str:

@@ -15,6 +15,11 @@ if ! command -v chromium >/dev/null 2>&1; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get install -y -q chromium >/dev/null 2>&1 || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null; }
 fi
+# Prometheus and Alertmanager for the alert tests (they scrape and receive from kvtrace alerts).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get install -y -q prometheus prometheus-alertmanager >/dev/null 2>&1 || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q prometheus prometheus-alertmanager >/dev/null; }
+fi
 status=0
 # Habits: pyflakes, pycodestyle, import order and bugbear (ruff), and imports that run one way
 # between the rooms, with no cycles between modules (import-linter's contracts, .importlinter).

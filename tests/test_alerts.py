@@ -4,13 +4,11 @@ beyond what is recoverable fires the unsafe-reuse alert; bad rule files name rul
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvtrace.dashboards.alert_delivery import RetryPolicy
 from kvtrace.dashboards.alerts import (
     AlertLoop,
     AlertState,
@@ -21,11 +19,10 @@ from kvtrace.dashboards.alerts import (
     computed_verdicts,
     load_rules,
 )
-from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
-from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
-from kvtrace.instrumentation.sinks.store import StoreSink
+from kvtrace.instrumentation.simulator import AdoptPolicy
 from kvtrace.schema.recipes import BUILTIN
 from kvtrace.store.client import Store
+from tests.alert_helpers import Engine, Receiver, S
 
 RULES = """
 rules:
@@ -38,31 +35,6 @@ rules:
     window_s: 60
     severity: critical
 """
-PREFIX = list(range(1, 1025))
-S = 10**9
-
-
-class Receiver:
-    """A local Alertmanager-webhook receiver that keeps what it is sent."""
-
-    def __init__(self) -> None:
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def alerts(self) -> list[tuple[str, str]]:
-        return [(a["status"], a["labels"]["alertname"]) for body in self.received for a in body["alerts"]]
 
 
 @pytest.fixture
@@ -72,28 +44,10 @@ def receiver() -> Iterator[Receiver]:
     r.server.shutdown()
 
 
-class Engine:
-    """The reference simulator writing into the store, with a clock the test moves."""
-
-    def __init__(self, store: Store, adopt: AdoptPolicy = AdoptPolicy.COMPLETE) -> None:
-        self.emitter = BatchEmitter(StoreSink(store), BatchConfig(schedule_delay_millis=10), register_atexit=False)
-        self.sim = CacheSimulator(SimConfig(recipe=BUILTIN["mamba-hybrid"], model="jamba", adopt=adopt), self.emitter)
-        self.n = 0
-
-    def serve(self, at_s: float, fault: bool = False) -> None:
-        self.n += 1
-        arrival = self.sim.config.start_ns + int(at_s * S)
-        request = SimRequest(f"r{self.n}", [*PREFIX, self.n, self.n], arrival_ns=arrival)
-        if fault:
-            self.sim.inject(Fault.SKIP_CHECKPOINT, request, 1024)
-        self.sim.serve(request)
-        assert self.emitter.force_flush(10_000)
-
-
 def loop_for(store: Store, receiver: Receiver) -> AlertLoop:
     rules = load_rules(RULES)
-    return AlertLoop(Evaluator(store, rules, computed_verdicts(store, BUILTIN["mamba-hybrid"])), receiver.url,
-                     out=lambda line: None)
+    return AlertLoop(Evaluator(store, rules, computed_verdicts(store, BUILTIN["mamba-hybrid"])), [receiver.url],
+                     out=lambda line: None, retry=RetryPolicy(attempts=2, backoff_s=0.01))
 
 
 def test_divergence_fires_within_one_cycle_and_resolves_after_a_clean_replay(store: Store, receiver: Receiver) -> None:
@@ -187,3 +141,118 @@ rules:
     breaching = sorted((s.rule, dict(s.labels)["instance"], s.value) for s in samples if s.breaching)
     assert breaching == [("drops", "steady", 5.0), ("gaps", "gappy", 3.0),
                          ("silent", "quiet", pytest.approx(190, abs=1))]
+
+
+def test_a_failed_webhook_delivery_is_retried_next_cycle(store: Store, receiver: Receiver) -> None:
+    engine = Engine(store)
+    loop = loop_for(store, receiver)
+    engine.serve(0)
+    engine.serve(10, fault=True)
+    receiver.status = 503
+    assert [a.rule.name for a in loop.cycle()] == ["divergence"]
+    (line,) = loop.last_failures
+    assert line == f"alert delivery to webhook {receiver.url} failed after 2 attempts: HTTP 503 Service Unavailable"
+    assert receiver.received == [] and len(loop.outboxes[0].queued) == 1
+    receiver.status = 200
+    assert loop.cycle() == [] and loop.last_failures == []  # nothing changed; the undelivered notice goes now
+    assert receiver.alerts() == [("firing", "divergence")] and loop.outboxes[0].queued == []
+    receiver.status = 400  # a receiver that refuses the request is not asked again
+    for t in range(200, 203):
+        engine.serve(t)
+    loop.cycle()
+    (line,) = loop.last_failures
+    assert "failed after 1 attempt: HTTP 400" in line and loop.outboxes[0].queued == []
+
+
+def test_the_outbox_is_bounded() -> None:
+    from kvtrace.dashboards.alert_delivery import Notice, Outbox, Receiver, ReceiverKind
+
+    box = Outbox(Receiver(ReceiverKind.WEBHOOK, "http://127.0.0.1:9/"), limit=3)
+    box.add(Notice(labels={"alertname": str(i)}, annotations={}, firing=True, starts_at_s=i) for i in range(5))
+    assert [n.labels["alertname"] for n in box.queued] == ["2", "3", "4"] and box.dropped == 2
+
+
+def test_alertmanager_gets_firing_alerts_again_before_they_expire(store: Store, receiver: Receiver) -> None:
+    from kvtrace.dashboards.alert_delivery import Receiver as To
+
+    clock = [1_800_000_000.0]
+    engine = Engine(store)
+    loop = AlertLoop(Evaluator(store, load_rules(RULES), computed_verdicts(store, BUILTIN["mamba-hybrid"])),
+                     [To.alertmanager(receiver.url.removesuffix("/alerts"))], out=lambda line: None,
+                     interval_s=30, resend_s=60, clock=lambda: clock[0])
+    engine.serve(0)
+    engine.serve(10, fault=True)
+    loop.cycle()
+    (sent,) = receiver.received[0]
+    assert sent["startsAt"] == "2027-01-15T08:00:00.000Z"
+    assert sent["endsAt"] == "2027-01-15T08:04:00.000Z"  # valid for 4 x max(resend 60 s, interval 30 s)
+    assert sent["generatorURL"].startswith("http://127.0.0.1:8050/gaps?from=")
+    clock[0] += 30
+    loop.cycle()
+    assert len(receiver.received) == 1  # not due yet
+    clock[0] += 30
+    loop.cycle()
+    (again,) = receiver.received[1]
+    assert again["startsAt"] == sent["startsAt"] and again["endsAt"] == "2027-01-15T08:05:00.000Z"
+    clock[0] += 5
+    for t in range(200, 203):
+        engine.serve(t)
+    loop.cycle()
+    (resolved,) = receiver.received[2]
+    assert resolved["endsAt"] == "2027-01-15T08:01:05.000Z" and resolved["labels"] == sent["labels"]
+
+
+def test_fingerprints_are_alertmanagers() -> None:
+    from kvtrace.dashboards.alert_delivery import fingerprint
+
+    # as a real Alertmanager 0.25 reported them for these label sets
+    assert fingerprint({"alertname": "x", "model": "m"}) == "fb3d3aa8d643071c"
+    assert fingerprint({"model": "m", "alertname": "x"}) == "fb3d3aa8d643071c"
+    assert fingerprint({}) == "cbf29ce484222325"
+
+
+@pytest.mark.parametrize("rule, labels, page, span_s", [
+    ("{name: d, kind: divergence, window_s: 300}", (("model", "m"),), "gaps", 300),
+    ("{name: r, kind: recoverable_drop, window_s: 300, baseline_s: 3600}", (("model", "m"),), "gaps", 3600),
+    ("{name: u, kind: unsafe_reuse, by: [model, tenant]}", (("model", "m"), ("tenant", "")), "unsafe", 300),
+    ("{name: g, kind: stream_gap, by: [instance], window_s: 120}", (("instance", "i-1"),), "health", 120),
+])
+def test_generator_urls_point_at_the_page_showing_the_cause(rule: str, labels: tuple, page: str,
+                                                             span_s: int) -> None:
+    from urllib.parse import parse_qs, urlsplit
+
+    from kvtrace.dashboards.alerts import Alert, cause_url
+
+    (r,) = load_rules(f"rules: [{rule}]")
+    at = 1_750_000_000 * S + 500_000_000
+    url = urlsplit(cause_url("http://dash:8050/", Alert(r, labels, Status.FIRING, at, 1.0, fired_ns=at)))
+    assert url.path == f"/{page}"
+    query = {k: v[0] for k, v in parse_qs(url.query).items()}
+    assert query == {"from": str(1_750_000_000 - span_s), "to": str(1_750_000_001), **{k: v for k, v in labels if v}}
+
+
+def test_run_stops_promptly_from_another_thread(store: Store) -> None:
+    import threading
+    import time
+
+    loop = AlertLoop(Evaluator(store, load_rules(RULES)), out=lambda line: None)
+    stop = threading.Event()
+    worker = threading.Thread(target=loop.run, args=(3600, stop))
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    stop.set()
+    worker.join(5)
+    assert not worker.is_alive() and time.monotonic() - started < 5
+
+
+def test_bad_cli_input_is_refused_with_one_line(store: Store, tmp_path, capsys) -> None:  # noqa: ANN001
+    from kvtrace.cli.main import main
+
+    state = tmp_path / "state.json"
+    state.write_text("{not json")
+    assert main(["--dsn", str(store.dsn), "alerts", "--once", "--state", str(state)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {state}: not an alert state file")
+    assert main(["--dsn", str(store.dsn), "alerts", "--once", "--alertmanager", "am:9093"]) == 2
+    assert capsys.readouterr().err.strip() == "error: 'am:9093': expected an http:// or https:// URL"
