@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-from kvtrace.store.dsn import default_dsn
+from kvtrace.schema.paths import data_dir
+from kvtrace.store.dsn import StoreError, parse_dsn
 
 # One or two examples per command path ("db init"); the first line of each is a command line,
 # an optional second part after "  # " says what it does.
@@ -67,12 +68,21 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def dsn(text: str) -> str:
+    """`--dsn`, checked when parsed: a DSN that cannot name a store is a usage error."""
+    try:
+        parse_dsn(text)
+    except StoreError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_global_options(parser: argparse.ArgumentParser, top: bool) -> None:
     """`--dsn` on the top parser and on every subcommand. A subcommand's copy defaults to
     SUPPRESS, so it sets the value only when given there and never undoes one given before."""
-    parser.add_argument("--dsn", default=None if top else argparse.SUPPRESS,
+    parser.add_argument("--dsn", type=dsn, default=None if top else argparse.SUPPRESS,
                         help="store address: chdb:///PATH (embedded) or http(s)://user:pass@host:8123/db "
-                             f"(default: $KVTRACE_DSN, else {default_dsn()})")
+                             f"(default: $KVTRACE_DSN, else chdb://{data_dir() / 'chdb'})")
 
 
 def commands(parser: argparse.ArgumentParser, path: str = "") -> Iterator[tuple[str, argparse.ArgumentParser, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvtrace.collector.service import Collector
+    from kvtrace.store.client import Store
 
 DASHBOARD_PREFIX = "/dashboard"
 log = logging.getLogger("kvtrace.serve")
@@ -68,16 +68,23 @@ class AlertThread:
         self._thread.join(30)
 
 
-def alert_thread(collector: Collector, args: argparse.Namespace) -> AlertThread | None:
-    """The alert rules over the collector's store (its live verdicts), or None with --no-alerts.
-    Raises ValueError (a RuleError) for a rule file that cannot be used."""
+def alert_rules(args: argparse.Namespace) -> list | None:
+    """The rules to evaluate (None with --no-alerts); a RuleError (a ValueError) names a bad file."""
     if args.no_alerts:
         return None
-    from kvtrace.dashboards.alerts import AlertLoop, Evaluator, rules_from_path
+    from kvtrace.dashboards.alerts import rules_from_path
 
-    rules = rules_from_path(args.rules)
-    alerts = logging.getLogger("kvtrace.alerts")
-    loop = AlertLoop(Evaluator(collector.store, rules), args.webhook, out=alerts.warning)
+    return rules_from_path(args.rules)
+
+
+def alert_thread(store: Store, rules: list | None, args: argparse.Namespace) -> AlertThread | None:
+    """The alert rules over the store the collector writes (its live verdicts), delivered to
+    --webhook when given and logged either way."""
+    if rules is None:
+        return None
+    from kvtrace.dashboards.alerts import AlertLoop, Evaluator
+
+    loop = AlertLoop(Evaluator(store, rules), args.webhook, out=logging.getLogger("kvtrace.alerts").warning)
     return AlertThread(loop, args.alert_interval_s)
 
 
@@ -119,32 +126,26 @@ def serve_app(collector: Collector, alerts: AlertThread | None) -> FastAPI:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtrace.cli.running import holding
     from kvtrace.collector.serve import configure_logging, quiet_gc
     from kvtrace.collector.service import Collector
-    from kvtrace.store.owner import owning
+    from kvtrace.store.client import Store
 
     try:
         config = collector_config(args)
-    except ValueError as exc:
+        rules = alert_rules(args)
+    except ValueError as exc:  # a token file, recipe, rule file or option that cannot be used
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    collector = Collector(config)
-    try:
-        alerts = alert_thread(collector, args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if collector.store.dsn.embedded:
-        collector.store.client  # noqa: B018 - open it now: a store another process holds is a one-line error
     url = f"http://{args.host}:{args.port}"
-    configure_logging(args.log_level)
-    log.info("serving on %s: ingest at /v1/batches, the dashboard at %s/, alerts %s; store %s", url,
-             url + DASHBOARD_PREFIX, "off" if alerts is None else f"every {args.alert_interval_s} s",
-             collector.store.dsn)
-    # uvicorn re-raises the SIGTERM it stopped on once it is done; a handler here takes it, so
-    # a clean stop exits 0. Ctrl-C still ends as KeyboardInterrupt (exit 130).
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    with owning(collector.store.dsn, "kvtrace serve", url):
+    # Ctrl-C still ends as KeyboardInterrupt: exit 130.
+    with Store(config.dsn) as store, holding(store, "kvtrace serve", url):
+        collector = Collector(config)
+        alerts = alert_thread(collector.store, rules, args)
+        configure_logging(args.log_level)
+        log.info("serving on %s: ingest at /v1/batches, the dashboard at %s/, alerts %s; store %s", url,
+                 url + DASHBOARD_PREFIX, "off" if alerts is None else f"every {args.alert_interval_s} s",
+                 collector.store.dsn)
         quiet_gc()
         uvicorn.run(serve_app(collector, alerts), host=args.host, port=args.port, log_config=None,
                     access_log=False, log_level=args.log_level,

@@ -95,34 +95,31 @@ def collector_config(args: argparse.Namespace) -> CollectorConfig:
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
+    from kvtrace.cli.running import holding
     from kvtrace.collector.serve import serve
     from kvtrace.store.client import Store
-    from kvtrace.store.owner import owning
 
     try:
         config = collector_config(args)
     except ValueError as exc:  # a token file, recipe or option the collector cannot use
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with Store(config.dsn) as store:
-        if store.dsn.embedded:  # held open while it serves: a store another process holds is a one-line error
-            store.client  # noqa: B018
-        with owning(store.dsn, "kvtrace collector", f"http://{args.host}:{args.port}"):
-            return serve(config, host=args.host, port=args.port, log_level=args.log_level)
+    with Store(config.dsn) as store, holding(store, "kvtrace collector", f"http://{args.host}:{args.port}"):
+        return serve(config, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtrace.cli.running import holding
     from kvtrace.dashboards.web import create_dashboard_app
     from kvtrace.store.client import Store
-    from kvtrace.store.owner import owning
 
     store = Store(args.dsn)
     store.require_schema()
     url = f"http://{args.host}:{args.port}"
-    print(f"dashboard on {url}/ over {store.dsn}")
-    with owning(store.dsn, "kvtrace dashboard", url):
+    print(f"dashboard on {url}/ over {store.dsn}", flush=True)
+    with holding(store, "kvtrace dashboard", url):
         uvicorn.run(create_dashboard_app(store), host=args.host, port=args.port, log_level="warning")
     return 0
 
