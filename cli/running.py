@@ -18,12 +18,23 @@ def holding(store: Store, command: str, url: str) -> Iterator[None]:
     anything starts, and name this process in its owner file until the block ends. A
     server's store is left to connect when first used (the collector spools while it is away).
 
-    uvicorn stops on SIGTERM and then raises the signal again, which would end the process
-    with -SIGTERM after a clean stop; a handler takes that second one, so the exit is 0."""
+    uvicorn stops on SIGTERM or SIGINT, then raises the signal again (and `uvicorn.run` swallows
+    the KeyboardInterrupt a SIGINT makes). Handlers here take that second signal, and one that
+    comes before uvicorn serves: a SIGTERM exits 0, a SIGINT 130 (KeyboardInterrupt), even where
+    the process started with SIGINT ignored (a background job)."""
     from kvtrace.store.owner import owning
 
     if store.dsn.embedded:
         store.client  # noqa: B018 - raises StoreError naming the holder
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    received: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     with owning(store.dsn, command, url):
         yield
+    if signal.SIGINT in received:
+        raise KeyboardInterrupt
