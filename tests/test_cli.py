@@ -425,7 +425,8 @@ def test_costs_and_capacity_read_the_store_and_parquet_alike(capsys, store, tmp_
         assert code == 0, err
         outs.append(out)
     assert outs[0] == outs[1]
-    assert "host->device" in outs[0] and "10.0" in outs[0]  # 10 GB/s, as simulated
+    assert "host->device" in outs[0] and "GiB_per_s" in outs[0]
+    assert "9.313" in outs[0]  # 10 GB/s as simulated, shown in the CLI's unit: 10e9 / 2**30 GiB/s
     assert "lost_restoring_s" in outs[0]
     caps = []
     for source in (["--dsn", str(store.dsn), "capacity"], ["capacity", str(export)]):
