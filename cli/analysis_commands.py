@@ -333,7 +333,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: calibrate needs torch: pip install 'kvtrace[torch]' (or use your engine's torch)",
               file=sys.stderr)
-        return 2
+        return 1
     from kvtrace.analysis.calibrate import ModelShape, calibrate
     from kvtrace.store.client import Store
 

@@ -73,6 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # The driver's own errors (a server that went away mid-command): one line, not a traceback.
+        if type(exc).__module__.split(".")[0] not in ("clickhouse_connect", "chdb"):
+            raise
+        from kvtrace.store.client import driver_failure
+
+        if (line := driver_failure(exc)) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

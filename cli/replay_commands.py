@@ -48,10 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                "(default 131072)")
     replay_p.add_argument("--lmcache-chunk", type=positive, default=256, help="lmcache: tokens per chunk")
     # The cache sizes in GiB (LMCache's own "GB" settings count 2**30 bytes); the -gb spellings still work.
-    replay_p.add_argument("--lmcache-cpu-gib", "--lmcache-cpu-gb", type=gib, default=0.5, dest="lmcache_cpu_gb",
-                          metavar="GIB", help="lmcache: CPU cache size in GiB")
-    replay_p.add_argument("--lmcache-disk-gib", "--lmcache-disk-gb", type=gib, default=4.0, dest="lmcache_disk_gb",
-                          metavar="GIB", help="lmcache: disk cache size in GiB (0: none)")
+    replay_p.add_argument("--lmcache-cpu-gib", type=gib, default=0.5, dest="lmcache_cpu_gb", metavar="GIB",
+                          help="lmcache: CPU cache size in GiB")
+    replay_p.add_argument("--lmcache-cpu-gb", type=gib, dest="lmcache_cpu_gb", help=argparse.SUPPRESS)
+    replay_p.add_argument("--lmcache-disk-gib", type=gib, default=4.0, dest="lmcache_disk_gb", metavar="GIB",
+                          help="lmcache: disk cache size in GiB (0: none)")
+    replay_p.add_argument("--lmcache-disk-gb", type=gib, dest="lmcache_disk_gb", help=argparse.SUPPRESS)
     replay_p.add_argument("--lmcache-disk-dir", default="", help="lmcache: disk cache folder (default: a new temp one)")
     replay_p.add_argument("--recipe-out", help="vllm, sglang, lmcache: where to write the recipe derived from the "
                                                "engine (default MODEL.recipe.json)")

@@ -190,6 +190,16 @@ def unreachable_cause(exc: BaseException) -> str:
     return _first_line(text)
 
 
+def driver_failure(exc: BaseException) -> str | None:
+    """One line for an error the driver or engine raised after the store was opened (the
+    server went away, a query it refused), None for any other exception."""
+    if type(exc).__module__.split(".")[0] not in ("clickhouse_connect", "chdb"):
+        return None
+    if any(isinstance(e, (ConnectionError, socket.gaierror, TimeoutError)) for e in _causes(exc)):
+        return f"the ClickHouse server stopped answering: {unreachable_cause(exc)}"
+    return f"the store refused: {_first_line(str(exc))}"
+
+
 @dataclass
 class _Held:
     """stderr written while the embedded engine opened."""

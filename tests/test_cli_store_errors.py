@@ -90,3 +90,11 @@ def test_the_owner_file_is_this_process_while_it_holds_the_store(tmp_path: Path)
     assert "(pid 7, `kvtrace collector` on http://h:1)" in in_use_message(
         "/s", 7, Owner(pid=7, command="kvtrace collector", url="http://h:1"))
     assert "(pid 7)" in in_use_message("/s", 7, Owner(pid=8, command="kvtrace collector"))  # not the holder
+
+
+def test_a_statement_the_store_refuses_is_one_line(capsys, store_dsn) -> None:  # noqa: ANN001
+    from kvtrace.cli.main import main
+
+    code = main(["db", "init", "--cluster", "no-such-cluster", "--dsn", store_dsn])
+    out, err = capsys.readouterr()
+    assert code == 1 and err == "error: the store refused: Requested cluster 'no-such-cluster' not found\n", err
