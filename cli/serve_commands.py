@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.cli.arguments import positive
 from kvtrace.cli.service_commands import add_collector_options, collector_config
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvtrace.collector.service import Collector
+    from kvtrace.dashboards.alerts import Rule
     from kvtrace.store.client import Store
 
 DASHBOARD_PREFIX = "/dashboard"
@@ -40,13 +41,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=cmd_serve, extra="all")
 
 
+class Evaluates(Protocol):
+    """What the thread needs of the alerting module: one evaluate-and-deliver round."""
+
+    def cycle(self) -> object: ...
+
+
 class AlertThread:
     """The alert rules evaluated every `interval_s` on a thread, until `stop()`.
 
     Only `AlertLoop.cycle()` is used, so a stop is prompt (the loop's own `run` sleeps a whole
     interval) and the alerting module may change how it delivers without this changing."""
 
-    def __init__(self, loop: object, interval_s: float) -> None:
+    def __init__(self, loop: Evaluates, interval_s: float) -> None:
         self.loop = loop
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -55,7 +62,7 @@ class AlertThread:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.loop.cycle()  # type: ignore[attr-defined]
+                self.loop.cycle()
             except Exception:  # noqa: BLE001 - the store may be briefly away; try at the next interval
                 log.exception("alert evaluation failed")
             self._stop.wait(self.interval_s)
@@ -68,7 +75,7 @@ class AlertThread:
         self._thread.join(30)
 
 
-def alert_rules(args: argparse.Namespace) -> list | None:
+def alert_rules(args: argparse.Namespace) -> list[Rule] | None:
     """The rules to evaluate (None with --no-alerts); a RuleError (a ValueError) names a bad file."""
     if args.no_alerts:
         return None
@@ -77,7 +84,7 @@ def alert_rules(args: argparse.Namespace) -> list | None:
     return rules_from_path(args.rules)
 
 
-def alert_thread(store: Store, rules: list | None, args: argparse.Namespace) -> AlertThread | None:
+def alert_thread(store: Store, rules: list[Rule] | None, args: argparse.Namespace) -> AlertThread | None:
     """The alert rules over the store the collector writes (its live verdicts), delivered to
     --webhook when given and logged either way."""
     if rules is None:
