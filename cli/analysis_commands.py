@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                     "spool files")
     add_recipe_option(analyze)
     analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
-                         help="where to compute: in the store (default), replayed in Python, or DuckDB on Parquet")
+                         help="where to compute: in the store (clickhouse), replayed in Python (stream), or DuckDB on "
+                              "event files (duckdb)")
     analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
     analyze.add_argument("--bucket-s", type=non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
@@ -61,18 +62,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     cal = sub.add_parser("calibrate", help="measure prefill and copy costs on this machine (needs torch)")
     cal.add_argument("--model", required=True, help="the model name events carry (what cost models join on)")
-    cal.add_argument("--layers", type=positive, default=4)
-    cal.add_argument("--hidden", type=positive, default=512)
-    cal.add_argument("--heads", type=positive, default=8)
-    cal.add_argument("--kv-heads", type=positive, default=2)
-    cal.add_argument("--head-dim", type=positive, default=64)
-    cal.add_argument("--intermediate", type=positive, default=1408)
-    cal.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    cal.add_argument("--layers", type=positive, default=4, help="transformer layers of the timed model")
+    cal.add_argument("--hidden", type=positive, default=512, help="hidden size")
+    cal.add_argument("--heads", type=positive, default=8, help="attention heads")
+    cal.add_argument("--kv-heads", type=positive, default=2, help="KV heads (grouped-query attention)")
+    cal.add_argument("--head-dim", type=positive, default=64, help="dimension per head")
+    cal.add_argument("--intermediate", type=positive, default=1408, help="MLP intermediate size")
+    cal.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                     help="weights' and KV's dtype")
     cal.add_argument("--device", default="cpu", help="cpu, or cuda[:N] when a GPU is present")
     cal.add_argument("--starts", default="0,512,1024,2048", help="cached tokens before each timed chunk")
     cal.add_argument("--chunks", default="64,128,256,512", help="tokens per timed chunk")
     cal.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128", help="copy sizes for tier bandwidth")
-    cal.add_argument("--repeats", type=positive, default=3)
+    cal.add_argument("--repeats", type=positive, default=3, help="timings per point; the median is kept")
     cal.set_defaults(handler=cmd_calibrate, extra="analysis")
 
 
@@ -222,6 +224,23 @@ def _table(frame: pl.DataFrame) -> str:
         return str(frame) if frame.height else "  (none)"
 
 
+def _transfers(frame: pl.DataFrame) -> pl.DataFrame:
+    """The transfer table with bandwidth in GiB/s, the CLI's one size unit (the analysis gives GB/s)."""
+    import polars as pl
+
+    if "GB_per_s" not in frame.columns:
+        return frame
+    scale = 1e9 / 2**30
+
+    def ci(text: str) -> str:
+        lo, _, hi = text.partition("..")
+        return f"{float(lo) * scale:.3f}..{float(hi) * scale:.3f}"
+
+    return frame.with_columns((pl.col("GB_per_s") * scale).alias("GB_per_s"),
+                              pl.col("GB_per_s_ci95").map_elements(ci, return_dtype=pl.Utf8)).rename(
+        {"GB_per_s": "GiB_per_s", "GB_per_s_ci95": "GiB_per_s_ci95"})
+
+
 def cmd_costs(args: argparse.Namespace) -> int:
     from kvtrace.analysis.planning import cost_report
     from kvtrace.schema.recipes import RecipeBook, RecipeError, UnknownModel
@@ -235,7 +254,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
         return 2
     report = cost_report(observed.events, observed.results, starts, calibrations=_calibrations(args))
     print("transfers (seconds = latency + bytes / bandwidth), from timed loads")
-    print(_table(report.transfer_table()))
+    print(_table(_transfers(report.transfer_table())))
     print("\nprefill (seconds = fixed + per token + per token pair of attention), from timed adopts")
     print(_table(report.prefill_table()))
     print("\ncrossover: tokens to restore above which loading beats recomputing, by context position")
@@ -314,7 +333,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: calibrate needs torch: pip install 'kvtrace[torch]' (or use your engine's torch)",
               file=sys.stderr)
-        return 2
+        return 1
     from kvtrace.analysis.calibrate import ModelShape, calibrate
     from kvtrace.store.client import Store
 
@@ -335,7 +354,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     report = calibration_report(run.samples)
     print(f"calibration {run.run_id} on {run.device}: {len(run.samples)} timings stored for model {args.model}")
     print(_table(report.prefill_table()))
-    print(_table(report.transfer_table()))
+    print(_table(_transfers(report.transfer_table())))
     print(f"KV bytes per token of this shape: {shape.kv_bytes_per_token()}")
     print(f"next: kvtrace costs --recipe {args.model}=RECIPE   (uses these where events carry no timings)")
     return 0

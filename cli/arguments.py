@@ -43,6 +43,35 @@ def positive(text: str) -> int:
     return value
 
 
+def gib(text: str) -> float:
+    """A size in GiB, the unit every size the CLI takes or prints is in; fractions allowed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size in GiB: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a size in GiB must be >= 0, got {text}")
+    return value
+
+
+def gib_bytes(text: str) -> int:
+    """A positive size given in GiB, as bytes."""
+    size = int(gib(text) * 2**30)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a size in GiB must be > 0, got {text}")
+    return size
+
+
+def mib_bytes(text: str) -> int:
+    """The MiB spelling some options had before sizes were all GiB, still read, as bytes."""
+    return positive(text) << 20
+
+
+def gib_text(size_bytes: float) -> str:
+    """Bytes as the CLI prints sizes: GiB, with three decimals (1 MiB shows as 0.001 GiB)."""
+    return f"{size_bytes / 2**30:.3f} GiB"
+
+
 def int_list(text: str, name: str) -> list[int]:
     """Comma-separated non-negative integers; `name` is the option the error names."""
     try:

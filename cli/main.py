@@ -12,9 +12,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvtrace.cli import analysis_commands, replay_commands, service_commands, store_commands
+from kvtrace.cli import analysis_commands, replay_commands, serve_commands, service_commands, store_commands
 from kvtrace.cli.extras import missing_extra
-from kvtrace.store.dsn import StoreError, default_dsn
+from kvtrace.cli.help import add_global_options, finish
+from kvtrace.store.dsn import StoreError
 
 EPILOG = """\
 examples:
@@ -33,13 +34,16 @@ examples:
   kvtrace alerts --webhook URL          alert on divergence, unsafe reuse, gaps and drops
   kvtrace dashboard                     the web dashboard (and `kvtrace grafana` for Grafana)
   kvtrace collector --port 4318         the ingest service a fleet's shims point at
+  kvtrace serve                         collector, dashboard (/dashboard/) and alerts in one process
   kvtrace schema --format ddl           print the ClickHouse DDL (or json, arrow)
 
 The store is chosen by --dsn, else $KVTRACE_DSN, else an embedded ClickHouse (chDB) under
 $KVTRACE_HOME (default ~/.local/share/kvtrace). A server: --dsn http://user:pass@host:8123/kvtrace
+Global options (--dsn) go before or after the command. Sizes are in GiB.
+Exit status: 0 done, 1 failed (the one-line error says why), 2 usage error, 130 interrupted.
 """
 
-GROUPS = (replay_commands, store_commands, analysis_commands, service_commands)
+GROUPS = (replay_commands, store_commands, analysis_commands, service_commands, serve_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,22 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtrace",
         description="KV-cache lifecycle tracing for LLM serving: logical vs recoverable vs adopted prefix hits.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dsn", help=f"store address (default: {default_dsn()})")
+    add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in GROUPS:
         group.register(sub)
-    return parser
+    return finish(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a usage error exits 2 here
     try:
         return args.handler(args)
-    except StoreError as exc:
+    except StoreError as exc:  # a runtime failure, named in one line
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except ModuleNotFoundError as exc:
         if (line := missing_extra(exc, getattr(args, "extra", ""))) is None:
             raise
@@ -70,6 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # The driver's own errors (a server that went away mid-command): one line, not a traceback.
+        if type(exc).__module__.split(".")[0] not in ("clickhouse_connect", "chdb"):
+            raise
+        from kvtrace.store.client import driver_failure
+
+        if (line := driver_failure(exc)) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

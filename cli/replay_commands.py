@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from kvtrace.cli.arguments import non_negative, positive
+from kvtrace.cli.arguments import gib, non_negative, positive
 
 if TYPE_CHECKING:
     from kvtrace.instrumentation.simulator import SimConfig
@@ -47,8 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                           help="sglang: the model's context length; longer prompts are refused, as SGLang refuses them "
                                "(default 131072)")
     replay_p.add_argument("--lmcache-chunk", type=positive, default=256, help="lmcache: tokens per chunk")
-    replay_p.add_argument("--lmcache-cpu-gb", type=float, default=0.5, help="lmcache: CPU cache size, GB")
-    replay_p.add_argument("--lmcache-disk-gb", type=float, default=4.0, help="lmcache: disk cache size, GB (0: none)")
+    # The cache sizes in GiB (LMCache's own "GB" settings count 2**30 bytes); the -gb spellings still work.
+    replay_p.add_argument("--lmcache-cpu-gib", type=gib, default=0.5, dest="lmcache_cpu_gb", metavar="GIB",
+                          help="lmcache: CPU cache size in GiB")
+    replay_p.add_argument("--lmcache-cpu-gb", type=gib, dest="lmcache_cpu_gb", help=argparse.SUPPRESS)
+    replay_p.add_argument("--lmcache-disk-gib", type=gib, default=4.0, dest="lmcache_disk_gb", metavar="GIB",
+                          help="lmcache: disk cache size in GiB (0: none)")
+    replay_p.add_argument("--lmcache-disk-gb", type=gib, dest="lmcache_disk_gb", help=argparse.SUPPRESS)
     replay_p.add_argument("--lmcache-disk-dir", default="", help="lmcache: disk cache folder (default: a new temp one)")
     replay_p.add_argument("--recipe-out", help="vllm, sglang, lmcache: where to write the recipe derived from the "
                                                "engine (default MODEL.recipe.json)")

@@ -5,39 +5,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from kvtrace.cli.arguments import RECIPE_METAVAR, add_recipe_option, non_negative, positive
+from kvtrace.cli.arguments import RECIPE_METAVAR, add_recipe_option, gib_bytes, mib_bytes, non_negative, positive
+
+if TYPE_CHECKING:
+    from kvtrace.collector.service import CollectorConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     col = sub.add_parser("collector", help="run the ingest service (HTTP: kvtrace batches and OTLP logs)")
-    col.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    col.add_argument("--port", type=positive, default=4318, help="port (default 4318)")
-    col.add_argument("--spool-dir",
-                     help="durable spool (default: $KVTRACE_COLLECTOR_SPOOL_DIR, else under $KVTRACE_HOME)")
-    col.add_argument("--max-spool-mib", type=positive, default=1024, help="spool bound; 429 near it (default 1024)")
-    col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
-                                           "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
-    add_recipe_option(col, help="live verdicts judge each engine's lookups by the recipe it published when it "
-                                "attached; this overrides it, as for analyze (repeatable)")
-    col.add_argument("--no-live", action="store_true",
-                     help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
-    col.add_argument("--lateness-ms", type=non_negative, default=2000,
-                     help="live reconstruction waits this long for out-of-order events (default 2000)")
-    col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
-                                                      "(vLLM / SGLang), e.g. tcp://engine:5557")
-    col.add_argument("--zmq-replay", metavar="ENDPOINT", help="the publisher's replay socket, to fill sequence gaps")
-    col.add_argument("--zmq-instance", default="", help="instance name for the stream's events (default: the endpoint)")
-    col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
-    col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
-    col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
-    col.add_argument("--max-event-age-days", type=non_negative, default=30,
-                     help="quarantine rows stamped more than this before they arrive (default 30; 0: no bound)")
-    col.add_argument("--max-clock-ahead-s", type=non_negative, default=600,
-                     help="quarantine rows stamped more than this after they arrive (default 600)")
-    col.add_argument("--public-metrics", action="store_true",
-                     help="serve /metrics (which names tenants) without an operator token")
-    col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_collector_options(col)
     col.set_defaults(handler=cmd_collector, extra="collector")
 
     dash = sub.add_parser("dashboard", help="serve the web dashboard over the store")
@@ -76,40 +54,87 @@ def register(sub: argparse._SubParsersAction) -> None:
     al.set_defaults(handler=cmd_alerts, extra="dashboards")
 
 
-def cmd_collector(args: argparse.Namespace) -> int:
-    from kvtrace.collector.auth import AuthConfigError, TokenTable
+def add_collector_options(col: argparse.ArgumentParser) -> None:
+    """The collector's options: `kvtrace collector` and `kvtrace serve` take the same ones."""
+    col.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    col.add_argument("--port", type=positive, default=4318, help="port to listen on")
+    col.add_argument("--spool-dir",
+                     help="durable spool (default: $KVTRACE_COLLECTOR_SPOOL_DIR, else under $KVTRACE_HOME)")
+    col.add_argument("--max-spool-gib", type=gib_bytes, default=1 << 30, dest="max_spool_bytes", metavar="GIB",
+                     help="spool bound in GiB; 429 near it (default 1)")
+    col.add_argument("--max-spool-mib", type=mib_bytes, dest="max_spool_bytes", help=argparse.SUPPRESS)  # before GiB
+    col.add_argument("--tokens-file", help="bearer tokens: `token tenant[,tenant]` per line, `*` for all tenants "
+                                           "(also $KVTRACE_COLLECTOR_TOKENS_FILE / $KVTRACE_COLLECTOR_TOKENS)")
+    add_recipe_option(col, help="live verdicts judge each engine's lookups by the recipe it published when it "
+                                "attached; this overrides it, as for analyze (repeatable)")
+    col.add_argument("--no-live", action="store_true",
+                     help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
+    col.add_argument("--lateness-ms", type=non_negative, default=2000,
+                     help="live reconstruction waits this long for out-of-order events (default 2000)")
+    col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
+                                                      "(vLLM / SGLang), e.g. tcp://engine:5557")
+    col.add_argument("--zmq-replay", metavar="ENDPOINT", help="the publisher's replay socket, to fill sequence gaps")
+    col.add_argument("--zmq-instance", default="", help="instance name for the stream's events (default: the endpoint)")
+    col.add_argument("--zmq-model", default="", help="model the stream's engine serves")
+    col.add_argument("--zmq-tenant", default="", help="tenant namespace for the stream's events")
+    col.add_argument("--zmq-engine", default="", help="the publishing engine, e.g. vllm or sglang")
+    col.add_argument("--max-event-age-days", type=non_negative, default=30,
+                     help="quarantine rows stamped more than this before they arrive (default 30; 0: no bound)")
+    col.add_argument("--max-clock-ahead-s", type=non_negative, default=600,
+                     help="quarantine rows stamped more than this after they arrive (default 600)")
+    col.add_argument("--public-metrics", action="store_true",
+                     help="serve /metrics (which names tenants) without an operator token")
+    col.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="the service's JSON log lines on stderr from this level up")
+
+
+def collector_config(args: argparse.Namespace) -> CollectorConfig:
+    """The collector's settings from its options (and $KVTRACE_COLLECTOR_*); a ValueError names
+    a bad one. `kvtrace serve` builds its collector from the same."""
+    from kvtrace.collector.auth import TokenTable
     from kvtrace.collector.intake import TimeWindow
-    from kvtrace.collector.serve import serve
     from kvtrace.collector.service import config_from_env
     from kvtrace.collector.subscribe import KvEventSource
-    from kvtrace.schema.recipes import RecipeBook, RecipeError
+    from kvtrace.schema.recipes import RecipeBook
+
+    return config_from_env(
+        dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_bytes,
+        tokens=TokenTable.from_env(path=args.tokens_file),
+        recipes=None if args.no_live else RecipeBook.parse(args.recipe),
+        lateness_ns=args.lateness_ms * 10**6, public_metrics=args.public_metrics,
+        time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
+                               max_ahead_s=args.max_clock_ahead_s),
+        kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
+                                        args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
+
+
+def cmd_collector(args: argparse.Namespace) -> int:
+    from kvtrace.cli.running import holding
+    from kvtrace.collector.serve import serve
+    from kvtrace.store.client import Store
 
     try:
-        config = config_from_env(
-            dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_mib << 20,
-            tokens=TokenTable.from_env(path=args.tokens_file),
-            recipes=None if args.no_live else RecipeBook.parse(args.recipe),
-            lateness_ns=args.lateness_ms * 10**6, public_metrics=args.public_metrics,
-            time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
-                                   max_ahead_s=args.max_clock_ahead_s),
-            kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,
-                                            args.zmq_tenant, engine=args.zmq_engine),) if args.zmq else None)
-    except (AuthConfigError, RecipeError, ValueError) as exc:
+        config = collector_config(args)
+    except ValueError as exc:  # a token file, recipe or option the collector cannot use
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return serve(config, host=args.host, port=args.port, log_level=args.log_level)
+    with Store(config.dsn) as store, holding(store, "kvtrace collector", f"http://{args.host}:{args.port}"):
+        return serve(config, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtrace.cli.running import holding
     from kvtrace.dashboards.web import create_dashboard_app
     from kvtrace.store.client import Store
 
     store = Store(args.dsn)
     store.require_schema()
-    print(f"dashboard on http://{args.host}:{args.port}/ over {store.dsn}")
-    uvicorn.run(create_dashboard_app(store), host=args.host, port=args.port, log_level="warning")
+    url = f"http://{args.host}:{args.port}"
+    print(f"dashboard on {url}/ over {store.dsn}", flush=True)
+    with holding(store, "kvtrace dashboard", url):
+        uvicorn.run(create_dashboard_app(store), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from kvtrace.cli.arguments import non_negative, time_ns
+from kvtrace.cli.arguments import gib_text, non_negative, time_ns
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,9 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     status = dbsub.add_parser("status", help="schema version, row counts, disk use, reported drops")
     status.set_defaults(handler=cmd_db_status, extra="store")
     ddl = dbsub.add_parser("ddl", help="print the DDL without running it")
-    ddl.add_argument("--ttl-days", type=non_negative, default=0)
-    ddl.add_argument("--cluster", default="")
-    ddl.add_argument("--database", default="kvtrace")
+    ddl.add_argument("--ttl-days", type=non_negative, default=0, help="drop data older than N days (0 = keep)")
+    ddl.add_argument("--cluster", default="", help="ClickHouse cluster: replicated tables + Distributed")
+    ddl.add_argument("--database", default="kvtrace", help="database the statements create")
     ddl.set_defaults(handler=cmd_db_ddl)
 
     ingest = sub.add_parser("ingest", help="load events from JSONL, Parquet or spool files")
@@ -32,16 +32,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     export = sub.add_parser("export", help="write stored events to Parquet or JSONL")
     export.add_argument("-o", "--output", required=True, help="output file")
-    export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet", help="file format")
     export.add_argument("--since", type=time_ns, default=0, help="ISO time or ns; inclusive")
     export.add_argument("--until", type=time_ns, default=0, help="ISO time or ns; exclusive")
-    export.add_argument("--instance", default="")
-    export.add_argument("--model", default="")
-    export.add_argument("--tenant", default="")
+    export.add_argument("--instance", default="", help="only this instance's events (default: all)")
+    export.add_argument("--model", default="", help="only this model's events (default: all)")
+    export.add_argument("--tenant", default="", help="only this tenant's events (default: all)")
     export.set_defaults(handler=cmd_export, extra="store")
 
     schema = sub.add_parser("schema", help="print the event schema (JSON Schema, DDL or Arrow)")
-    schema.add_argument("--format", choices=["json", "ddl", "arrow", "batch-json"], default="json")
+    schema.add_argument("--format", choices=["json", "ddl", "arrow", "batch-json"], default="json",
+                        help="json: an event's JSON Schema; batch-json: a batch's; ddl: ClickHouse tables; "
+                             "arrow: the Arrow schema")
     schema.set_defaults(handler=cmd_schema, extra="arrow")
 
 
@@ -79,7 +81,7 @@ def cmd_db_status(args: argparse.Namespace) -> int:
         return 1
     print(f"schema version:  {status.schema_version} (this kvtrace: {status.code_schema_version})")
     for t in status.tables:
-        print(f"  {t.name:<14} {t.rows:>12,} rows {t.bytes_on_disk / 1e6:>10.2f} MB  {t.partitions} partitions")
+        print(f"  {t.name:<14} {t.rows:>12,} rows {gib_text(t.bytes_on_disk):>14}  {t.partitions} partitions")
     print(f"event sources:   {status.sources}")
     print(f"dropped events:  {status.dropped_events} (reported by emitters)")
     print(f"engines:         {len(engines)} attached (each instance's latest)")

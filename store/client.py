@@ -7,10 +7,17 @@ uses the same SQL either way. All writes go through Arrow, the columnar hand-off
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+import socket
+import ssl
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,11 @@ from kvtrace.schema.recipes import Recipe, recipe_from_json
 from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
+from kvtrace.store.owner import in_use_message, lock_holder, read_owner
+
+# The driver logs a warning for each failed HTTP attempt ("Unexpected Http Driver Exception")
+# and then raises; the StoreError raised from that says it once, with the cause.
+logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
 
 _ZERO_WHEN_OMITTED = frozenset(t.name for t in TABLES if zero_when_omitted(t.struct))
 
@@ -135,6 +147,95 @@ def endings_sql(db: str, having: str = "1") -> str:
     )
 
 
+def _first_line(text: str, limit: int = 300) -> str:
+    """The part of a driver or engine message that names the cause: ClickHouse's
+    `Code: N. DB::Exception: why. (NAME)` cut to `why`, and no stack."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = next((x for x in lines if "DB::Exception:" in x), lines[0] if lines else "no reason given")
+    line = re.sub(r"^.*?DB::Exception:\s*", "", line)
+    line = re.sub(r"\s*\([A-Z_]+\)\s*$", "", line).rstrip(". ")
+    return line[:limit]
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what it was raised from, and urllib3's `reason`s, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        reason = getattr(e, "reason", None)
+        todo += [e.__cause__, e.__context__, reason if isinstance(reason, BaseException) else None]
+
+
+def unreachable_cause(exc: BaseException) -> str:
+    """Why a ClickHouse server did not answer, in a few words and a way out."""
+    for e in _causes(exc):
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused (is the server running, and on this port?)"
+        if isinstance(e, socket.gaierror):
+            return "the host name does not resolve"
+        if isinstance(e, ssl.SSLError):
+            return f"TLS failed ({e.reason or e}); use http:// for a server without TLS"
+        if isinstance(e, (TimeoutError, socket.timeout)) or type(e).__name__.endswith("TimeoutError"):
+            return "no answer before the timeout"
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror.lower()
+    text = str(exc)
+    if "Authentication failed" in text or "Code: 516" in text:
+        return "the server refused the user name or password"
+    return _first_line(text)
+
+
+def driver_failure(exc: BaseException) -> str | None:
+    """One line for an error the driver or engine raised after the store was opened (the
+    server went away, a query it refused), None for any other exception."""
+    if type(exc).__module__.split(".")[0] not in ("clickhouse_connect", "chdb"):
+        return None
+    if any(isinstance(e, (ConnectionError, socket.gaierror, TimeoutError)) for e in _causes(exc)):
+        return f"the ClickHouse server stopped answering: {unreachable_cause(exc)}"
+    return f"the store refused: {_first_line(str(exc))}"
+
+
+@dataclass
+class _Held:
+    """stderr written while the embedded engine opened."""
+
+    refused: bool = False
+    lines: list[str] = field(default_factory=list)
+
+    def engine_said(self) -> str:
+        return "\n".join(line for line in self.lines if "DB::Exception" in line)
+
+
+@contextlib.contextmanager
+def _held_stderr() -> Iterator[_Held]:
+    """Send file descriptor 2 to a temporary file while the block runs, then pass on what was
+    written there, less the engine's own refusal lines when the open failed (the StoreError
+    says it in one line instead)."""
+    held = _Held()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to hold
+        yield held
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield held
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            held.lines = tmp.read().decode(errors="replace").splitlines()
+            rest = [line for line in held.lines if not (held.refused and "DB::Exception" in line)]
+            if rest:
+                os.write(2, ("\n".join(rest) + "\n").encode())
+
+
 class Store:
     """Reads and writes kvtrace tables; one instance per process and DSN is enough.
 
@@ -158,11 +259,9 @@ class Store:
 
     def _connect(self) -> Any:
         d = self.dsn
+        if d.embedded:
+            return self._open_embedded()
         try:
-            if d.embedded:
-                if d.path != ":memory:":
-                    Path(d.path).mkdir(parents=True, exist_ok=True)
-                return clickhouse_connect.get_client(dsn=f"chdb://{d.path}" if d.path != ":memory:" else "chdb://memory")
             return clickhouse_connect.get_client(
                 host=d.host,
                 port=d.port,
@@ -172,7 +271,29 @@ class Store:
                 compress="lz4",
             )
         except Exception as exc:
-            raise StoreError(f"cannot open store {d}: {exc}") from exc
+            raise StoreError(f"cannot reach the ClickHouse server at {d}: {unreachable_cause(exc)}") from exc
+
+    def _open_embedded(self) -> Any:
+        """Open the chDB engine; when it refuses, say why in one line. The engine prints its own
+        refusal (ClickHouse internals) on stderr, so stderr is held while it opens and only what
+        is not that refusal is passed on."""
+        d = self.dsn
+        if d.path == ":memory:":
+            return clickhouse_connect.get_client(dsn="chdb://memory")
+        try:
+            Path(d.path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the embedded store at {d.path}: {exc.strerror}") from None
+        with _held_stderr() as held:
+            try:
+                return clickhouse_connect.get_client(dsn=f"chdb://{d.path}")
+            except Exception as exc:
+                held.refused = True
+                holder = lock_holder(d.path)
+                if holder is not None and holder != os.getpid():
+                    raise StoreError(in_use_message(d.path, holder, read_owner(d.path))) from None
+                said = held.engine_said() or str(exc)
+                raise StoreError(f"cannot open the embedded store at {d.path}: {_first_line(said)}") from exc
 
     def close(self) -> None:
         with self._lock:

@@ -28,6 +28,8 @@ def free_port() -> int:
 
 
 class CollectorProcess:
+    command = "collector"  # `serve` runs the same collector, with the dashboard and alerts beside it
+
     def __init__(self, root: Path, *extra: str) -> None:
         self.root = root
         self.dsn = f"chdb://{root / 'db'}"
@@ -43,7 +45,7 @@ class CollectorProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtrace.cli.main", "collector", "--port", str(self.port), *self.extra],
+            [sys.executable, "-m", "kvtrace.cli.main", self.command, "--port", str(self.port), *self.extra],
             env=self.env(), stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 60
         while True:

@@ -152,15 +152,20 @@ def test_export_parquet_and_jsonl(capsys, store, tmp_path):
 
 def test_export_from_an_uninitialized_store_fails_clearly(capsys, store_dsn, tmp_path):
     code, _, err = run(capsys, "--dsn", store_dsn, "export", "-o", str(tmp_path / "x.parquet"))
-    assert code == 2
+    assert code == 1  # a runtime failure; 2 is for usage errors
     assert "kvtrace db init" in err
     assert not (tmp_path / "x.parquet").exists()
 
 
-def test_bad_dsn_is_reported_not_raised(capsys):
-    code, _, err = run(capsys, "--dsn", "postgres://x", "db", "status")
-    assert code == 2
-    assert err.startswith("error: DSN 'postgres://x': scheme must be")
+def test_bad_dsn_is_a_usage_error_before_or_after_the_command(capsys, monkeypatch):
+    for argv in (["--dsn", "postgres://x", "db", "status"], ["db", "status", "--dsn", "postgres://x"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "argument --dsn: DSN 'postgres://x': scheme must be" in capsys.readouterr().err
+    monkeypatch.setenv("KVTRACE_DSN", "postgres://x")  # from the environment: no option to blame, a failure
+    code, _, err = run(capsys, "db", "status")
+    assert code == 1 and err == "error: DSN 'postgres://x': scheme must be chdb, http or https\n"
 
 
 @pytest.mark.parametrize("fmt", ["json", "batch-json"])
@@ -431,7 +436,8 @@ def test_costs_and_capacity_read_the_store_and_parquet_alike(capsys, store, tmp_
         assert code == 0, err
         outs.append(out)
     assert outs[0] == outs[1]
-    assert "host->device" in outs[0] and "10.0" in outs[0]  # 10 GB/s, as simulated
+    assert "host->device" in outs[0] and "GiB_per_s" in outs[0]
+    assert "9.313" in outs[0]  # 10 GB/s as simulated, shown in the CLI's unit: 10e9 / 2**30 GiB/s
     assert "lost_restoring_s" in outs[0]
     caps = []
     for source in (["--dsn", str(store.dsn), "capacity"], ["capacity", str(export)]):

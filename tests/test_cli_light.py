@@ -45,7 +45,7 @@ def run(argv: list[str], absent: bool) -> tuple[int, str, list[str]]:
 
 
 COMMANDS = ["demo", "db", "ingest", "export", "replay", "verify", "experiment", "analyze", "costs", "capacity",
-            "report", "calibrate", "collector", "dashboard", "grafana", "alerts", "schema"]
+            "report", "calibrate", "collector", "dashboard", "grafana", "alerts", "schema", "serve"]
 
 
 @pytest.mark.parametrize("absent", [False, True], ids=["installed", "core-only"])
@@ -68,7 +68,8 @@ def test_a_missing_extra_is_named_in_one_line(tmp_path) -> None:  # noqa: ANN001
                         (["report", "--recipe", "dense"], "dashboards"),
                         (["collector"], "collector"),
                         (["dashboard"], "dashboards"),
-                        (["alerts", "--once"], "dashboards")):
+                        (["alerts", "--once"], "dashboards"),
+                        (["serve"], "all")):
         code, out, _ = run(["--dsn", f"chdb://{tmp_path}/db", *argv], absent=True)
         assert code == 1, (argv, out)
         assert f"error: kvtrace {argv[0]}: this command needs kvtrace's {extra!r} extra" in out, (argv, out)
