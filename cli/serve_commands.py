@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvtrace.cli.arguments import positive
 from kvtrace.cli.service_commands import add_collector_options, collector_config
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvtrace.collector.service import Collector
-    from kvtrace.dashboards.alerts import Rule
+    from kvtrace.dashboards.alerts import AlertLoop, Rule
     from kvtrace.store.client import Store
 
 DASHBOARD_PREFIX = "/dashboard"
@@ -34,38 +34,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_collector_options(serve)
     serve.add_argument("--rules", help="YAML alert rule file (default: the built-in rules; see "
                                        "`kvtrace alerts --show-default-rules`)")
-    serve.add_argument("--webhook", default="", help="Alertmanager-compatible webhook URL for firing/resolved "
-                                                     "alerts (default: none, alerts are only logged)")
+    serve.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+                       help="an Alertmanager to push alerts to (its /api/v2/alerts; repeatable)")
+    serve.add_argument("--webhook", action="append", default=[], metavar="URL",
+                       help="an Alertmanager-compatible webhook for firing/resolved transitions (repeatable; "
+                            "with neither, alerts are only logged)")
     serve.add_argument("--alert-interval-s", type=positive, default=30, help="seconds between rule evaluations")
     serve.add_argument("--no-alerts", action="store_true", help="evaluate no alert rules")
     serve.set_defaults(handler=cmd_serve, extra="all")
 
 
-class Evaluates(Protocol):
-    """What the thread needs of the alerting module: one evaluate-and-deliver round."""
-
-    def cycle(self) -> object: ...
-
-
 class AlertThread:
-    """The alert rules evaluated every `interval_s` on a thread, until `stop()`.
+    """The alert loop on a thread of its own until `stop()`: the loop's `run` installs no signal
+    handler and returns within a second of its stop event, retries included."""
 
-    Only `AlertLoop.cycle()` is used, so a stop is prompt (the loop's own `run` sleeps a whole
-    interval) and the alerting module may change how it delivers without this changing."""
-
-    def __init__(self, loop: Evaluates, interval_s: float) -> None:
+    def __init__(self, loop: AlertLoop, interval_s: float) -> None:
         self.loop = loop
-        self.interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtrace-alerts", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.loop.cycle()
-            except Exception:  # noqa: BLE001 - the store may be briefly away; try at the next interval
-                log.exception("alert evaluation failed")
-            self._stop.wait(self.interval_s)
+        self._thread = threading.Thread(target=loop.run, args=(interval_s, self._stop), name="kvtrace-alerts",
+                                        daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -85,13 +72,17 @@ def alert_rules(args: argparse.Namespace) -> list[Rule] | None:
 
 
 def alert_thread(store: Store, rules: list[Rule] | None, args: argparse.Namespace) -> AlertThread | None:
-    """The alert rules over the store the collector writes (its live verdicts), delivered to
-    --webhook when given and logged either way."""
+    """The alert rules over the store the collector writes (its live verdicts), pushed to the
+    Alertmanagers and webhooks named and logged either way; their links open this process's
+    own dashboard."""
     if rules is None:
         return None
-    from kvtrace.dashboards.alerts import AlertLoop, Evaluator
+    from kvtrace.dashboards.alerts import alert_loop
 
-    loop = AlertLoop(Evaluator(store, rules), args.webhook, out=logging.getLogger("kvtrace.alerts").warning)
+    host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+    loop = alert_loop(store, rules=rules, alertmanagers=args.alertmanager, webhooks=args.webhook,
+                      dashboard_url=f"http://{host}:{args.port}{DASHBOARD_PREFIX}", interval_s=args.alert_interval_s,
+                      out=logging.getLogger("kvtrace.alerts").warning)
     return AlertThread(loop, args.alert_interval_s)
 
 

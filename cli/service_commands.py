@@ -191,6 +191,10 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         failed = f"; {len(failures)} deliveries failed" if failures else ""
         print(f"{len(rules)} rules evaluated; {len(firing)} firing{failed}")
         return 1 if failures else 0
-    print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
-    loop.run(args.interval_s)
+    from kvtrace.cli.running import holding
+
+    metrics = f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else ""
+    with holding(store, "kvtrace alerts", metrics):  # named to a second command on an embedded store
+        print(f"evaluating {len(rules)} rules every {args.interval_s} s (Ctrl-C to stop)")
+        loop.run(args.interval_s)
     return 0
