@@ -274,6 +274,8 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
+    import polars as pl
+
     from kvtrace.analysis.planning import capacity_report, read_events
     from kvtrace.schema.recipes import RecipeBook, RecipeError
     from kvtrace.store.client import Store
@@ -297,7 +299,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print("no lookups for the given recipes' models: nothing to size")
     for r in reports:
         print(f"model {r.model}: share of prompt tokens resumable, by each group's capacity (others unlimited)")
-        print(_table(r.curve))
+        print(_table(r.curve.with_columns((pl.col("hit_rate") * 100).round(2)).rename({"hit_rate": "hit %"})))
         for n in r.needs:
             size = r.block_bytes.get(n.group)
             gib = f" = {n.blocks * size / 2**30:.2f} GiB" if size else ""
