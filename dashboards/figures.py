@@ -48,12 +48,13 @@ def _x(panel: Panel, part: pl.DataFrame) -> list[str]:
 def figures(panel: Panel, rows: pl.DataFrame) -> list[tuple[str, dict[str, Any]]]:
     """(caption, figure) per chart: one, or one per group value where the panel is faceted."""
     if panel.facet and panel.group_by and rows.height:
-        return [(f"{_group_name(panel, key[0])}", figure(panel, part, f"{panel.title}: {_group_name(panel, key[0])}"))
-                for key, part in rows.partition_by(panel.group_by, as_dict=True, maintain_order=True).items()]
-    return [("", figure(panel, rows, panel.title))]
+        return [(caption, figure(panel, part, caption, height=340))
+                for key, part in rows.partition_by(panel.group_by, as_dict=True, maintain_order=True).items()
+                for caption in [f"{panel.group_by}: {key[0]}"]]
+    return [("", figure(panel, rows))]  # the page's heading titles a single chart
 
 
-def figure(panel: Panel, rows: pl.DataFrame, title: str) -> dict[str, Any]:
+def figure(panel: Panel, rows: pl.DataFrame, title: str = "", height: int = 420) -> dict[str, Any]:
     bars = panel.kind is PanelKind.BARS
     split = panel.group_by and not panel.facet and rows.height
     groups = (rows.partition_by(panel.group_by, as_dict=True, maintain_order=True).items() if split
@@ -86,7 +87,7 @@ def figure(panel: Panel, rows: pl.DataFrame, title: str) -> dict[str, Any]:
                 trace.update({"yaxis": "y2", "offsetgroup": "right"} if right else {"offsetgroup": "left"})
             traces.append(trace)
     layout: dict[str, Any] = {
-        "title": {"text": title}, "height": 420, "margin": {"l": 70, "r": 70, "t": 60, "b": 70},
+        "title": {"text": title}, "height": height, "margin": {"l": 70, "r": 70, "t": 50 if title else 30, "b": 70},
         "barmode": "group", "hovermode": "x unified" if not bars else "closest",
         "legend": {"orientation": "h", "y": -0.22},
         "xaxis": {"title": {"text": panel.x_title or panel.x}, "automargin": True,

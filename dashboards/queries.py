@@ -294,7 +294,7 @@ PANELS: tuple[Panel, ...] = (
             f"AND cityHash64(block_key) % 16 = 0 AND {_IN_RANGE_TO}) AS w "
             "ON e.tier = w.tier AND e.group_id = w.group_id AND e.block_key = w.block_key AND e.ts_ns >= w.ts_ns "
             "GROUP BY tier ORDER BY tier"),
-    Panel(
+    Panel(  # integer sums: a float sum's order (and last digit) varies between runs
         key="loadcost", title="Load vs recompute: measured time per token, restored by tier or recomputed",
         kind=PanelKind.BARS, x="position", series=("us_per_token",), group_by="path", unit=Unit.MICROSECONDS,
         y_title="time per token", x_title="context position (tokens before, from)",
@@ -302,14 +302,14 @@ PANELS: tuple[Panel, ...] = (
         description="Timed loads (seconds over the tokens the loaded blocks cover, by source tier) against timed "
                     "recomputes (an adopt's recompute seconds over its recomputed tokens), in context-position "
                     "buckets of powers of two: where a tier's bar is below recompute's, restoring is cheaper.",
-        sql="SELECT position, path, sum(secs) / sum(n) * 1e6 AS us_per_token, sum(n) AS tokens, "
+        sql="SELECT position, path, sum(ns) / sum(n) / 1e3 AS us_per_token, sum(n) AS tokens, "
             "count() AS samples FROM ("
             f"SELECT {_position_bucket(_LOAD_POSITION)} AS position, concat('restore from ', src_tier) AS path, "
-            "duration_ns / 1e9 AS secs, toUInt64(token_end - token_start) AS n "
+            "toUInt64(duration_ns) AS ns, toUInt64(token_end - token_start) AS n "
             "FROM {db}.events FINAL WHERE kind = 'load' AND duration_ns > 0 AND token_end > token_start "
             f"AND {filters('events')} UNION ALL "
             f"SELECT {_position_bucket(_ADOPT_POSITION)} AS position, 'recompute' AS path, "
-            "duration_ns / 1e9 AS secs, toUInt64(recomputed_tokens) AS n "
+            "toUInt64(duration_ns) AS ns, toUInt64(recomputed_tokens) AS n "
             "FROM {db}.events FINAL WHERE kind = 'adopt' AND duration_ns > 0 AND recomputed_tokens > 0 "
             f"AND {filters('events')}) GROUP BY position, path ORDER BY position, path"),
     Panel(

@@ -188,10 +188,12 @@ def tiles(panel: Panel, rows: pl.DataFrame, cov: Coverage, base: str, view: View
         cells.append(f"<div class='tile {css}' data-stat='{column}' data-value='{'' if value is None else value}'>"
                      f"<div class='v'>{text}</div><div class='l'>{html.escape(panel.label(column))}{link}</div>"
                      f"<div class='h'>{html.escape(_TILE_HINTS.get(column, ''))}</div></div>")
-    note = (f"{row.get('lookups', 0):,} lookups judged, {cov.events:,} events in range." if judged else
-            "No verdicts in this range: the tiles need them (see below).")
-    return (f"<div class='tiles' data-lookups='{row.get('lookups', 0) or 0}'>{''.join(cells)}</div>"
-            f"<p class='note'>{note}</p>")
+    if judged:
+        note = f"<p class='note'>{row['lookups']:,} lookups judged, {cov.events:,} events in range.</p>"
+    else:  # the tiles read verdicts: say what is missing once, above every panel
+        css, message = empty_state(panel, cov)
+        note = f"<div class='{css}' id='why-empty'>{message}</div>"
+    return f"<div class='tiles' data-lookups='{row.get('lookups', 0) or 0}'>{''.join(cells)}</div>{note}"
 
 
 # -- the page ----------------------------------------------------------------------------------
@@ -208,8 +210,7 @@ _STYLE = ("body{font-family:system-ui,sans-serif;margin:1.2em 1.5em;max-width:12
           "border-radius:8px;padding:.6em .8em;background:#fff}.tile .v{font-size:2em;font-weight:600}"
           ".tile .l{font-size:14px;font-weight:600}.tile .h{font-size:12px;color:#666}.tile.good .v{color:#2e7d32}"
           ".tile.bad .v{color:#c62828}.tile.na .v{color:#999}.note{color:#555;font-size:13px;margin:.2em 0 1em}"
-          ".desc{color:#444;font-size:14px;max-width:1100px}.facets{display:flex;flex-wrap:wrap}"
-          ".facets .chart{flex:1 1 560px}")
+          ".desc{color:#444;font-size:14px;max-width:1100px}")
 
 _FROM_TO_JS = ("document.querySelectorAll('input[name=from],input[name=to]').forEach(function(i){"
                "i.addEventListener('input',function(){document.querySelector('select[name=range]').value='custom';});});")
