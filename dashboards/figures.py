@@ -19,8 +19,8 @@ def _axis(title: str, unit: Unit, log: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {"title": {"text": title}, "rangemode": "tozero", "automargin": True}
     if unit is Unit.SHARE:
         spec["tickformat"] = ".0%"
-    if log:
-        spec = {**spec, "type": "log"}
+    if log:  # a label per power of ten: plotly's default also labels the 2s and 5s between them
+        spec = {**spec, "type": "log", "dtick": 1}
         del spec["rangemode"]
     return spec
 

@@ -297,7 +297,7 @@ PANELS: tuple[Panel, ...] = (
     Panel(  # integer sums: a float sum's order (and last digit) varies between runs
         key="loadcost", title="Load vs recompute: measured time per token, restored by tier or recomputed",
         kind=PanelKind.BARS, x="position", series=("us_per_token",), group_by="path", unit=Unit.MICROSECONDS,
-        y_title="time per token", x_title="context position (tokens before, from)",
+        y_title="time per token", x_title="context position: tokens before the span (bucket start)",
         labels=(("us_per_token", "per token"),), source=Source.TIMED, log_scale=True,
         description="Timed loads (seconds over the tokens the loaded blocks cover, by source tier) against timed "
                     "recomputes (an adopt's recompute seconds over its recomputed tokens), in context-position "

@@ -301,7 +301,10 @@ def create_dashboard_app(store: Store) -> FastAPI:
         title, keys = PAGES[path]
         cov = coverage(store, view)
         headline = by_key("headline")
-        parts = [tiles(headline, panel_rows(store, headline, view), cov, base, view)]
+        summary = panel_rows(store, headline, view)
+        parts = [tiles(headline, summary, cov, base, view)]
+        # the cause the tiles already explain is named once, above; panels with the same one point to it
+        said = "" if summary.height and summary["lookups"][0] else empty_state(headline, cov)[1]
         for i, key in enumerate(keys):
             panel = by_key(key)
             rows = panel_rows(store, panel, view)
@@ -310,6 +313,8 @@ def create_dashboard_app(store: Store) -> FastAPI:
                 parts.append(f"<p class='desc'>{html.escape(panel.description)}</p>")
             if not rows.height:
                 css, message = empty_state(panel, cov)
+                if message == said:
+                    message = "Nothing to draw, for the reason in the note above."
                 parts.append(f"<div class='{css}' data-points='0'>{message}</div>")
             elif panel.kind is PanelKind.TABLE:
                 parts.append(_table(rows))
@@ -382,7 +387,7 @@ def _costs(store: Store, view: View) -> str:
                         "line": {"dash": ("solid", "dash", "dot")[i % 3]}}
                        for i, ((m, src), part) in enumerate(curve.group_by(["model", "src_tier"],
                                                                            maintain_order=True))],
-              "layout": {"title": {"text": title}, "height": 420,
+              "layout": {"height": 420, "margin": {"t": 30},
                          "xaxis": {"title": {"text": "context position (tokens cached before)"}},
                          "yaxis": {"title": {"text": "smallest restore that pays (tokens)"}, "rangemode": "tozero"}}}
     return f"<section data-panel='crossover'><h2>{title}</h2>{_chart('costs', figure)}</section>"
