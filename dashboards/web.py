@@ -12,6 +12,7 @@ chart records how many points it drew in `data-points` once drawn, which the bro
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import time
@@ -176,9 +177,16 @@ def _tile_text(column: str, value: Any) -> tuple[str, str]:
     return f"{value:,}", ""
 
 
-def tiles(panel: Panel, rows: pl.DataFrame, cov: Coverage, base: str, view: View) -> str:
+def judged(rows: pl.DataFrame) -> int:
+    """How many lookups the headline row adds up."""
+    return int(rows["lookups"][0] or 0) if rows.height else 0
+
+
+def tiles(panel: Panel, rows: pl.DataFrame, base: str, view: View, why_empty: tuple[str, str] | None) -> str:
+    """The headline tiles; `why_empty` (css class, message) says what is missing when no lookup
+    was judged, once, above every panel."""
     row = rows.row(0, named=True) if rows.height else {}
-    judged = bool(row.get("lookups"))
+    judged = why_empty is None
     cells = []
     for column in panel.series:
         value = row.get(column) if judged else None
@@ -188,11 +196,10 @@ def tiles(panel: Panel, rows: pl.DataFrame, cov: Coverage, base: str, view: View
         cells.append(f"<div class='tile {css}' data-stat='{column}' data-value='{'' if value is None else value}'>"
                      f"<div class='v'>{text}</div><div class='l'>{html.escape(panel.label(column))}{link}</div>"
                      f"<div class='h'>{html.escape(_TILE_HINTS.get(column, ''))}</div></div>")
-    if judged:
-        note = f"<p class='note'>{row['lookups']:,} lookups judged, {cov.events:,} events in range.</p>"
-    else:  # the tiles read verdicts: say what is missing once, above every panel
-        css, message = empty_state(panel, cov)
-        note = f"<div class='{css}' id='why-empty'>{message}</div>"
+    if why_empty is None:
+        note = f"<p class='note'>{row['lookups']:,} lookups judged in this range.</p>"
+    else:
+        note = f"<div class='{why_empty[0]}' id='why-empty'>{why_empty[1]}</div>"
     return f"<div class='tiles' data-lookups='{row.get('lookups', 0) or 0}'>{''.join(cells)}</div>{note}"
 
 
@@ -299,12 +306,13 @@ def create_dashboard_app(store: Store) -> FastAPI:
 
     def page(path: str, base: str, view: View, window: Window) -> str:
         title, keys = PAGES[path]
-        cov = coverage(store, view)
+        cov = functools.cache(lambda: coverage(store, view))  # read only when something is empty
         headline = by_key("headline")
         summary = panel_rows(store, headline, view)
-        parts = [tiles(headline, summary, cov, base, view)]
+        why_empty = None if judged(summary) else empty_state(headline, cov())
+        parts = [tiles(headline, summary, base, view, why_empty)]
         # the cause the tiles already explain is named once, above; panels with the same one point to it
-        said = "" if summary.height and summary["lookups"][0] else empty_state(headline, cov)[1]
+        said = why_empty[1] if why_empty else ""
         for i, key in enumerate(keys):
             panel = by_key(key)
             rows = panel_rows(store, panel, view)
@@ -312,7 +320,7 @@ def create_dashboard_app(store: Store) -> FastAPI:
             if panel.description:
                 parts.append(f"<p class='desc'>{html.escape(panel.description)}</p>")
             if not rows.height:
-                css, message = empty_state(panel, cov)
+                css, message = empty_state(panel, cov())
                 if message == said:
                     message = "Nothing to draw, for the reason in the note above."
                 parts.append(f"<div class='{css}' data-points='0'>{message}</div>")
