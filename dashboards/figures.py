@@ -26,8 +26,8 @@ def _axis(title: str, unit: Unit, log: bool = False) -> dict[str, Any]:
 
 
 def _hover(unit: Unit) -> str:
-    return {Unit.SHARE: "%{y:.1%}", Unit.TOKENS: "%{y:,.0f} tokens", Unit.GIB: "%{y:.3f} GiB",
-            Unit.SECONDS: "%{y:.3f} s", Unit.MILLISECONDS: "%{y:.3f} ms", Unit.MICROSECONDS: "%{y:.3g} µs",
+    return {Unit.SHARE: "%{y:.1%}", Unit.TOKENS: "%{y:,.0f} tokens", Unit.GIB: "%{y:.3~g} GiB",
+            Unit.SECONDS: "%{y:.3~g} s", Unit.MILLISECONDS: "%{y:.3~g} ms", Unit.MICROSECONDS: "%{y:.3~g} µs",
             Unit.COUNT: "%{y:,.0f}"}[unit]
 
 
@@ -90,6 +90,7 @@ def figure(panel: Panel, rows: pl.DataFrame, title: str = "", height: int = 420)
         "title": {"text": title}, "height": height, "margin": {"l": 70, "r": 70, "t": 50 if title else 30, "b": 70},
         "barmode": "group", "hovermode": "x unified" if not bars else "closest",
         "legend": {"orientation": "h", "y": -0.22},
+        "showlegend": bool(split) or len(traces) > 1,  # a split names its group even when there is one
         "xaxis": {"title": {"text": panel.x_title or panel.x}, "automargin": True,
                   **({"type": "category"} if bars else {})},
         "yaxis": _axis(panel.y_axis(), panel.unit, panel.log_scale),
