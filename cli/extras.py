@@ -17,6 +17,7 @@ EXTRA_OF = {
     "pydantic": "collector",
     "uvicorn": "collector",
     "prometheus_client": "collector",
+    "grafana_foundation_sdk": "dashboards",
     "google": "collector",
     "zmq": "collector",
     "plotly": "dashboards",

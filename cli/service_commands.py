@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     graf = sub.add_parser("grafana", help="write the Grafana dashboards (ClickHouse data source) as JSON")
     graf.add_argument("-o", "--output", default="grafana", help="directory (default ./grafana)")
     graf.add_argument("--database", default="", help="database the panels query (default: the store's)")
-    graf.set_defaults(handler=cmd_grafana)
+    graf.set_defaults(handler=cmd_grafana, extra="dashboards")
 
     al = sub.add_parser("alerts", help="evaluate alert rules on the store, deliver to Alertmanager or a webhook")
     al.add_argument("--rules", help="YAML rule file (default: the built-in rules; see --show-default-rules)")
