@@ -185,6 +185,7 @@ PANELS: tuple[Panel, ...] = (
         key="reasons", title="Why the gap: tokens lost between logical and recoverable, by reason and group",
         kind=PanelKind.BARS, x="reason", series=("tokens_lost",), group_by="group", unit=Unit.TOKENS,
         y_title="tokens lost", x_title="reason", labels=(("tokens_lost", "tokens lost"),), source=Source.VERDICTS,
+        when_empty="None: every hash hit in this range was recoverable up to its aligned boundary.",
         sql="SELECT reason, toString(reason_group) AS group, "
             "sum(logical_hit_tokens - recoverable_hit_tokens) AS tokens_lost, count() AS lookups "
             f"FROM {{db}}.verdicts FINAL WHERE reason != '' AND {filters('verdicts')} "
