@@ -211,7 +211,7 @@ def replay_lmcache(args: Namespace, trace: TraceOf, store_of: StoreOf) -> int:
     finally:
         destroy_engine("kvtrace-replay")
     summary = (f"replayed {totals['requests']} requests through LMCache ({spec.chunk_size}-token chunks, "
-               f"{spec.cpu_gb} GB CPU{f', {spec.disk_gb} GB disk' if disk else ''}): LMCache found "
+               f"{spec.cpu_gb} GiB CPU{f', {spec.disk_gb} GiB disk' if disk else ''}): LMCache found "
                f"{totals['hit']} and delivered {totals['retrieved']} of {totals['prompt']} prompt tokens"
                f"{'' if totals['exact'] == totals['requests'] else '; SOME RETRIEVED KV DIFFERED'}")
     return _finish(args, reader, dense(spec.chunk_size), "LMCache's chunk size", summary, stats, shim, refused)
