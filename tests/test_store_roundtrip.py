@@ -245,5 +245,6 @@ def test_bad_dsn_is_a_clear_store_error(dsn, message):
 def test_unreachable_server_is_a_store_error():
     s = Store("http://127.0.0.1:9/kv")
     assert not s.ping()
-    with pytest.raises(StoreError, match="cannot open store http://default@127.0.0.1:9/kv"):
+    cause = "cannot reach the ClickHouse server at http://default@127.0.0.1:9/kv: connection refused"
+    with pytest.raises(StoreError, match=cause):
         _ = s.client
