@@ -25,6 +25,7 @@ differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -611,6 +612,18 @@ Executor = Callable[[str], None]
 Reader = Callable[[str], Any]
 
 
+@dataclass(frozen=True, slots=True)
+class StatementTiming:
+    """One statement of a SQL run: where the time of a slow analysis goes (see the benchmark).
+
+    `name` is the scratch table a step creates (without the run's prefix) or, for a read, what
+    it reads; `rows` is the table's row count afterwards (the rows a read returned)."""
+
+    name: str
+    seconds: float
+    rows: int
+
+
 def _run(
     d: Dialect,
     source: str,
@@ -619,20 +632,43 @@ def _run(
     execute: Executor,
     read: Reader,
     keep_tables: bool = False,
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 
+    def short(name: str) -> str:
+        return name.removeprefix(t.prefix + "_")
+
     def step(name: str, select: str) -> None:
+        started = time.perf_counter()
         execute(d.create_as(name, select))
         created.append(name)
+        if timings is not None:
+            seconds = time.perf_counter() - started
+            rows = read(f"SELECT count(*) AS n FROM {d.table(name)}").item()
+            timings.append(StatementTiming(short(name), seconds, int(rows)))
+
+    def timed_read(name: str, sql: str) -> Any:
+        started = time.perf_counter()
+        frame = read(sql)
+        if timings is not None:
+            timings.append(StatementTiming(name, time.perf_counter() - started, len(frame)))
+        return frame
+
+    def timed_call(name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        out = fn()
+        if timings is not None:
+            timings.append(StatementTiming(name, time.perf_counter() - started, 0))
+        return out
 
     try:
         for name, select in _steps_events(d, t, source):
             step(name, select)
-        recipes = _published(d, source, recipes, read)
-        _check_commits(d, source, recipes, read)
-        triples = read(f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
+        recipes = timed_call("(attach recipes)", lambda: _published(d, source, recipes, read))
+        timed_call("(check commits)", lambda: _check_commits(d, source, recipes, read))
+        triples = timed_read("(lookup sources)", f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
         keyed = recipes.keyed(sorted((int(src), str(engine), str(model)) for src, engine, model in triples.iter_rows()))
         chosen = dict(keyed.values())
         for table, columns, rows in ((t.rc, _RECIPE_COLUMNS, _recipe_rows(d, chosen)),
@@ -644,7 +680,7 @@ def _run(
                 execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
         for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
             step(name, select)
-        return conform_results(read(_final(d, t)))
+        return conform_results(timed_read("(final)", _final(d, t)))
     finally:
         if not keep_tables:
             for name in reversed(created):
@@ -675,9 +711,14 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def clickhouse_results(
-    store: Any, recipes: RecipeBook | Recipe | None = None, policy: Policy = Policy(), where: str = "1"
+    store: Any,
+    recipes: RecipeBook | Recipe | None = None,
+    policy: Policy = Policy(),
+    where: str = "1",
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
-    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events."""
+    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events;
+    `timings`, when given, receives one entry per statement."""
     d = Dialect("clickhouse", store.db)
     source = f"(SELECT * FROM {store.db}.events FINAL WHERE {where})"
 
@@ -687,7 +728,7 @@ def clickhouse_results(
     def read(sql: str) -> pl.DataFrame:
         return store.query_polars(sql, settings=CLICKHOUSE_SETTINGS)
 
-    return _run(d, source, RecipeBook.of(recipes), policy, execute, read)
+    return _run(d, source, RecipeBook.of(recipes), policy, execute, read, timings=timings)
 
 
 def duckdb_results(
@@ -695,8 +736,10 @@ def duckdb_results(
     recipes: RecipeBook | Recipe | None = None,
     policy: Policy = Policy(),
     connection: Any = None,
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
-    """Per-lookup results computed by DuckDB over Parquet exports of the events."""
+    """Per-lookup results computed by DuckDB over Parquet exports of the events; `timings`,
+    when given, receives one entry per statement."""
     import duckdb
 
     paths = [str(parquet)] if isinstance(parquet, (str, Path)) else [str(p) for p in parquet]
@@ -713,7 +756,7 @@ def duckdb_results(
         if added:
             source = f"(SELECT *, {', '.join(added)} FROM {source})"
         return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql),
-                    lambda sql: con.sql(sql).pl())
+                    lambda sql: con.sql(sql).pl(), timings=timings)
     finally:
         if connection is None:
             con.close()
