@@ -172,6 +172,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
         f"  FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict')))"
     )
+    writes = _state_with_windows(writes, obj)
     if d.clickhouse:
         writes = _writes_with_arrays(d, t, ids)
     requests = (
@@ -201,6 +202,41 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
     return [(t.ev, ev), (t.w, writes), (t.rq, requests), (t.lk, lookups)]
 
 
+def _state_parts(c: Callable[[str], str] = str) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """What the state after each object event carries, as (category, condition, columns): the
+    last write on each tier, the last commit and the last lease, each column as (name, source
+    column, value when there is none). One as-of join to these rows then replaces one per
+    category (seven, each hashing the whole write table) at every evaluation point. `c` spells
+    a column in the conditions."""
+    lease = f"{c('kind')} = 'commit' OR ({c('kind')} IN ('offload', 'load') AND {c('lease_expiry_ns')} <> 0)"
+    parts = [
+        (tier.value[:3], f"{c('wtier')} = '{tier.value}'",
+         [(f"{tier.value[:3]}_{n}", col, none) for n, col, none in
+          (("ord", "ord", "0"), ("kind", "kind", "''"), ("nb", "nbytes", "0"), ("ck", "checksum", "0"),
+           ("gen", "gen", "-1"))])
+        for tier in TIER_ORDER
+    ]
+    parts.append(("c", f"{c('kind')} = 'commit'",
+                  [("c_ord", "ord", "0"), ("c_gen", "gen", "-1"), ("c_tenant0", "tenant", "''"),
+                   ("c_ck0", "checksum", "0"), ("c_nb0", "nbytes", "0"),
+                   *((f"c_{f}", f, "0" if f == "epoch" else "''") for f in (*_IDENTITY_STR, "epoch"))]))
+    parts.append(("le", lease, [("le_gen", "gen", "-1"), ("le_ns0", "lease_expiry_ns", "0")]))
+    return parts
+
+
+def _state_with_windows(writes: str, obj: str) -> str:
+    """Per object event, the state after it: each category's last event so far, one struct per
+    category carried forward by `last_value(... IGNORE NULLS)` over the object's one sort."""
+    carried, flat = [], []
+    for cat, cond, columns in _state_parts():
+        fields = ", ".join(f"{name} := {col}" for name, col, _ in columns)
+        carried.append(f"last_value(CASE WHEN {cond} THEN struct_pack({fields}) END IGNORE NULLS) OVER"
+                       f" ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s_{cat}")
+        flat.extend(f"s_{cat}.{name} AS {name}" for name, _, _ in columns)
+    return (f"SELECT instance, group_id, block_key, ord, {', '.join(flat)} FROM ("
+            f" SELECT instance, group_id, block_key, ord, {', '.join(carried)} FROM ({writes}))")
+
+
 def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     """The same rows as the window form, for ClickHouse: one GROUP BY per object and array
     functions instead of window sorts, which ClickHouse runs on one thread (about half of the
@@ -216,9 +252,21 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "arrayMap((a, b, c, x) -> greatest(a, 0) + greatest(b, 0) + greatest(c, 0) + greatest(x, 0),"
         f" {', '.join(filled)})"
     )
-    out = ", ".join(f"w.{n[f]} AS {f}" for f in fields if f != "present")
+    # Per category, the index of its last event so far (0: none yet), carried forward.
+    parts = _state_parts(lambda col: f"e.{n[col]}")
+    last = ", ".join(
+        f"arrayFill(k -> k > 0, arrayMap((e, k) -> if({cond}, k, 0), evs, arrayEnumerate(evs))) AS i_{cat}"
+        for cat, cond, _ in parts
+    )
+    out = ", ".join(
+        f"if(x_{cat} > 0, {'gens' if col == 'gen' else 'evs'}[x_{cat}]{'' if col == 'gen' else '.' + str(n[col])},"
+        f" {none}) AS {name}"
+        for cat, _, columns in parts for name, col, none in columns
+    )
+    joined = ", ".join(f"i_{cat} AS x_{cat}" for cat, _, _ in parts)
     return (
-        f"SELECT instance, group_id, block_key, {out}, gen FROM ("
+        f"SELECT instance, group_id, block_key, w.1 AS ord, {out} FROM ("
+        f" SELECT instance, group_id, block_key, evs, gens, {last} FROM ("
         " SELECT instance, group_id, block_key, evs,"
         "  arrayMap((cs, z) -> toInt64(cs - z), arrayCumSum(empties), empties) AS gens FROM ("
         f"  SELECT instance, group_id, block_key, evs, arrayMap(c -> toInt64(c = 0), {copies}) AS empties FROM ("
@@ -227,8 +275,8 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "     CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
         "     toInt64(kind != 'evict') AS present"
         f"    FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))"
-        "   GROUP BY instance, group_id, block_key)))"
-        " ARRAY JOIN evs AS w, gens AS gen"
+        "   GROUP BY instance, group_id, block_key))))"
+        f" ARRAY JOIN evs AS w, {joined}"
     )
 
 
@@ -258,44 +306,24 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     ) + ", g, comp, b, win, ratio, len"
     pb = d.explode_chain(cols, d.table(t.pg))
 
-    # Last write on each tier: 4 as-of joins, then the current generation.
-    tier_cols, tier_joins = [], []
-    for tier in TIER_ORDER:
-        x = tier.value[:3]
-        tier_cols.append(
-            f"coalesce({x}.{x}_ord, 0) AS {x}_ord, coalesce({x}.{x}_kind, '') AS {x}_kind,"
-            f" coalesce({x}.{x}_nb, 0) AS {x}_nb, coalesce({x}.{x}_ck, 0) AS {x}_ck,"
-            f" coalesce({x}.{x}_gen, -1) AS {x}_gen"
-        )
-        tier_joins.append(
-            f" ASOF LEFT JOIN (SELECT instance AS {x}_i, group_id AS {x}_g, block_key AS {x}_k, ord AS {x}_ord,"
-            f" kind AS {x}_kind, nbytes AS {x}_nb, checksum AS {x}_ck, gen AS {x}_gen"
-            f" FROM {d.table(t.w)} WHERE wtier = '{tier.value}') {x}"
-            f" ON {x}.{x}_i = p.instance AND {x}.{x}_g = p.g AND {x}.{x}_k = p.key AND p.at_ord > {x}.{x}_ord"
-        )
-    pt = f"SELECT p.*, {', '.join(tier_cols)} FROM {d.table(t.pb)} p{''.join(tier_joins)}"
-
-    # Last commit, lease and object invalidation; commit and lease count only in this life.
+    # The object's state just before each point: its last event before it (one as-of join),
+    # which carries the last write on each tier, commit and lease; then the current generation,
+    # and the last invalidation of the object itself.
+    state = [(name, none) for _, _, columns in _state_parts() for name, _, none in columns]
+    picked = ", ".join(f"s.{name} AS {name}" if name.startswith("c_") and name not in ("c_ord", "c_gen")
+                       and not name.endswith("0") else f"coalesce(s.{name}, {none}) AS {name}"
+                       for name, none in state)
     gen = "greatest(dev_gen, hos_gen, dis_gen, rem_gen)"
-    c_ids = ", ".join(f"c.{f} AS c_{f}" for f in (*_IDENTITY_STR, "epoch"))
     po = (
-        f"SELECT p.*, {gen} AS gen,"
-        f" coalesce(c.c_ord, 0) AS c_ord, coalesce(c.c_gen, -1) AS c_gen, coalesce(c.c_tenant, '') AS c_tenant0,"
-        f" coalesce(c.c_ck, 0) AS c_ck0, coalesce(c.c_nb, 0) AS c_nb0, {c_ids},"
-        " coalesce(le.le_gen, -1) AS le_gen, coalesce(le.le_ns, 0) AS le_ns0,"
-        " coalesce(o.o_ord, 0) AS o_ord"
-        f" FROM {d.table(t.pt)} p"
-        " ASOF LEFT JOIN (SELECT instance AS c_i, group_id AS c_g, block_key AS c_k, ord AS c_ord, gen AS c_gen,"
-        f" tenant AS c_tenant, checksum AS c_ck, nbytes AS c_nb, {', '.join(f'{f}' for f in (*_IDENTITY_STR, 'epoch'))}"
-        f" FROM {d.table(t.w)} WHERE kind = 'commit') c"
-        " ON c.c_i = p.instance AND c.c_g = p.g AND c.c_k = p.key AND p.at_ord > c.c_ord"
-        " ASOF LEFT JOIN (SELECT instance AS le_i, group_id AS le_g, block_key AS le_k, ord AS le_ord, gen AS le_gen,"
-        f" lease_expiry_ns AS le_ns FROM {d.table(t.w)}"
-        " WHERE kind = 'commit' OR (kind IN ('offload', 'load') AND lease_expiry_ns <> 0)) le"
-        " ON le.le_i = p.instance AND le.le_g = p.g AND le.le_k = p.key AND p.at_ord > le.le_ord"
+        f"SELECT *, {gen} AS gen FROM ("
+        f" SELECT p.*, {picked}, coalesce(o.o_ord, 0) AS o_ord"
+        f" FROM {d.table(t.pb)} p"
+        f" ASOF LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k, ord AS s_ord,"
+        f" {', '.join(name for name, _ in state)} FROM {d.table(t.w)}) s"
+        " ON s.s_i = p.instance AND s.s_g = p.g AND s.s_k = p.key AND p.at_ord > s.s_ord"
         " ASOF LEFT JOIN (SELECT instance AS o_i, group_id AS o_g, block_key AS o_k, ord AS o_ord"
         f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key <> 0) o"
-        " ON o.o_i = p.instance AND o.o_g = p.g AND o.o_k = p.key AND p.at_ord > o.o_ord"
+        " ON o.o_i = p.instance AND o.o_g = p.g AND o.o_k = p.key AND p.at_ord > o.o_ord)"
     )
     # The commit's facts, when it belongs to the object's current life.
     live = "c_gen = gen AND c_ord > 0"
@@ -321,7 +349,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         " AND (bi.bi_adapter = '' OR bi.bi_adapter = p.c_adp)"
         " GROUP BY p.lid, p.phase, p.g, p.i"
     )
-    return [(t.pg, pg), (t.pb, pb), (t.pt, pt), (t.po, po), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+    return [(t.pg, pg), (t.pb, pb), (t.po, po), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
 
 
 def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
