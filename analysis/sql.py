@@ -252,21 +252,23 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "arrayMap((a, b, c, x) -> greatest(a, 0) + greatest(b, 0) + greatest(c, 0) + greatest(x, 0),"
         f" {', '.join(filled)})"
     )
-    # Per category, the index of its last event so far (0: none yet), carried forward.
+    # Per category, a mask of its events; each state column is that category's value where the
+    # mask is set, carried forward over the rest by arrayFill. No array is indexed by another:
+    # a lambda that captures one, or an ARRAY JOIN that keeps one, copies it for every element.
     parts = _state_parts(lambda col: f"e.{n[col]}")
-    last = ", ".join(
-        f"arrayFill(k -> k > 0, arrayMap((e, k) -> if({cond}, k, 0), evs, arrayEnumerate(evs))) AS i_{cat}"
-        for cat, cond, _ in parts
-    )
-    out = ", ".join(
-        f"if(x_{cat} > 0, {'gens' if col == 'gen' else 'evs'}[x_{cat}]{'' if col == 'gen' else '.' + str(n[col])},"
-        f" {none}) AS {name}"
+    masks = ", ".join(f"arrayMap(e -> toUInt8({cond}), evs) AS m_{cat}" for cat, cond, _ in parts)
+    values = ", ".join(
+        f"arrayFill((v, m) -> m = 1, arrayMap((g, m) -> if(m = 1, g, {none}), gens, m_{cat}), m_{cat}) AS a_{name}"
+        if col == "gen" else
+        f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, e.{n[col]}, {none}), evs, m_{cat}), m_{cat})"
+        f" AS a_{name}"
         for cat, _, columns in parts for name, col, none in columns
     )
-    joined = ", ".join(f"i_{cat} AS x_{cat}" for cat, _, _ in parts)
+    names = [name for _, _, columns in parts for name, _, _ in columns]
     return (
-        f"SELECT instance, group_id, block_key, w.1 AS ord, {out} FROM ("
-        f" SELECT instance, group_id, block_key, evs, gens, {last} FROM ("
+        f"SELECT instance, group_id, block_key, ord, {', '.join(names)} FROM ("
+        f" SELECT instance, group_id, block_key, arrayMap(e -> e.1, evs) AS a_ord, {values} FROM ("
+        f" SELECT instance, group_id, block_key, evs, gens, {masks} FROM ("
         " SELECT instance, group_id, block_key, evs,"
         "  arrayMap((cs, z) -> toInt64(cs - z), arrayCumSum(empties), empties) AS gens FROM ("
         f"  SELECT instance, group_id, block_key, evs, arrayMap(c -> toInt64(c = 0), {copies}) AS empties FROM ("
@@ -275,8 +277,8 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "     CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
         "     toInt64(kind != 'evict') AS present"
         f"    FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))"
-        "   GROUP BY instance, group_id, block_key))))"
-        f" ARRAY JOIN evs AS w, {joined}"
+        "   GROUP BY instance, group_id, block_key)))))"
+        f" ARRAY JOIN a_ord AS ord, {', '.join(f'a_{name} AS {name}' for name in names)}"
     )
 
 
