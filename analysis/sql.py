@@ -6,21 +6,27 @@ written as "the last event of some kind before this point", which is an as-of jo
 1. number every event in stream order (`ord`), expand runs (`more_keys`) to one row per block,
    and give each object event its *generation*: how many times the object had lost its last
    copy before it (the streaming path forgets an object then, so history from an earlier life
-   must not count). DuckDB computes generations with window functions; ClickHouse, which runs
-   those on one thread, with one GROUP BY per object and array functions;
+   must not count). With it, each object event carries the object's *state* after it: the
+   last write on each tier, the last commit and the last lease. DuckDB computes both with
+   window functions; ClickHouse, which runs those on one thread, with one GROUP BY per object
+   and array functions;
 2. pair each lookup with the adopt that follows it for the same request, giving one
    evaluation point at the lookup and one at the adopt;
 3. explode each point into the request's blocks per cache group, and as-of join every block
-   to its last write on each tier, its last commit and lease (same generation) and its last
+   to its object's state at its last event before the point (one join, not one per tier and
+   kind: the point count times the event count is what a fleet-scale run pays for), its last
    invalidation, plus the bulk invalidations that match it;
 4. classify each block (missing, unusable for a reason, usable, resident), then scan the
    candidate boundaries of each point with running "last bad block" indices, which makes every
    group's completeness rule one comparison: the needed blocks [start, p/b) are all usable iff
    the last unusable block below p/b is before start.
 
-Every step is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a CTE at each
-reference. The statements are written once over a small `Dialect` for the few functions that
-differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered lists).
+Every step read twice is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a
+CTE at each reference; a step read once is a subquery of its reader, as each table of the
+blocks' rows costs a full copy. Pass `timings` to see where a run's time goes, statement by
+statement (benchmarks/bench_analysis.py prints them). The statements are written once over a
+small `Dialect` for the few functions that differ between ClickHouse and DuckDB (integer
+division, arrays, explode, ordered lists).
 """
 
 from __future__ import annotations
@@ -172,9 +178,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
         f"  FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict')))"
     )
-    writes = _state_with_windows(writes, obj)
-    if d.clickhouse:
-        writes = _writes_with_arrays(d, t, ids)
+    writes = _writes_with_arrays(d, t, ids) if d.clickhouse else _state_with_windows(writes, obj)
     requests = (
         "SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
         " r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
@@ -312,8 +316,8 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     # which carries the last write on each tier, commit and lease; then the current generation,
     # and the last invalidation of the object itself.
     state = [(name, none) for _, _, columns in _state_parts() for name, _, none in columns]
-    picked = ", ".join(f"s.{name} AS {name}" if name.startswith("c_") and name not in ("c_ord", "c_gen")
-                       and not name.endswith("0") else f"coalesce(s.{name}, {none}) AS {name}"
+    commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
+    picked = ", ".join(f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
                        for name, none in state)
     gen = "greatest(dev_gen, hos_gen, dis_gen, rem_gen)"
     columns = ", ".join(name for name, _ in state)
@@ -323,13 +327,13 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
                  f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord")
     else:
         # DuckDB's as-of join sorts everything it carries: carrying the state made it 7x slower
-        # than finding the event (its ord) alone and fetching the state with an equi-join.
+        # than finding the state's row alone and fetching it by its rowid (one row each, even
+        # where an event names a block twice).
         found = (
-            f"(SELECT p.*, s.s_ord AS s_ord FROM {d.table(t.pb)} p"
-            f"  ASOF LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k, ord AS s_ord"
-            f"  FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
-            f" LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k, ord AS s_at, {columns}"
-            f" FROM {d.table(t.w)}) s ON {keys} AND s.s_at = p.s_ord"
+            f"(SELECT p.*, s.s_row AS s_row FROM {d.table(t.pb)} p"
+            f"  ASOF LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k, ord AS s_ord,"
+            f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
+            f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
         )
     po = (
         f"SELECT *, {gen} AS gen FROM ("
