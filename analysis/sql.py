@@ -6,25 +6,32 @@ written as "the last event of some kind before this point", which is an as-of jo
 1. number every event in stream order (`ord`), expand runs (`more_keys`) to one row per block,
    and give each object event its *generation*: how many times the object had lost its last
    copy before it (the streaming path forgets an object then, so history from an earlier life
-   must not count). DuckDB computes generations with window functions; ClickHouse, which runs
-   those on one thread, with one GROUP BY per object and array functions;
+   must not count). With it, each object event carries the object's *state* after it: the
+   last write on each tier, the last commit and the last lease. DuckDB computes both with
+   window functions; ClickHouse, which runs those on one thread, with one GROUP BY per object
+   and array functions;
 2. pair each lookup with the adopt that follows it for the same request, giving one
    evaluation point at the lookup and one at the adopt;
 3. explode each point into the request's blocks per cache group, and as-of join every block
-   to its last write on each tier, its last commit and lease (same generation) and its last
+   to its object's state at its last event before the point (one join, not one per tier and
+   kind: the point count times the event count is what a fleet-scale run pays for), its last
    invalidation, plus the bulk invalidations that match it;
 4. classify each block (missing, unusable for a reason, usable, resident), then scan the
    candidate boundaries of each point with running "last bad block" indices, which makes every
    group's completeness rule one comparison: the needed blocks [start, p/b) are all usable iff
    the last unusable block below p/b is before start.
 
-Every step is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a CTE at each
-reference. The statements are written once over a small `Dialect` for the few functions that
-differ between ClickHouse and DuckDB (integer division, arrays, explode, ordered lists).
+Every step read twice is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a
+CTE at each reference; a step read once is a subquery of its reader, as each table of the
+blocks' rows costs a full copy. Pass `timings` to see where a run's time goes, statement by
+statement (benchmarks/bench_analysis.py prints them). The statements are written once over a
+small `Dialect` for the few functions that differ between ClickHouse and DuckDB (integer
+division, arrays, explode, ordered lists).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -171,8 +178,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
         f"  FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict')))"
     )
-    if d.clickhouse:
-        writes = _writes_with_arrays(d, t, ids)
+    writes = _writes_with_arrays(d, t, ids) if d.clickhouse else _state_with_windows(writes, obj)
     requests = (
         "SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
         " r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
@@ -200,6 +206,41 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
     return [(t.ev, ev), (t.w, writes), (t.rq, requests), (t.lk, lookups)]
 
 
+def _state_parts(c: Callable[[str], str] = str) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """What the state after each object event carries, as (category, condition, columns): the
+    last write on each tier, the last commit and the last lease, each column as (name, source
+    column, value when there is none). One as-of join to these rows then replaces one per
+    category (seven, each hashing the whole write table) at every evaluation point. `c` spells
+    a column in the conditions."""
+    lease = f"{c('kind')} = 'commit' OR ({c('kind')} IN ('offload', 'load') AND {c('lease_expiry_ns')} <> 0)"
+    parts = [
+        (tier.value[:3], f"{c('wtier')} = '{tier.value}'",
+         [(f"{tier.value[:3]}_{n}", col, none) for n, col, none in
+          (("ord", "ord", "0"), ("kind", "kind", "''"), ("nb", "nbytes", "0"), ("ck", "checksum", "0"),
+           ("gen", "gen", "-1"))])
+        for tier in TIER_ORDER
+    ]
+    parts.append(("c", f"{c('kind')} = 'commit'",
+                  [("c_ord", "ord", "0"), ("c_gen", "gen", "-1"), ("c_tenant0", "tenant", "''"),
+                   ("c_ck0", "checksum", "0"), ("c_nb0", "nbytes", "0"),
+                   *((f"c_{f}", f, "0" if f == "epoch" else "''") for f in (*_IDENTITY_STR, "epoch"))]))
+    parts.append(("le", lease, [("le_gen", "gen", "-1"), ("le_ns0", "lease_expiry_ns", "0")]))
+    return parts
+
+
+def _state_with_windows(writes: str, obj: str) -> str:
+    """Per object event, the state after it: each category's last event so far, one struct per
+    category carried forward by `last_value(... IGNORE NULLS)` over the object's one sort."""
+    carried, flat = [], []
+    for cat, cond, columns in _state_parts():
+        fields = ", ".join(f"{name} := {col}" for name, col, _ in columns)
+        carried.append(f"last_value(CASE WHEN {cond} THEN struct_pack({fields}) END IGNORE NULLS) OVER"
+                       f" ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s_{cat}")
+        flat.extend(f"s_{cat}.{name} AS {name}" for name, _, _ in columns)
+    return (f"SELECT instance, group_id, block_key, ord, {', '.join(flat)} FROM ("
+            f" SELECT instance, group_id, block_key, ord, {', '.join(carried)} FROM ({writes}))")
+
+
 def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     """The same rows as the window form, for ClickHouse: one GROUP BY per object and array
     functions instead of window sorts, which ClickHouse runs on one thread (about half of the
@@ -215,9 +256,23 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "arrayMap((a, b, c, x) -> greatest(a, 0) + greatest(b, 0) + greatest(c, 0) + greatest(x, 0),"
         f" {', '.join(filled)})"
     )
-    out = ", ".join(f"w.{n[f]} AS {f}" for f in fields if f != "present")
+    # Per category, a mask of its events; each state column is that category's value where the
+    # mask is set, carried forward over the rest by arrayFill. No array is indexed by another:
+    # a lambda that captures one, or an ARRAY JOIN that keeps one, copies it for every element.
+    parts = _state_parts(lambda col: f"e.{n[col]}")
+    masks = ", ".join(f"arrayMap(e -> toUInt8({cond}), evs) AS m_{cat}" for cat, cond, _ in parts)
+    values = ", ".join(
+        f"arrayFill((v, m) -> m = 1, arrayMap((g, m) -> if(m = 1, g, {none}), gens, m_{cat}), m_{cat}) AS a_{name}"
+        if col == "gen" else
+        f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, e.{n[col]}, {none}), evs, m_{cat}), m_{cat})"
+        f" AS a_{name}"
+        for cat, _, columns in parts for name, col, none in columns
+    )
+    names = [name for _, _, columns in parts for name, _, _ in columns]
     return (
-        f"SELECT instance, group_id, block_key, {out}, gen FROM ("
+        f"SELECT instance, group_id, block_key, ord, {', '.join(names)} FROM ("
+        f" SELECT instance, group_id, block_key, arrayMap(e -> e.1, evs) AS a_ord, {values} FROM ("
+        f" SELECT instance, group_id, block_key, evs, gens, {masks} FROM ("
         " SELECT instance, group_id, block_key, evs,"
         "  arrayMap((cs, z) -> toInt64(cs - z), arrayCumSum(empties), empties) AS gens FROM ("
         f"  SELECT instance, group_id, block_key, evs, arrayMap(c -> toInt64(c = 0), {copies}) AS empties FROM ("
@@ -226,8 +281,8 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         "     CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
         "     toInt64(kind != 'evict') AS present"
         f"    FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))"
-        "   GROUP BY instance, group_id, block_key)))"
-        " ARRAY JOIN evs AS w, gens AS gen"
+        "   GROUP BY instance, group_id, block_key)))))"
+        f" ARRAY JOIN a_ord AS ord, {', '.join(f'a_{name} AS {name}' for name in names)}"
     )
 
 
@@ -257,44 +312,35 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     ) + ", g, comp, b, win, ratio, len"
     pb = d.explode_chain(cols, d.table(t.pg))
 
-    # Last write on each tier: 4 as-of joins, then the current generation.
-    tier_cols, tier_joins = [], []
-    for tier in TIER_ORDER:
-        x = tier.value[:3]
-        tier_cols.append(
-            f"coalesce({x}.{x}_ord, 0) AS {x}_ord, coalesce({x}.{x}_kind, '') AS {x}_kind,"
-            f" coalesce({x}.{x}_nb, 0) AS {x}_nb, coalesce({x}.{x}_ck, 0) AS {x}_ck,"
-            f" coalesce({x}.{x}_gen, -1) AS {x}_gen"
-        )
-        tier_joins.append(
-            f" ASOF LEFT JOIN (SELECT instance AS {x}_i, group_id AS {x}_g, block_key AS {x}_k, ord AS {x}_ord,"
-            f" kind AS {x}_kind, nbytes AS {x}_nb, checksum AS {x}_ck, gen AS {x}_gen"
-            f" FROM {d.table(t.w)} WHERE wtier = '{tier.value}') {x}"
-            f" ON {x}.{x}_i = p.instance AND {x}.{x}_g = p.g AND {x}.{x}_k = p.key AND p.at_ord > {x}.{x}_ord"
-        )
-    pt = f"SELECT p.*, {', '.join(tier_cols)} FROM {d.table(t.pb)} p{''.join(tier_joins)}"
-
-    # Last commit, lease and object invalidation; commit and lease count only in this life.
+    # The object's state just before each point: its last event before it (one as-of join),
+    # which carries the last write on each tier, commit and lease; then the current generation,
+    # and the last invalidation of the object itself.
+    state = [(name, none) for _, _, columns in _state_parts() for name, _, none in columns]
+    commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
+    picked = ", ".join(f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
+                       for name, none in state)
     gen = "greatest(dev_gen, hos_gen, dis_gen, rem_gen)"
-    c_ids = ", ".join(f"c.{f} AS c_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    columns = ", ".join(name for name, _ in state)
+    keys = "s.s_i = p.instance AND s.s_g = p.g AND s.s_k = p.key"
+    if d.clickhouse:  # a hash as-of join: the state rides along
+        found = (f"{d.table(t.pb)} p ASOF LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k,"
+                 f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord")
+    else:
+        # DuckDB's as-of join sorts everything it carries: carrying the state made it 7x slower
+        # than finding the state's row alone and fetching it by its rowid (one row each, even
+        # where an event names a block twice).
+        found = (
+            f"(SELECT p.*, s.s_row AS s_row FROM {d.table(t.pb)} p"
+            f"  ASOF LEFT JOIN (SELECT instance AS s_i, group_id AS s_g, block_key AS s_k, ord AS s_ord,"
+            f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
+            f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
+        )
     po = (
-        f"SELECT p.*, {gen} AS gen,"
-        f" coalesce(c.c_ord, 0) AS c_ord, coalesce(c.c_gen, -1) AS c_gen, coalesce(c.c_tenant, '') AS c_tenant0,"
-        f" coalesce(c.c_ck, 0) AS c_ck0, coalesce(c.c_nb, 0) AS c_nb0, {c_ids},"
-        " coalesce(le.le_gen, -1) AS le_gen, coalesce(le.le_ns, 0) AS le_ns0,"
-        " coalesce(o.o_ord, 0) AS o_ord"
-        f" FROM {d.table(t.pt)} p"
-        " ASOF LEFT JOIN (SELECT instance AS c_i, group_id AS c_g, block_key AS c_k, ord AS c_ord, gen AS c_gen,"
-        f" tenant AS c_tenant, checksum AS c_ck, nbytes AS c_nb, {', '.join(f'{f}' for f in (*_IDENTITY_STR, 'epoch'))}"
-        f" FROM {d.table(t.w)} WHERE kind = 'commit') c"
-        " ON c.c_i = p.instance AND c.c_g = p.g AND c.c_k = p.key AND p.at_ord > c.c_ord"
-        " ASOF LEFT JOIN (SELECT instance AS le_i, group_id AS le_g, block_key AS le_k, ord AS le_ord, gen AS le_gen,"
-        f" lease_expiry_ns AS le_ns FROM {d.table(t.w)}"
-        " WHERE kind = 'commit' OR (kind IN ('offload', 'load') AND lease_expiry_ns <> 0)) le"
-        " ON le.le_i = p.instance AND le.le_g = p.g AND le.le_k = p.key AND p.at_ord > le.le_ord"
+        f"SELECT *, {gen} AS gen FROM ("
+        f" SELECT p.*, {picked}, coalesce(o.o_ord, 0) AS o_ord FROM {found}"
         " ASOF LEFT JOIN (SELECT instance AS o_i, group_id AS o_g, block_key AS o_k, ord AS o_ord"
         f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key <> 0) o"
-        " ON o.o_i = p.instance AND o.o_g = p.g AND o.o_k = p.key AND p.at_ord > o.o_ord"
+        " ON o.o_i = p.instance AND o.o_g = p.g AND o.o_k = p.key AND p.at_ord > o.o_ord)"
     )
     # The commit's facts, when it belongs to the object's current life.
     live = "c_gen = gen AND c_ord > 0"
@@ -305,7 +351,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         f" CASE WHEN {live} THEN c_ck0 ELSE 0 END AS c_ck,"
         f" CASE WHEN {live} THEN c_nb0 ELSE 0 END AS c_nb,"
         " CASE WHEN le_gen = gen THEN le_ns0 ELSE 0 END AS lease"
-        f" FROM {d.table(t.po)}"
+        f" FROM ({po})"
     )
     # Bulk invalidations matching each block's copies (scope: instance, tier, tenant, adapter).
     bulk_cols = ", ".join(
@@ -320,7 +366,9 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         " AND (bi.bi_adapter = '' OR bi.bi_adapter = p.c_adp)"
         " GROUP BY p.lid, p.phase, p.g, p.i"
     )
-    return [(t.pg, pg), (t.pb, pb), (t.pt, pt), (t.po, po), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+    # The state lookup is read once (by pc), so it is a subquery, not a table: each table of a
+    # block's rows costs a materialization of every column (as much as a join in DuckDB).
+    return [(t.pg, pg), (t.pb, pb), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
 
 
 def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
@@ -397,7 +445,7 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         "  SELECT *, CASE WHEN code = '' THEN 1 ELSE 0 END AS usable FROM ("
         "   SELECT p.*, CASE WHEN best > 0 THEN 1 ELSE 0 END AS present,"
         f"    CASE {' '.join(code)} ELSE '' END AS code, CASE {' '.join(detail)} END AS detail FROM ("
-        "     SELECT *, greatest(st_dev, st_hos, st_dis, st_rem) AS best FROM " + d.table(t.ps) + ") p"
+        f"     SELECT *, greatest(st_dev, st_hos, st_dis, st_rem) AS best FROM ({ps})) p"
         f"   LEFT JOIN (SELECT ord AS ir_ord, reason FROM {d.table(t.ev)} WHERE kind = 'invalidate') ir"
         "   ON ir.ir_ord = p.inv_ord))"
     )
@@ -412,9 +460,9 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         f" OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb,"
         f" max(CASE WHEN present = 1 THEN -1 ELSE i END)"
         f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lq"
-        f" FROM {d.table(t.bs)}"
+        f" FROM ({bst})"
     )
-    return [(t.ps, ps), (t.bs, bst), (t.pw, pw)]
+    return [(t.pw, pw)]  # ps and bs are read once each: subqueries of pw
 
 
 def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
@@ -611,6 +659,18 @@ Executor = Callable[[str], None]
 Reader = Callable[[str], Any]
 
 
+@dataclass(frozen=True, slots=True)
+class StatementTiming:
+    """One statement of a SQL run: where the time of a slow analysis goes (see the benchmark).
+
+    `name` is the scratch table a step creates (without the run's prefix) or, for a read, what
+    it reads; `rows` is the table's row count afterwards (the rows a read returned)."""
+
+    name: str
+    seconds: float
+    rows: int
+
+
 def _run(
     d: Dialect,
     source: str,
@@ -619,20 +679,43 @@ def _run(
     execute: Executor,
     read: Reader,
     keep_tables: bool = False,
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 
+    def short(name: str) -> str:
+        return name.removeprefix(t.prefix + "_")
+
     def step(name: str, select: str) -> None:
+        started = time.perf_counter()
         execute(d.create_as(name, select))
         created.append(name)
+        if timings is not None:
+            seconds = time.perf_counter() - started
+            rows = read(f"SELECT count(*) AS n FROM {d.table(name)}").item()
+            timings.append(StatementTiming(short(name), seconds, int(rows)))
+
+    def timed_read(name: str, sql: str) -> Any:
+        started = time.perf_counter()
+        frame = read(sql)
+        if timings is not None:
+            timings.append(StatementTiming(name, time.perf_counter() - started, len(frame)))
+        return frame
+
+    def timed_call(name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        out = fn()
+        if timings is not None:
+            timings.append(StatementTiming(name, time.perf_counter() - started, 0))
+        return out
 
     try:
         for name, select in _steps_events(d, t, source):
             step(name, select)
-        recipes = _published(d, source, recipes, read)
-        _check_commits(d, source, recipes, read)
-        triples = read(f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
+        recipes = timed_call("(attach recipes)", lambda: _published(d, source, recipes, read))
+        timed_call("(check commits)", lambda: _check_commits(d, source, recipes, read))
+        triples = timed_read("(lookup sources)", f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
         keyed = recipes.keyed(sorted((int(src), str(engine), str(model)) for src, engine, model in triples.iter_rows()))
         chosen = dict(keyed.values())
         for table, columns, rows in ((t.rc, _RECIPE_COLUMNS, _recipe_rows(d, chosen)),
@@ -644,7 +727,7 @@ def _run(
                 execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
         for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
             step(name, select)
-        return conform_results(read(_final(d, t)))
+        return conform_results(timed_read("(final)", _final(d, t)))
     finally:
         if not keep_tables:
             for name in reversed(created):
@@ -675,9 +758,14 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def clickhouse_results(
-    store: Any, recipes: RecipeBook | Recipe | None = None, policy: Policy = Policy(), where: str = "1"
+    store: Any,
+    recipes: RecipeBook | Recipe | None = None,
+    policy: Policy = Policy(),
+    where: str = "1",
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
-    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events."""
+    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events;
+    `timings`, when given, receives one entry per statement."""
     d = Dialect("clickhouse", store.db)
     source = f"(SELECT * FROM {store.db}.events FINAL WHERE {where})"
 
@@ -687,7 +775,7 @@ def clickhouse_results(
     def read(sql: str) -> pl.DataFrame:
         return store.query_polars(sql, settings=CLICKHOUSE_SETTINGS)
 
-    return _run(d, source, RecipeBook.of(recipes), policy, execute, read)
+    return _run(d, source, RecipeBook.of(recipes), policy, execute, read, timings=timings)
 
 
 def duckdb_results(
@@ -695,8 +783,10 @@ def duckdb_results(
     recipes: RecipeBook | Recipe | None = None,
     policy: Policy = Policy(),
     connection: Any = None,
+    timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
-    """Per-lookup results computed by DuckDB over Parquet exports of the events."""
+    """Per-lookup results computed by DuckDB over Parquet exports of the events; `timings`,
+    when given, receives one entry per statement."""
     import duckdb
 
     paths = [str(parquet)] if isinstance(parquet, (str, Path)) else [str(p) for p in parquet]
@@ -713,7 +803,7 @@ def duckdb_results(
         if added:
             source = f"(SELECT *, {', '.join(added)} FROM {source})"
         return _run(d, source, RecipeBook.of(recipes), policy, lambda sql: con.execute(sql),
-                    lambda sql: con.sql(sql).pl())
+                    lambda sql: con.sql(sql).pl(), timings=timings)
     finally:
         if connection is None:
             con.close()

@@ -182,7 +182,7 @@ def stream(parquet: Path, recipe_name: str) -> None:
 def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-untyped-def]
     import duckdb
 
-    from kvtrace.analysis.sql import clickhouse_results, duckdb_results
+    from kvtrace.analysis.sql import StatementTiming, clickhouse_results, duckdb_results
 
     scan_ch = (f"SELECT count(), sum(nbytes), uniqExact(block_key), max(length(group_block_keys)) "
                f"FROM {store.db}.events FINAL")
@@ -200,6 +200,20 @@ def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-u
     for name, a, s in (("clickhouse", ch, ch_scan), ("duckdb", dd, dd_scan)):
         ma, ms = statistics.median(a), statistics.median(s)
         print(f"{name:<11} {ma:>11.2f} {ms:>12.2f} {ma / ms:>6.1f}x")
+
+    # One more run of each with per-statement timings (each step then also counts its rows,
+    # which the timed rounds above do not), to say where the time goes.
+    ch_steps: list[StatementTiming] = []
+    dd_steps: list[StatementTiming] = []
+    clickhouse_results(store, recipe, timings=ch_steps)
+    duckdb_results(parquet, recipe, connection=con, timings=dd_steps)
+    for name, steps, scan in (("clickhouse", ch_steps, statistics.median(ch_scan)),
+                              ("duckdb", dd_steps, statistics.median(dd_scan))):
+        total = sum(s.seconds for s in steps)
+        print(f"\n{name}: per statement (one profiled run, {total:.2f} s; full scan {scan:.2f} s)")
+        print(f"{'statement':<18} {'s':>8} {'share':>6} {'x scan':>7} {'rows':>13}")
+        for s in steps:
+            print(f"{s.name:<18} {s.seconds:>8.2f} {s.seconds / total:>6.0%} {s.seconds / scan:>7.1f} {s.rows:>13,}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Per-statement timings of the SQL paths: every statement is named, its rows counted, and
+asking for them changes no result (the benchmark's table rests on this)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import find, settings
+from lifecycle import RECIPES, lifecycle_streams
+from polars.testing import assert_frame_equal
+
+from kvtrace.analysis.sql import StatementTiming, clickhouse_results, duckdb_results
+from kvtrace.schema import EventKind
+from kvtrace.schema.recipes import RecipeBook
+from kvtrace.store.client import Store
+from kvtrace.store.export import export_events
+
+BOOK = RecipeBook(RECIPES)
+SORT = ["ts_ns", "source_id", "seq"]
+
+
+def test_timings_name_every_statement_and_change_no_result(store: Store, tmp_path: Path) -> None:
+    events = find(lifecycle_streams(max_ops=30), lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3,
+                  settings=settings(database=None, max_examples=300))
+    store.insert_events(events)
+    parquet = tmp_path / "events.parquet"
+    export_events(store, parquet)
+    lookups = sum(e.kind is EventKind.LOOKUP for e in events)
+    for run in (lambda **kw: clickhouse_results(store, BOOK, **kw), lambda **kw: duckdb_results(parquet, BOOK, **kw)):
+        steps: list[StatementTiming] = []
+        timed = run(timings=steps).sort(SORT)
+        assert_frame_equal(timed, run().sort(SORT), check_exact=True)
+        names = [s.name for s in steps]
+        assert len(names) == len(set(names))
+        assert names[0] == "ev" and names[-1] == "(final)"
+        by_name = {s.name: s for s in steps}
+        assert by_name["lk"].rows == lookups
+        assert by_name["(final)"].rows == len(timed) == lookups
+        assert by_name["ev"].rows >= len(events)  # a run of blocks is one row per block
+        assert all(s.seconds >= 0 for s in steps)
