@@ -29,6 +29,20 @@ def _cli(proc: ServeProcess, *argv: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+
+def _stop(proc: ServeProcess, sig: int) -> int:
+    proc.proc.send_signal(sig)
+    code = proc.proc.wait(120)
+    proc.log.close()
+    return code
+
+
+def _stopped_cleanly(proc: ServeProcess, tmp_path: Path, code: int, expected: int) -> None:
+    """The exit status an operator's signal asks for, the spool drained, the owner file gone."""
+    assert code == expected, _log(proc)[-3000:]
+    assert "stopped: spool drained into the store" in _log(proc)
+    assert not (tmp_path / "db" / OWNER_FILE).exists()
+
 def test_serve_ingests_shows_the_dashboard_alerts_and_owns_the_store(tmp_path: Path) -> None:
     proc = ServeProcess(tmp_path, "--alert-interval-s", "1")
     proc.start()
@@ -68,12 +82,8 @@ def test_serve_ingests_shows_the_dashboard_alerts_and_owns_the_store(tmp_path: P
         out = _cli(proc, "serve", "--port", "1")
         assert out.returncode == 1 and out.stderr.count("\n") == 1 and "is in use by another process" in out.stderr
     finally:
-        proc.proc.send_signal(signal.SIGTERM)
-        code = proc.proc.wait(120)
-        proc.log.close()
-    assert code == 0, _log(proc)[-3000:]
-    assert "stopped: spool drained into the store" in _log(proc)
-    assert not (tmp_path / "db" / OWNER_FILE).exists()
+        code = _stop(proc, signal.SIGTERM)
+    _stopped_cleanly(proc, tmp_path, code, 0)
     assert proc.query("SELECT count() AS n FROM kvtrace.events FINAL") == [{"n": 20}]
     out = _cli(proc, "db", "status")  # the store is free again
     assert out.returncode == 0 and "events                   20 rows" in out.stdout, out
@@ -82,12 +92,7 @@ def test_serve_ingests_shows_the_dashboard_alerts_and_owns_the_store(tmp_path: P
 def test_ctrl_c_stops_serve_with_130(tmp_path: Path) -> None:
     proc = ServeProcess(tmp_path, "--no-alerts")
     proc.start()
-    proc.proc.send_signal(signal.SIGINT)
-    code = proc.proc.wait(120)
-    proc.log.close()
-    assert code == 130, _log(proc)[-3000:]
-    assert "stopped: spool drained into the store" in _log(proc)
-    assert not (tmp_path / "db" / OWNER_FILE).exists()
+    _stopped_cleanly(proc, tmp_path, _stop(proc, signal.SIGINT), 130)
 
 
 def test_serve_refuses_a_bad_rule_file_before_serving(tmp_path: Path) -> None:
