@@ -20,6 +20,7 @@ from kvtrace.analysis.join import join_frame
 from kvtrace.analysis.oracle import probe_verifications
 from kvtrace.analysis.planning import as_parquet, event_frame
 from kvtrace.analysis.reconstruct import Reconstructor
+from kvtrace.analysis.shards import sharded_results
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.schema.arrow import from_arrow
 from kvtrace.schema.events import PROBE_PREFIX, Event
@@ -88,13 +89,20 @@ def analyze(
     policy: Policy | None = None,
     store: Store | None = None,
     files: Sequence[str | Path] = (),
+    shards: Sequence[Store] = (),
 ) -> Analysis:
     """Per-lookup results by the chosen path (the duckdb one reads event files: Parquet, JSONL
-    or spool; the others the store), the engine + KV store picture per request, and the
-    canaries' probes judged."""
+    or spool; the others the store, or with `shards` each shard's store, see
+    `analysis.shards`), the engine + KV store picture per request, and the canaries' probes
+    judged."""
     policy = Policy() if policy is None else policy
     probes: list[Event] = []
-    if path is AnalysisPath.DUCKDB:
+    if shards:
+        if path is not AnalysisPath.CLICKHOUSE:
+            raise ValueError(f"shards are analysed inside ClickHouse: the {path.value} path reads one store")
+        results = sharded_results(shards, recipes, policy)
+        probes = [p for shard in shards for p in stored_probes(shard)]
+    elif path is AnalysisPath.DUCKDB:
         with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
             results = lookup_results(path, recipes, policy, parquet=as_parquet(files, tmp))
     else:

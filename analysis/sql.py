@@ -763,11 +763,13 @@ def clickhouse_results(
     policy: Policy = Policy(),
     where: str = "1",
     timings: list[StatementTiming] | None = None,
+    table: str = "events",
 ) -> pl.DataFrame:
-    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events;
-    `timings`, when given, receives one entry per statement."""
+    """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events of
+    `table` (a cluster node's `events_local`: one shard, see `analysis.shards`); `timings`, when
+    given, receives one entry per statement."""
     d = Dialect("clickhouse", store.db)
-    source = f"(SELECT * FROM {store.db}.events FINAL WHERE {where})"
+    source = f"(SELECT * FROM {store.db}.{table} FINAL WHERE {where})"
 
     def execute(sql: str) -> None:
         store.command(sql, settings=CLICKHOUSE_SETTINGS)

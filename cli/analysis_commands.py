@@ -25,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
                          help="where to compute: in the store (clickhouse), replayed in Python (stream), or DuckDB on "
                               "event files (duckdb)")
+    analyze.add_argument("--shard", action="append", default=[], metavar="DSN",
+                         help="a shard's store, one per shard (repeatable): each shard's own events are analysed on "
+                              "its node (events_local on a cluster) and the rows joined; a cluster shards by instance, "
+                              "so no event crosses shards")
     analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
     analyze.add_argument("--bucket-s", type=non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
@@ -132,7 +136,16 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     policy = Policy(shared_tenants=frozenset(args.shared_tenant))
     path = AnalysisPath(args.path)
     try:
-        if path is AnalysisPath.DUCKDB:
+        if args.shard:
+            shards = [Store(dsn) for dsn in args.shard]
+            try:
+                for shard in shards:
+                    shard.require_schema()
+                analysis = analyze(recipes, path, policy, shards=shards)
+            finally:
+                for shard in shards:
+                    shard.close()
+        elif path is AnalysisPath.DUCKDB:
             analysis = analyze(recipes, path, policy, files=args.parquet)
         else:
             with Store(args.dsn) as store:

@@ -301,6 +301,29 @@ def test_analyze_by_each_path_prints_the_same_funnel(capsys, store, tmp_path):
     assert rows[1]["recoverable_hit_tokens"] == 960 and rows[1]["reason"] == "no_checkpoint_at_boundary"
 
 
+def test_analyze_reads_shards_and_joins_their_rows(capsys, store, chdb_path, tmp_path):
+    from kvtrace.store.shards import route_to_shards
+
+    _simulated(store)
+    shards = [Store(f"chdb://{chdb_path}?database={store.db}_s{k}") for k in range(2)]
+    try:
+        for s in shards:
+            s.init()
+        route_to_shards(store, shards)
+        code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "-o", str(tmp_path / "one.parquet"))
+        assert code == 0, err
+        args = [a for s in shards for a in ("--shard", str(s.dsn))]
+        code, out, err = run(capsys, "analyze", *args, "-o", str(tmp_path / "sharded.parquet"))
+        assert code == 0 and "2 lookups" in out, err
+        assert pq.read_table(tmp_path / "sharded.parquet") == pq.read_table(tmp_path / "one.parquet")
+        code, _, err = run(capsys, "analyze", *args, "--path", "stream")
+        assert code == 2 and "shards are analysed inside ClickHouse" in err
+    finally:
+        for s in shards:
+            s.command(f"DROP DATABASE IF EXISTS {s.db}")
+            s.close()
+
+
 def test_analyze_names_what_is_wrong(capsys, store, tmp_path):
     _simulated(store)
     code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "nonsense")

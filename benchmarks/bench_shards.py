@@ -1,0 +1,127 @@
+"""The ClickHouse analysis on 1, 2 and 4 shards of one fleet's events: does the work split?
+
+Workload: the Mooncake conversation trace (../shared/traces) served by a fleet of simulated
+instances (`--instances`, one emitter each, requests dealt round robin), through the real
+emitter into the embedded store, until `--events`. The store is kept between runs (same
+trace, fleet and target: same events), so a rerun only measures.
+
+Shards are databases of the one embedded engine, filled by the cluster's own routing rule
+(`cityHash64(instance) % N`, see kvtrace.store.shards); each runs the SQL a cluster node runs
+on its own rows. They run one after another here (this machine has one engine), so a cluster's
+wall time is its slowest shard: the table gives each N's slowest shard, its speed-up over one
+shard, and the seconds per million events of every shard, which stay flat when the work splits
+linearly (the shards are as even as the instances' hashes make them: see each shard's events).
+The rows of every N are checked equal to one store's.
+
+    .venv/bin/python benchmarks/bench_shards.py [--events 1000000] [--instances 16] [--shards 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def generate(store, recipe_name: str, instances: int, target: int, trace: Path) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
+    from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+    from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
+    from kvtrace.instrumentation.sinks.store import StoreSink
+    from kvtrace.schema.recipes import BUILTIN
+
+    fleet = []
+    for i in range(instances):
+        config = SimConfig(recipe=BUILTIN[recipe_name], instance=f"sim-{i}", bytes_per_token=4096,
+                           capacity_bytes=(1 << 30, 4 << 30, 16 << 30), lease_ns=600 * 10**9)
+        emitter = BatchEmitter(StoreSink(store), BatchConfig(max_queue_size=1 << 20, shutdown_timeout_millis=600_000),
+                               register_atexit=False)
+        fleet.append((CacheSimulator(config, emitter), emitter))
+    started, requests = time.perf_counter(), 0
+    with trace.open() as f:
+        for n, line in enumerate(f):
+            row = json.loads(line)
+            tokens = [h * 512 + j for h in row["hash_ids"] for j in range(512)][: row["input_length"]]
+            sim, emitter = fleet[n % instances]
+            sim.serve(SimRequest(f"q{n}", tokens, tenant="t0",
+                                 arrival_ns=sim.config.start_ns + row["timestamp"] * 10**6))
+            requests += 1
+            if sum(s.events for s, _ in fleet) >= target:
+                break
+            while emitter.stats().queue_depth > 1 << 17:  # let the store catch up: never drop
+                time.sleep(0.05)
+    events = 0
+    for sim, emitter in fleet:
+        emitter.force_flush(timeout_millis=600_000)
+        emitter.shutdown()
+        if emitter.stats().exported != sim.events:
+            raise SystemExit(f"lost events while generating {sim.config.instance}: {emitter.stats()}")
+        events += sim.events
+    return requests, events, time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--instances", type=int, default=16)
+    ap.add_argument("--recipe", default="mamba-hybrid")
+    ap.add_argument("--shards", default="1,2,4")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--home", type=Path, default=Path(tempfile.gettempdir()) / "kvtrace-bench-shards")
+    args = ap.parse_args()
+    os.environ["KVTRACE_HOME"] = str(args.home)
+    from polars.testing import assert_frame_equal
+
+    from kvtrace.analysis.shards import ShardRun, sharded_results
+    from kvtrace.schema.recipes import BUILTIN
+    from kvtrace.store.client import Store
+    from kvtrace.store.shards import route_to_shards
+
+    counts = [int(n) for n in args.shards.split(",")]
+    tag = f"{args.recipe.replace('-', '_')}_{args.instances}_{args.events}"
+    dsn = f"chdb://{args.home / 'chdb'}?database="
+    store = Store(dsn + f"fleet_{tag}")
+    store.init()
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, "
+          f"{args.instances} instances, target {args.events:,} events")
+    if store.count_events() < args.events:
+        store.command(f"TRUNCATE TABLE {store.db}.events")
+        requests, events, seconds = generate(store, args.recipe, args.instances, args.events, args.trace)
+        print(f"generated {events:,} events from {requests:,} trace requests in {seconds:.0f} s")
+        store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    total = store.count_events()
+    print(f"table: {total:,} events\n")
+
+    recipe = BUILTIN[args.recipe]
+    reference = None
+    one_shard = 0.0
+    print(f"{'shards':>6} {'slowest s':>10} {'speed-up':>9} {'sum s':>7}  per shard: events, s, s per M events")
+    for n in counts:
+        shards = [Store(dsn + f"shard_{tag}_n{n}_{k}") for k in range(n)]
+        for s in shards:
+            s.init()
+        if sum(s.count_events() for s in shards) != total:  # kept between runs, like the source
+            for s in shards:
+                s.command(f"TRUNCATE TABLE {s.db}.events")
+            route_to_shards(store, shards)
+        runs: list[ShardRun] = []
+        frame = sharded_results(shards, recipe, runs=runs)
+        if reference is None:
+            reference = frame
+        else:
+            assert_frame_equal(frame, reference, check_exact=True)
+        slowest = max(r.seconds for r in runs)
+        one_shard = one_shard or slowest
+        per = [(s.count_events(), r.seconds) for s, r in zip(shards, runs, strict=True)]
+        detail = "; ".join(f"{e:,}, {sec:.1f}, {sec / max(e, 1) * 1e6:.1f}" for e, sec in per)
+        print(f"{n:>6} {slowest:>10.1f} {one_shard / slowest:>8.2f}x {sum(r.seconds for r in runs):>7.1f}  {detail}")
+    print(f"\nrows equal across shard counts: {reference.height if reference is not None else 0:,} lookups")
+
+
+if __name__ == "__main__":
+    main()
