@@ -28,6 +28,27 @@ class _Pending:
     at_lookup: Evaluation
 
 
+class PublishedRecipe(msgspec.Struct, array_like=True):
+    source_id: int
+    engine: str
+    model: str
+    instance: str
+    recipe: Recipe
+
+
+class ReconstructorState(msgspec.Struct, kw_only=True):
+    """Everything a Reconstructor carries from one event to the next, as plain data: resuming
+    from it and feeding the rest of the stream gives the rows feeding the whole stream gives
+    (see `analysis.snapshot`, which stores it)."""
+
+    events_seen: int
+    unmatched_adopts: int
+    pending_overflow: int
+    state: CacheState
+    pending: list[_Pending]
+    published: list[PublishedRecipe]
+
+
 class Reconstructor:
     """Feed events in (ts_ns, source_id, seq) order; collect LookupResults as they complete.
 
@@ -52,6 +73,41 @@ class Reconstructor:
         self.events_seen = 0
         self.unmatched_adopts = 0
         self.pending_overflow = 0
+
+    def capture(self) -> ReconstructorState:
+        """The state after the last event fed (shared, not copied: encode it before feeding on)."""
+        instances = self.recipes.instances
+        return ReconstructorState(
+            events_seen=self.events_seen, unmatched_adopts=self.unmatched_adopts,
+            pending_overflow=self.pending_overflow, state=self.state, pending=list(self._pending.values()),
+            published=[PublishedRecipe(src, engine, model, instances.get((src, engine, model), ""), recipe)
+                       for (src, engine, model), recipe in self.recipes.published.items()],
+        )
+
+    @classmethod
+    def resume(
+        cls,
+        captured: ReconstructorState,
+        recipes: RecipeBook | Recipe | None = None,
+        policy: Policy = Policy(),
+        max_pending: int = 100_000,
+    ) -> Reconstructor:
+        """A reconstructor that goes on where `captured` stopped, with the same given recipes and
+        policy (the snapshot's fingerprint says which); the engines' recipes are published again,
+        so a given recipe they contradict is refused here as it was there."""
+        rec = cls(recipes, policy, max_pending)
+        for p in captured.published:
+            rec.recipes = rec.recipes.publish(p.source_id, p.engine, p.model, p.recipe, p.instance)
+        rec.state = captured.state
+        rec.events_seen = captured.events_seen
+        rec.unmatched_adopts = captured.unmatched_adopts
+        rec.pending_overflow = captured.pending_overflow
+        rec._pending = OrderedDict(((p.lookup.instance, p.lookup.request_id), p) for p in captured.pending)
+        return rec
+
+    def pending_since(self, since_ns: int, until_ns: int) -> bool:
+        """Is any lookup made in [since_ns, until_ns) still waiting for its adopt?"""
+        return any(since_ns <= p.lookup.ts_ns < until_ns for p in self._pending.values())
 
     def recipe_for(self, model: str, engine: str = "", source_id: int = 0) -> Recipe:
         return self.recipes.resolve(model, engine, source_id)

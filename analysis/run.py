@@ -16,6 +16,7 @@ import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import frame_results, results_frame
+from kvtrace.analysis.incremental import HOUR_NS, RangeRun, range_results
 from kvtrace.analysis.join import join_frame
 from kvtrace.analysis.oracle import probe_verifications
 from kvtrace.analysis.planning import as_parquet, event_frame
@@ -109,6 +110,24 @@ def analyze(
         results = lookup_results(path, recipes, policy, store=store)
         probes = stored_probes(store) if store is not None else []
     return Analysis(path, results, join_frame(results), len(probes), judge_probes(results, probes))
+
+
+def analyze_range(
+    recipes: RecipeBook | Recipe,
+    store: Store,
+    since_ns: int,
+    until_ns: int,
+    policy: Policy | None = None,
+    every_ns: int = HOUR_NS,
+) -> tuple[Analysis, RangeRun]:
+    """The lookups made in [since_ns, until_ns), by the streaming path from the nearest
+    snapshot before the range (see `analysis.incremental`), with the canaries' probes of the
+    range judged."""
+    policy = Policy() if policy is None else policy
+    results, run = range_results(store, since_ns, until_ns, recipes, policy, every_ns=every_ns)
+    probes = [p for p in stored_probes(store) if since_ns <= p.ts_ns < until_ns]
+    analysis = Analysis(AnalysisPath.STREAM, results, join_frame(results), len(probes), judge_probes(results, probes))
+    return analysis, run
 
 
 def stored_probes(store: Store) -> list[Event]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING
 
-from kvtrace.cli.arguments import add_recipe_option, int_list, non_negative, positive
+from kvtrace.cli.arguments import add_recipe_option, int_list, non_negative, positive, time_ns
 
 if TYPE_CHECKING:
     import polars as pl
@@ -22,9 +23,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("parquet", nargs="*", help="event files for the duckdb path: Parquet exports, JSONL or "
                                                     "spool files")
     add_recipe_option(analyze)
-    analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"], default="clickhouse",
-                         help="where to compute: in the store (clickhouse), replayed in Python (stream), or DuckDB on "
-                              "event files (duckdb)")
+    analyze.add_argument("--path", choices=["clickhouse", "stream", "duckdb"],
+                         help="where to compute: in the store (clickhouse, the default), replayed in Python (stream, "
+                              "what --since/--until use), or DuckDB on event files (duckdb)")
+    analyze.add_argument("--since", type=time_ns, default=None,
+                         help="only lookups made from this time (ISO time or ns; inclusive), read from the nearest "
+                              "snapshot before it instead of the whole history; the run leaves one at --until")
+    analyze.add_argument("--until", type=time_ns, default=None,
+                         help="only lookups made before this time (ISO time or ns; exclusive; default now)")
+    analyze.add_argument("--snapshot-every-s", type=non_negative, default=3600,
+                         help="with --since/--until: while reading, also leave a snapshot every N seconds of stream "
+                              "time (0: only at --until)")
     analyze.add_argument("--shard", action="append", default=[], metavar="DSN",
                          help="a shard's store, one per shard (repeatable): each shard's own events are analysed on "
                               "its node (events_local on a cluster) and the rows joined; a cluster shards by instance, "
@@ -119,7 +128,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     from kvtrace.analysis.evaluate import Policy
     from kvtrace.analysis.funnel import funnel, reasons
-    from kvtrace.analysis.run import AnalysisPath, analyze, save_verdicts
+    from kvtrace.analysis.run import AnalysisPath, analyze, analyze_range, save_verdicts
     from kvtrace.schema.recipes import RecipeBook, RecipeError, UnknownModel
     from kvtrace.store.client import Store
 
@@ -134,9 +143,21 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     policy = Policy(shared_tenants=frozenset(args.shared_tenant))
-    path = AnalysisPath(args.path)
+    ranged = args.since is not None or args.until is not None
+    if ranged and (args.path not in (None, "stream") or args.shard or args.parquet):
+        print("error: --since/--until read the store from a snapshot by the stream path: they do not combine "
+              "with --path clickhouse or duckdb, --shard or event files", file=sys.stderr)
+        return 2
+    path = AnalysisPath(args.path or ("stream" if ranged else "clickhouse"))
+    run = None
     try:
-        if args.shard:
+        if ranged:
+            with Store(args.dsn) as store:
+                store.require_schema()
+                until = args.until if args.until is not None else time.time_ns()
+                analysis, run = analyze_range(recipes, store, args.since or 0, until, policy,
+                                              every_ns=args.snapshot_every_s * 10**9)
+        elif args.shard:
             shards = [Store(dsn) for dsn in args.shard]
             try:
                 for shard in shards:
@@ -164,6 +185,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     with pl.Config(tbl_rows=50, tbl_cols=20, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
                    float_precision=3, tbl_hide_column_data_types=True):
         print(f"{frame.height} lookups ({path.value} path)")
+        if run is not None:
+            began = f"the snapshot at {run.started_at_ns}" if run.started_at_ns else "the first event"
+            print(f"range [{run.since_ns}, {run.until_ns}): read {run.events_read:,} events from {began}; "
+                  f"snapshots left: {run.snapshots_saved}" + (f" ({run.note})" if run.note else ""))
         print(_funnel_table(funnel(frame, by, bucket_ns=args.bucket_s * 10**9)))
         if frame.height:
             print("\ngap between logical and recoverable, by reason")

@@ -15,7 +15,7 @@ import msgspec
 
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
-from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
+from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection, StateSnapshot
 from kvtrace.schema.verdicts import LookupResult, Verification
 
 DEFAULT_DATABASE = "kvtrace"
@@ -87,7 +87,16 @@ VERIFICATIONS = TableSpec(  # `kvtrace verify` and engine canaries: requests re-
     shard_key="cityHash64(instance)",
     replacing=True,  # a collector rebuilding an instance may judge a canary's probe again
 )
-TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS, VERIFICATIONS)
+SNAPSHOTS = TableSpec(  # `kvtrace analyze --since`: the streaming state at a position, per recipes + policy
+    name="snapshots",
+    struct=StateSnapshot,
+    time_column="ts_ns",
+    order_by=("fingerprint", "ts_ns", "source_id", "seq"),
+    shard_key="rand()",  # on a cluster each shard's analysis keeps its own, in its local table
+    replacing=True,  # the same range analysed again writes the same snapshot
+)
+TABLES: tuple[TableSpec, ...] = (EVENTS, QUARANTINE, EMITTER_STATS, VERDICTS, CALIBRATIONS, VERIFICATIONS,
+                                 SNAPSHOTS)
 
 # Default factories msgspec omits when empty (with omit_defaults); any other factory's value
 # is always encoded.

@@ -287,6 +287,11 @@ class RecipeBook:
         """The recipes engines published, by (source_id, engine, model) (a read-only view)."""
         return MappingProxyType(self._published)
 
+    @property
+    def instances(self) -> Mapping[SourceKey, str]:
+        """The instance each published recipe came from (a read-only view)."""
+        return MappingProxyType(self._instances)
+
     def given(self, model: str, engine: str = "") -> Recipe | None:
         """The recipe given for the model (scoped, else the default); None when none was given."""
         qualified = f"{engine}:{model}"

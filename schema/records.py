@@ -92,3 +92,22 @@ class CalibrationSample(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens: Annotated[U64, msgspec.Meta(description="Prefill: tokens computed.")] = 0
     nbytes: Annotated[U64, msgspec.Meta(description="Transfer: bytes moved.")] = 0
     seconds: Annotated[F64, msgspec.Meta(description="Median of the repeats.")]
+
+
+class StateSnapshot(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The streaming reconstructor's state after one stream position: what an incremental
+    analysis (`kvtrace analyze --since`) starts from instead of re-reading the history before
+    it. Written by the analysis itself at the end of each range it reads; taken only of
+    settled time, so no event can still arrive before its position."""
+
+    ts_ns: Annotated[TimeNs, msgspec.Meta(description="Position: the last event folded in (time).")]
+    source_id: Annotated[Hash64, msgspec.Meta(description="Position: that event's emitter.")]
+    seq: Annotated[U64, msgspec.Meta(description="Position: that event's sequence number.")]
+    events: Annotated[U64, msgspec.Meta(description="Events folded in from the start of the store.")]
+    fingerprint: Annotated[Label, msgspec.Meta(
+        description="The given recipes and policy it was built with: only a run with the same uses it.")]
+    created_ns: Annotated[TimeNs, msgspec.Meta(description="When it was taken.")]
+    objects: Annotated[U64, msgspec.Meta(description="Live objects it holds.")] = 0
+    pending: Annotated[U64, msgspec.Meta(description="Lookups still waiting for their adopt.")] = 0
+    state: Annotated[Text, msgspec.Meta(
+        description="The state: msgpack, zlib-compressed, base64 (see kvtrace.analysis.snapshot).")] = ""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import clickhouse_connect
+import msgspec
 import polars as pl
 import pyarrow as pa
 
@@ -33,6 +34,7 @@ from kvtrace.schema.clickhouse import (
     META_TABLE,
     QUARANTINE,
     REKEY_SUFFIX,
+    SNAPSHOTS,
     TABLES,
     VERDICTS,
     VERIFICATIONS,
@@ -48,7 +50,7 @@ from kvtrace.schema.clickhouse import (
 from kvtrace.schema.events import SCHEMA_VERSION, Event
 from kvtrace.schema.kinds import Ending
 from kvtrace.schema.recipes import Recipe, recipe_from_json
-from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection
+from kvtrace.schema.records import CalibrationSample, EmitterStats, Rejection, StateSnapshot
 from kvtrace.schema.verdicts import LookupResult, Verification
 from kvtrace.store.dsn import StoreError, default_dsn, parse_dsn
 from kvtrace.store.owner import in_use_message, lock_holder, read_owner
@@ -448,6 +450,30 @@ class Store:
 
     def insert_verifications(self, rows: Sequence[Verification]) -> int:
         return self.insert_arrow(VERIFICATIONS.name, to_arrow(rows, Verification))
+
+    def insert_snapshot(self, snapshot: StateSnapshot) -> int:
+        """Store an analysis snapshot; a store made before the snapshots table gets it first."""
+        if not self._has_table(SNAPSHOTS.name):
+            self.init()
+        return self.insert_arrow(SNAPSHOTS.name, to_arrow([snapshot], StateSnapshot))
+
+    def latest_snapshot(self, fingerprint: str, before_ns: int) -> StateSnapshot | None:
+        """The newest snapshot for these recipes and policy whose position is before `before_ns`
+        (None in a store made before the snapshots table)."""
+        if not self._has_table(SNAPSHOTS.name):
+            return None
+        rows = self.query_arrow(
+            f"SELECT * FROM {self.db}.{SNAPSHOTS.name} FINAL WHERE fingerprint = {{fp:String}} AND ts_ns < {{t:Int64}}"
+            " ORDER BY ts_ns DESC, source_id DESC, seq DESC LIMIT 1",
+            parameters={"fp": fingerprint, "t": before_ns},
+        ).to_pylist()
+        return msgspec.convert(rows[0], StateSnapshot) if rows else None
+
+    def _has_table(self, name: str) -> bool:
+        return bool(self.scalar(
+            "SELECT count() FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+            {"db": self.db, "t": name},
+        ))
 
     def insert_calibrations(self, samples: Sequence[CalibrationSample]) -> int:
         return self.insert_arrow(CALIBRATIONS.name, to_arrow(samples, CalibrationSample))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtrace.schema.clickhouse import TABLES
+from kvtrace.schema.clickhouse import SNAPSHOTS, TABLES
 from kvtrace.schema.fields import field_specs
 from kvtrace.store.client import Store
 
@@ -29,6 +29,8 @@ def route_to_shards(source: Store, shards: Sequence[Store]) -> list[int]:
     counts = []
     for k, shard in enumerate(shards):
         for table in TABLES:
+            if table is SNAPSHOTS:  # a whole store's analysis state is no shard's: each makes its own
+                continue
             columns = ", ".join(f"`{s.name}`" for s in field_specs(table.struct))
             shard.command(
                 f"INSERT INTO {shard.db}.{table.name} ({columns}) SELECT {columns} FROM {source.db}.{table.name}"

@@ -554,3 +554,28 @@ def test_alerts_once_and_bad_rules(capsys, store, tmp_path):
     assert code == 2 and "rule div: threshold:" in err
     code, out, _ = run(capsys, "alerts", "--show-default-rules")
     assert code == 0 and "recoverable-below-logical" in out
+
+
+def test_analyze_a_range_from_its_snapshot(capsys, store, tmp_path):
+    from kvtrace.analysis.funnel import results_frame
+    from kvtrace.analysis.reconstruct import Reconstructor
+    from kvtrace.schema.recipes import RecipeBook
+
+    _simulated(store)
+    events = [e for t in store.iter_event_batches() for e in from_arrow(t)]
+    lookups = sorted(e.ts_ns for e in events if e.kind is EventKind.LOOKUP)
+    cut, end = lookups[1], events[-1].ts_ns + 1
+    dsn = ("--dsn", str(store.dsn))
+    code, out, err = run(capsys, *dsn, "analyze", "--until", str(cut), "-o", str(tmp_path / "a.parquet"))
+    assert code == 0 and "1 lookups (stream path)" in out and "from the first event; snapshots left: 1" in out, err
+    code, out, err = run(capsys, *dsn, "analyze", "--since", str(cut), "--until", str(end),
+                         "-o", str(tmp_path / "b.parquet"))
+    assert code == 0 and "1 lookups (stream path)" in out and "from the snapshot at" in out, err
+    full = results_frame(Reconstructor(RecipeBook()).run(events))
+    got = pq.read_table(tmp_path / "a.parquet").to_pylist() + pq.read_table(tmp_path / "b.parquet").to_pylist()
+    assert [r["recoverable_hit_tokens"] for r in got] == full["recoverable_hit_tokens"].to_list()
+    assert got[1]["reason"] == "no_checkpoint_at_boundary"
+    code, _, err = run(capsys, *dsn, "analyze", "--since", str(cut), "--path", "clickhouse")
+    assert code == 2 and "--since/--until read the store from a snapshot" in err
+    code, _, err = run(capsys, *dsn, "analyze", "--since", str(end), "--until", str(cut))
+    assert code == 2 and "must be after" in err

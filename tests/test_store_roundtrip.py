@@ -142,7 +142,7 @@ def test_status_shows_row_counts(store):
     assert status.server_version
     rows = {t.name: t.rows for t in status.tables}
     assert rows == {"events": 300, "quarantine": 2, "emitter_stats": 3, "verdicts": 0, "calibrations": 0,
-                    "verifications": 0}
+                    "verifications": 0, "snapshots": 0}
     events_table = next(t for t in status.tables if t.name == "events")
     assert events_table.bytes_on_disk > 0 and events_table.partitions >= 1
     assert status.sources == len({e.source_id for e in events})

@@ -1,0 +1,133 @@
+"""Range analysis from snapshots gives the rows of a full run over the same lookups.
+
+Random lifecycles are cut at random points; each range is analysed on its own, starting from
+the snapshot the range before it left, and the ranges' rows together must equal one full
+streaming run's.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lifecycle import lifecycle_streams
+from polars.testing import assert_frame_equal
+from test_paths_agree import BOOK, SORT, streaming
+from test_shards import fleet_events
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.incremental import range_results
+from kvtrace.analysis.snapshot import fingerprint
+from kvtrace.schema import Event
+from kvtrace.store.client import Store
+
+FAR = 2**62  # "now" for these tests: every range is settled
+
+
+def _ranges(events: list[Event], cuts: list[float]) -> list[tuple[int, int]]:
+    times = sorted({e.ts_ns for e in events})
+    lo, hi = times[0], times[-1] + 1
+    points = sorted({times[int(c * (len(times) - 1))] for c in cuts} - {lo})
+    bounds = [lo, *points, hi]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def _by_ranges(store: Store, ranges: list[tuple[int, int]], policy: Policy = Policy()) -> tuple[pl.DataFrame, list]:
+    frames, runs = [], []
+    for since, until in ranges:
+        frame, run = range_results(store, since, until, BOOK, policy, now_ns=FAR)
+        frames.append(frame)
+        runs.append(run)
+    return pl.concat(frames).sort(SORT, maintain_order=True), runs
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), max_size=4))
+def test_ranges_from_snapshots_equal_one_full_run(store: Store, events: list[Event], cuts: list[float]) -> None:
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE IF EXISTS {store.db}.snapshots")
+    store.insert_events(events)
+    ranges = _ranges(events, cuts)
+    got, runs = _by_ranges(store, ranges)
+    assert_frame_equal(got, streaming(events), check_exact=True)
+    # Every range after the first starts from the snapshot the one before it left.
+    assert all(run.started_at_ns > 0 and not run.note for run in runs[1:])
+
+
+def test_a_late_range_reads_from_its_snapshot(store: Store) -> None:
+    events = fleet_events(instances=3, requests=60)
+    store.insert_events(events)
+    times = sorted(e.ts_ns for e in events)
+    lo, hi, cut = times[0], times[-1] + 1, times[int(len(times) * 0.9)]
+    full = streaming(events)
+    first, run1 = range_results(store, lo, cut, BOOK, now_ns=FAR)
+    assert run1.started_at_ns == 0 and run1.snapshots_saved == 1
+    last, run2 = range_results(store, cut, hi, BOOK, now_ns=FAR)
+    assert_frame_equal(pl.concat([first, last]), full, check_exact=True)
+    assert last.height > 0 and run2.started_at_ns > 0
+    assert run2.events_read < 0.2 * len(events)  # the last tenth, not the history
+    # Another policy's run cannot use those snapshots: it reads from the first event.
+    other = Policy(shared_tenants=frozenset({"t1"}))
+    assert fingerprint(BOOK, other) != fingerprint(BOOK, Policy())
+    _, run3 = range_results(store, cut, hi, BOOK, other, now_ns=FAR)
+    assert run3.started_at_ns == 0 and run3.events_read == len(events)
+
+
+def test_unsettled_time_leaves_no_snapshot_and_a_bad_one_is_passed_over(store: Store) -> None:
+    events = fleet_events(instances=2, requests=20)
+    store.insert_events(events)
+    times = sorted(e.ts_ns for e in events)
+    lo, hi, cut = times[0], times[-1] + 1, times[len(times) // 2]
+    _, run = range_results(store, lo, cut, BOOK, now_ns=cut)  # `cut` is not yet a minute old
+    assert run.snapshots_saved == 0
+    _, run = range_results(store, lo, cut, BOOK, now_ns=FAR)
+    assert run.snapshots_saved == 1
+    store.command(f"ALTER TABLE {store.db}.snapshots UPDATE state = 'not base64!' WHERE 1",
+                  settings={"mutations_sync": 1})
+    got, run = range_results(store, cut, hi, BOOK, now_ns=FAR, save=False)
+    assert run.started_at_ns == 0 and "does not decode" in run.note
+    assert_frame_equal(got, streaming(events).filter(pl.col("ts_ns") >= cut), check_exact=True)
+
+
+def test_an_empty_range_is_refused(store: Store) -> None:
+    with pytest.raises(ValueError, match="must be after"):
+        range_results(store, 10, 10, BOOK)
+
+
+def test_a_long_read_leaves_snapshots_along_the_way(store: Store) -> None:
+    events = fleet_events(instances=2, requests=20)
+    store.insert_events(events)
+    times = sorted(e.ts_ns for e in events)
+    lo, hi = times[0], times[-1] + 1
+    step = (hi - lo) // 8
+    _, run = range_results(store, lo, hi, BOOK, every_ns=step, now_ns=FAR)
+    assert run.snapshots_saved >= 7
+    mid = lo + 5 * step + step // 2
+    got, run = range_results(store, mid, hi, BOOK, save=False, now_ns=FAR)
+    assert mid - step <= run.started_at_ns < mid  # the nearest one before the range
+    assert_frame_equal(got, streaming(events).filter(pl.col("ts_ns") >= mid), check_exact=True)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), max_size=4))
+def test_live_verdicts_equal_the_streaming_rows(store: Store, events: list[Event], cuts: list[float]) -> None:
+    """The collector's live reconstruction (one reconstructor per instance, fed the batches as
+    they arrive, then stopped) writes the streaming path's rows."""
+    from kvtrace.analysis.sql import conform_results
+    from kvtrace.collector.live import LiveReconstruction
+    from kvtrace.collector.metrics import CollectorMetrics
+
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, rebuild=False)
+    bounds = sorted({int(c * len(ordered)) for c in cuts} | {0, len(ordered)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        live.feed(ordered[a:b])
+    live.tick(force=True)
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    assert_frame_equal(got, streaming(events), check_exact=True)
