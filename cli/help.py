@@ -30,6 +30,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "export": ("kvtrace export -o events.parquet --since 2026-01-01T00:00:00 --model llama",),
     "schema": ("kvtrace schema --format ddl",),
     "analyze": ("kvtrace analyze --by model,instance",
+                "kvtrace analyze --since 2026-12-02T09:00 --until 2026-12-02T10:00   # one hour, from a snapshot",
                 "kvtrace analyze --recipe llama=dense --path duckdb events.parquet"),
     "costs": ("kvtrace costs --recipe dense --starts 0,4096,32768",),
     "capacity": ("kvtrace capacity --recipe dense --requests 0.95",),
