@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-from bench_shards import TRACE, generate  # beside this script
+from bench_shards import TRACE, fleet_store  # beside this script
 
 
 def main() -> None:
@@ -43,18 +42,8 @@ def main() -> None:
     from kvtrace.analysis.incremental import range_results
     from kvtrace.analysis.run import stream_results
     from kvtrace.schema.recipes import BUILTIN
-    from kvtrace.store.client import Store
 
-    tag = f"{args.recipe.replace('-', '_')}_{args.instances}_{args.events}"
-    store = Store(f"chdb://{args.home / 'chdb'}?database=fleet_{tag}")
-    store.init()
-    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, "
-          f"{args.instances} instances, target {args.events:,} events")
-    if store.count_events() < args.events:
-        store.command(f"TRUNCATE TABLE {store.db}.events")
-        requests, events, seconds = generate(store, args.recipe, args.instances, args.events, args.trace)
-        print(f"generated {events:,} events from {requests:,} trace requests in {seconds:.0f} s")
-        store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    store = fleet_store(args.home, args.recipe, args.instances, args.events, args.trace)
     store.command(f"TRUNCATE TABLE IF EXISTS {store.db}.snapshots")
     total = store.count_events()
     cut = int(store.scalar(f"SELECT quantileExact({1 - args.share})(ts_ns) FROM {store.db}.events"))

@@ -65,6 +65,24 @@ def generate(store, recipe_name: str, instances: int, target: int, trace: Path) 
     return requests, events, time.perf_counter() - started
 
 
+def fleet_store(home: Path, recipe: str, instances: int, target: int, trace: Path):  # type: ignore[no-untyped-def]
+    """The fleet's store under `home`, generated when it holds fewer than `target` events (kept
+    between runs: same trace, fleet and target, same events)."""
+    from kvtrace.store.client import Store
+
+    tag = f"{recipe.replace('-', '_')}_{instances}_{target}"
+    store = Store(f"chdb://{home / 'chdb'}?database=fleet_{tag}")
+    store.init()
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {recipe}, "
+          f"{instances} instances, target {target:,} events")
+    if store.count_events() < target:
+        store.command(f"TRUNCATE TABLE {store.db}.events")
+        requests, events, seconds = generate(store, recipe, instances, target, trace)
+        print(f"generated {events:,} events from {requests:,} trace requests in {seconds:.0f} s")
+        store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    return store
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -85,15 +103,7 @@ def main() -> None:
     counts = [int(n) for n in args.shards.split(",")]
     tag = f"{args.recipe.replace('-', '_')}_{args.instances}_{args.events}"
     dsn = f"chdb://{args.home / 'chdb'}?database="
-    store = Store(dsn + f"fleet_{tag}")
-    store.init()
-    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, recipe {args.recipe}, "
-          f"{args.instances} instances, target {args.events:,} events")
-    if store.count_events() < args.events:
-        store.command(f"TRUNCATE TABLE {store.db}.events")
-        requests, events, seconds = generate(store, args.recipe, args.instances, args.events, args.trace)
-        print(f"generated {events:,} events from {requests:,} trace requests in {seconds:.0f} s")
-        store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    store = fleet_store(args.home, args.recipe, args.instances, args.events, args.trace)
     total = store.count_events()
     print(f"table: {total:,} events\n")
 

@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--layout", choices=[x.value for x in Layout], default=Layout.SLIDING.value)
     ap.add_argument("--num-blocks", type=int, default=16384)
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--journal-dir", type=Path, default=None,
+                    help="where the journal variant's journal lives (default: a new folder under the system "
+                         "temporary directory); e.g. /dev/shm for a journal in memory-backed files")
     ap.add_argument("--encode", action="store_true",
                     help="the in-memory variant's sink encodes each batch (msgpack rows), as the spool and HTTP "
                          "sinks do, so the worker's encoding is in its time as it is in the journal's")
@@ -62,7 +65,7 @@ def main() -> None:
 
     sink = EncodingSink() if args.encode else CountingSink()
     emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
-    journal_dir = tempfile.TemporaryDirectory(prefix="bench-vllm-")
+    journal_dir = tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=args.journal_dir)
     journaled = BatchEmitter(CountingSink(), BatchConfig(max_queue_size=1 << 20), register_atexit=False,
                              journal=JournalConfig(journal_dir.name, 64 << 20, shipper=None, ship_leftovers=False))
     if journaled._journal is None:
