@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtrace.analysis")
 
 HOUR_NS = 3600 * 10**9
+# Periodic snapshots are stored when the read ends (the store's stream is open until then), so
+# at most this many are held; a longer read keeps them spread over it, each tens of MB at most.
+MAX_HELD = 24
 _CHECK_EVERY = 1024  # past `until`, events between looks at whether a range lookup still waits
 
 
@@ -95,6 +98,8 @@ def range_results(
             if ts >= next_mark:  # a periodic snapshot, for runs that start later
                 if save and last is not None and last.ts_ns < settled and ts < until_ns:
                     saved.append(take(rec, last, print_))
+                    if len(saved) > MAX_HELD:  # stored when the read ends: keep every other, evenly spread
+                        del saved[-2::-2]  # the oldest and the newest stay
                 next_mark = _next_mark(ts, every_ns)
             if not passed and ts >= until_ns:
                 passed = True

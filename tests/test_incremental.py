@@ -131,3 +131,18 @@ def test_live_verdicts_equal_the_streaming_rows(store: Store, events: list[Event
     live.tick(force=True)
     got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
     assert_frame_equal(got, streaming(events), check_exact=True)
+
+
+def test_a_very_long_read_holds_a_bounded_number_of_snapshots(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtrace.analysis import incremental
+
+    monkeypatch.setattr(incremental, "MAX_HELD", 4)
+    events = fleet_events(instances=2, requests=20)
+    store.insert_events(events)
+    times = sorted(e.ts_ns for e in events)
+    lo, hi = times[0], times[-1] + 1
+    step = (hi - lo) // 40
+    _, run = range_results(store, lo, hi, BOOK, every_ns=step, now_ns=FAR)
+    assert 2 <= run.snapshots_saved <= 5  # thinned as they came; the newest kept
+    newest = int(store.scalar(f"SELECT max(ts_ns) FROM {store.db}.snapshots"))
+    assert newest >= hi - 2 * step
