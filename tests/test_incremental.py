@@ -97,11 +97,16 @@ def test_an_empty_range_is_refused(store: Store) -> None:
         range_results(store, 10, 10, BOOK)
 
 
-def test_a_long_read_leaves_snapshots_along_the_way(store: Store) -> None:
+def _stored_fleet(store: Store) -> tuple[list[Event], int, int]:
+    """A small simulated fleet's events, stored; and the range that holds them all."""
     events = fleet_events(instances=2, requests=20)
     store.insert_events(events)
     times = sorted(e.ts_ns for e in events)
-    lo, hi = times[0], times[-1] + 1
+    return events, times[0], times[-1] + 1
+
+
+def test_a_long_read_leaves_snapshots_along_the_way(store: Store) -> None:
+    events, lo, hi = _stored_fleet(store)
     step = (hi - lo) // 8
     _, run = range_results(store, lo, hi, BOOK, every_ns=step, now_ns=FAR)
     assert run.snapshots_saved >= 7
@@ -137,10 +142,7 @@ def test_a_very_long_read_holds_a_bounded_number_of_snapshots(store: Store, monk
     from kvtrace.analysis import incremental
 
     monkeypatch.setattr(incremental, "MAX_HELD", 4)
-    events = fleet_events(instances=2, requests=20)
-    store.insert_events(events)
-    times = sorted(e.ts_ns for e in events)
-    lo, hi = times[0], times[-1] + 1
+    events, lo, hi = _stored_fleet(store)
     step = (hi - lo) // 40
     _, run = range_results(store, lo, hi, BOOK, every_ns=step, now_ns=FAR)
     assert 2 <= run.snapshots_saved <= 5  # thinned as they came; the newest kept
