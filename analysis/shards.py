@@ -37,11 +37,7 @@ def shard_events_table(store: Store) -> str:
     """The table holding this shard's own rows: `events_local` where the store is a cluster
     node (its `events` is then the Distributed table over every shard), else `events`."""
     local = f"{EVENTS.name}_local"
-    found = store.scalar(
-        "SELECT count() FROM system.tables WHERE database = {db:String} AND name = {name:String}",
-        {"db": store.db, "name": local},
-    )
-    return local if found else EVENTS.name
+    return local if store.has_table(local) else EVENTS.name
 
 
 @dataclass(frozen=True, slots=True)

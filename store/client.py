@@ -453,14 +453,14 @@ class Store:
 
     def insert_snapshot(self, snapshot: StateSnapshot) -> int:
         """Store an analysis snapshot; a store made before the snapshots table gets it first."""
-        if not self._has_table(SNAPSHOTS.name):
+        if not self.has_table(SNAPSHOTS.name):
             self.init()
         return self.insert_arrow(SNAPSHOTS.name, to_arrow([snapshot], StateSnapshot))
 
     def latest_snapshot(self, fingerprint: str, before_ns: int) -> StateSnapshot | None:
         """The newest snapshot for these recipes and policy whose position is before `before_ns`
         (None in a store made before the snapshots table)."""
-        if not self._has_table(SNAPSHOTS.name):
+        if not self.has_table(SNAPSHOTS.name):
             return None
         rows = self.query_arrow(
             f"SELECT * FROM {self.db}.{SNAPSHOTS.name} FINAL WHERE fingerprint = {{fp:String}} AND ts_ns < {{t:Int64}}"
@@ -469,7 +469,8 @@ class Store:
         ).to_pylist()
         return msgspec.convert(rows[0], StateSnapshot) if rows else None
 
-    def _has_table(self, name: str) -> bool:
+    def has_table(self, name: str) -> bool:
+        """Whether this store's database holds a table of that name."""
         return bool(self.scalar(
             "SELECT count() FROM system.tables WHERE database = {db:String} AND name = {t:String}",
             {"db": self.db, "t": name},
