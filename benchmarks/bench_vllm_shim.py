@@ -28,6 +28,7 @@ the events kvtrace emitted per second of replay, and its drop count.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -44,6 +45,25 @@ from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
+class GcPauses:
+    """The garbage collector's runs and time while each variant replays (gc.callbacks), charged
+    to the variant whose thread (or emitter worker) allocated enough to start them."""
+
+    def __init__(self) -> None:
+        self.variant = ""
+        self.runs: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.variant:
+            self.runs[self.variant] = self.runs.get(self.variant, 0) + 1
+            self.seconds[self.variant] = self.seconds.get(self.variant, 0.0) + time.perf_counter() - self._started
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)
@@ -54,6 +74,9 @@ def main() -> None:
     ap.add_argument("--journal-dir", type=Path, default=None,
                     help="where the journal variant's journal lives (default: a new folder under the system "
                          "temporary directory); e.g. /dev/shm for a journal in memory-backed files")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the start-up heap (the managers' block pools) to the garbage collector; vLLM's "
+                         "engine core freezes it (gc.freeze) after start-up, so the default does the same")
     ap.add_argument("--encode", action="store_true",
                     help="the in-memory variant's sink encodes each batch (msgpack rows), as the spool and HTTP "
                          "sinks do, so the worker's encoding is in its time as it is in the journal's")
@@ -78,6 +101,10 @@ def main() -> None:
     }
     CacheManagerShim(drivers["kvtrace"].manager, emitter, Identity(instance="bench", model="m")).install()
     CacheManagerShim(drivers["journal"].manager, journaled, Identity(instance="bench", model="m")).install()
+    if not args.no_freeze:  # as vLLM's EngineCore does once it has started (vllm.utils.gc_utils.freeze_gc_heap)
+        gc.collect()
+        gc.freeze()
+    pauses = GcPauses()
     seconds = dict.fromkeys(drivers, 0.0)
     cpu = dict.fromkeys(drivers, 0.0)  # CPU time of the whole process: steadier than wall time on a busy host
     flushed = {"kvtrace": emitter, "journal": journaled}
@@ -89,6 +116,7 @@ def main() -> None:
         chunk = prompts[r * size : (r + 1) * size]
         for name in names[r % len(names) :] + names[: r % len(names)]:
             driver = drivers[name]
+            pauses.variant = name
             started, cpu_started = time.perf_counter(), time.process_time()
             for rid, tokens in chunk:
                 driver.serve(rid, tokens)
@@ -102,6 +130,7 @@ def main() -> None:
             seconds[name] += elapsed
             cpu[name] += time.process_time() - cpu_started
             per_round[name].append(elapsed)
+    pauses.variant = ""
     emitter.force_flush(timeout_millis=120_000)
     emitter.shutdown()
     stats = emitter.stats()
@@ -114,12 +143,15 @@ def main() -> None:
         raise SystemExit(f"the variants disagree on hits: {hits}")
 
     print(f"{len(prompts)} requests of {args.trace.name}, layout {args.layout}, {args.rounds} rounds; "
-          f"vLLM hits {hits['off']:,} tokens in every variant")
-    print(f"{'variant':<10} {'seconds':>8} {'x off':>7} {'x off (median round)':>21} {'cpu s':>7} {'cpu x off':>10}")
+          f"vLLM hits {hits['off']:,} tokens in every variant; start-up heap "
+          + ("left to the collector" if args.no_freeze else "frozen, as vLLM's engine core does"))
+    print(f"{'variant':<10} {'seconds':>8} {'x off':>7} {'x off (median round)':>21} {'cpu s':>7} {'cpu x off':>10}"
+          f" {'gc runs':>8} {'gc s':>6}")
     for name in drivers:
         ratios = [a / b for a, b in zip(per_round[name], per_round["off"], strict=True)]
         print(f"{name:<10} {seconds[name]:>8.2f} {seconds[name] / seconds['off']:>7.3f} "
-              f"{statistics.median(ratios):>21.3f} {cpu[name]:>7.2f} {cpu[name] / cpu['off']:>10.3f}")
+              f"{statistics.median(ratios):>21.3f} {cpu[name]:>7.2f} {cpu[name] / cpu['off']:>10.3f}"
+              f" {pauses.runs.get(name, 0):>8} {pauses.seconds.get(name, 0.0):>6.2f}")
     print(f"kvtrace: {stats.emitted:,} events emitted "
           f"({stats.emitted / seconds['kvtrace']:,.0f} per second of replay), "
           f"{stats.exported:,} exported, {stats.dropped} dropped, shim errors 0 expected"

@@ -39,7 +39,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from itertools import compress, filterfalse
-from operator import attrgetter
+from operator import attrgetter, not_
 from typing import Any
 
 from msgspec.structs import replace
@@ -56,6 +56,7 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 log = logging.getLogger("kvtrace.vllm")
 _U64 = struct.Struct(">Q").unpack_from  # big-endian uint64 at an offset: no slice copied
 _HASH_OF = attrgetter("_block_hash")  # a block's hash (None when it has none), read in C by map()
+_REF_CNT = attrgetter("ref_cnt")
 
 
 def _hash_keys(joined: bytes) -> list[int]:
@@ -75,24 +76,34 @@ def _group_mask(group: int) -> bytes:
     return bytes(int(i == group) for i in range(256))
 
 
+_PAD = b"\0\0\0\0"
+
+
 def _pool_key_runs(keys: list[bytes]) -> dict[int, list[int]] | None:
     """Pool keys (a 32-byte sha256 hash and a 4-byte group id each, vLLM's default) as one run
-    of keys per group, in order, all in C: the keys by one `struct.unpack`, each key's group as
-    one byte, split by `compress` on a mask. None for other keys (another hash, a group id of
-    256 or more): the caller reads those one by one."""
+    of keys per group, in order, all in C. Joined with 4 padding bytes each, a key is five
+    aligned big-endian words (its key the fourth), so `array` reads them without a format
+    string per length (a `struct` format of n keys is compiled anew for every new n, and its
+    cache holds 100); each key's group is one byte, split by `compress` on a mask. None for
+    other keys (another hash, a group id of 256 or more): the caller reads those one by one.
+    A pool's keys all have one length (one hash function per process), so the total length
+    tells 36-byte keys apart."""
     n = len(keys)
-    joined = b"".join(keys)
-    if len(joined) != 36 * n or not (joined[32::36].count(0) == joined[33::36].count(0)
-                                     == joined[34::36].count(0) == n):
+    joined = _PAD.join(keys) + _PAD
+    if len(joined) != 40 * n or not (joined[32::40].count(0) == joined[33::40].count(0)
+                                     == joined[34::40].count(0) == n):
         return None
-    values = list(struct.unpack(">" + "24xQ4x" * n, joined))
+    words = array("Q")
+    words.frombytes(joined)
+    if sys.byteorder == "little":
+        words.byteswap()
+    values = words[3::5].tolist()
     if 0 in values:
         values = [k or 1 for k in values]
-    low = joined[35::36]
-    groups = set(low)
-    if len(groups) == 1:
+    low = joined[35::40]
+    if low.count(low[0]) == n:
         return {low[0]: values}
-    return {g: list(compress(values, low.translate(_group_mask(g)))) for g in sorted(groups)}
+    return {g: list(compress(values, low.translate(_group_mask(g)))) for g in sorted(set(low))}
 
 
 _PROBES = threading.local()  # per-group hits seen during the lookup in progress on this thread
@@ -321,7 +332,8 @@ class CacheManagerShim:
         pool = self.manager.block_pool
         blocks = pool.blocks
         free = int(pool.get_num_free_blocks())
-        evictable = sum(1 for b in blocks if b.ref_cnt == 0 and b._block_hash is not None and not b.is_null)
+        # Evictable: free (no reference) and hashed; counted in C (the null block is never hashed).
+        evictable = sum(compress(map(not_, map(_REF_CNT, blocks)), map(_HASH_OF, blocks)))
         usable = int(pool.num_gpu_blocks) - 1  # the null block is never handed out
         size = self.pool_block_bytes
         self.emitter.emit(replace(self._base, kind=EventKind.USAGE, tier=Tier.DEVICE,
@@ -373,22 +385,27 @@ class CacheManagerShim:
     def _committed(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
                    group: int) -> None:
         """One event for the run of blocks this call published (block_key + more_keys)."""
-        same = self._same_chain
-        chain = self._request_keys(request) if same else None
+        if start >= stop:
+            return
+        hashes = list(map(_HASH_OF, blocks[start:stop]))  # None: not published (a null block behind a window)
+        chain = self._request_keys(request) if self._same_chain else None
         if chain is not None and stop <= len(chain):
-            # Every block of the run published (a full-attention group always; a window's blocks
-            # behind it are null): their keys are a slice of the request's chain.
-            if None not in [b._block_hash for b in blocks[start:stop]]:
-                if start < stop:
-                    self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
+            # The keys are a slice of the request's chain: every block published (a full-attention
+            # group always), or those after a window's null blocks.
+            if None not in hashes:
+                self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
                 return
-        keys: list[int] = []
+            keys = list(compress(chain[start:stop], hashes))
+            if keys:
+                first = start + hashes.index(next(filter(None, hashes)))
+                last = stop - 1 - hashes[::-1].index(next(filter(None, reversed(hashes))))
+                self._emit_commit(request, group, block_size, keys, first, last)
+            return
+        keys = []
         first = last = -1
-        for i in range(start, stop):
-            block = blocks[i]
-            key = block._block_hash
-            if key is None or block.is_null:
-                continue  # not published (outside the retained window, or masked out)
+        for i, key in enumerate(hashes, start):
+            if key is None or blocks[i].is_null:
+                continue
             keys.append(chain[i] if chain is not None and i < len(chain) else key_of_pool_key(key))
             if first < 0:
                 first = i
@@ -398,10 +415,12 @@ class CacheManagerShim:
 
     def _emit_commit(self, request: Any, group: int, block_size: int, keys: list[int], first: int, last: int) -> None:
         _, component, page = self.groups[group]
-        self.emitter.emit(replace(
-            self._event(EventKind.COMMIT, request), request_id="", component=component, group_id=group,
-            block_size=block_size, tier=Tier.DEVICE, nbytes=page, block_key=keys[0], more_keys=keys[1:],
-            token_start=first * block_size, token_end=(last + 1) * block_size,
+        lora = getattr(request, "lora_request", None)
+        self.emitter.emit(replace(  # one copy of the template (a commit names no request)
+            self._base, kind=EventKind.COMMIT, adapter=adapter_label(lora) if lora is not None else "",
+            tenant=getattr(request, "cache_salt", None) or self.identity.default_tenant,
+            component=component, group_id=group, block_size=block_size, tier=Tier.DEVICE, nbytes=page,
+            block_key=keys[0], more_keys=keys[1:], token_start=first * block_size, token_end=(last + 1) * block_size,
         ))
 
     def _wrap_evict(self, pool: Any) -> None:
@@ -417,29 +436,32 @@ class CacheManagerShim:
             log.warning("kvtrace: vLLM's BlockPool has no get_new_blocks / free queue popleft_n; evictions are off")
             return
         shim = self
-        popped: list[list[bytes]] = []  # the keys of the last popleft_n inside get_new_blocks
+        popped: list[bytes] = []  # the keys of the blocks popleft_n handed get_new_blocks
         watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
-
         def take(n: int, *args: Any, **kwargs: Any) -> Any:
             blocks = popleft_n(n, *args, **kwargs)
             if watching:
                 try:
-                    popped.append(list(filter(None, map(_HASH_OF, blocks))))  # the hashed ones
+                    popped.extend(filter(None, map(_HASH_OF, blocks)))  # the hashed ones
                 except Exception:  # noqa: BLE001
                     shim._failed("get_new_blocks")
             return blocks
 
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             watching.append(True)
+            # The hash map's size before and after tells whether every popped key left it: then
+            # none needs looking up. Read anew each time: a reset replaces the map; a block's
+            # partial-prefix keys (a second kind of key) would blur the count.
+            cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
+            size = -1 if cache is None or getattr(pool, "cached_block_hashes_by_block", None) else len(cache)
             try:
                 result = allocate(*args, **kwargs)
             finally:
                 watching.pop()
             if popped:
-                keys = [k for run in popped for k in run]
+                keys = popped[:]
                 popped.clear()
-                if keys:
-                    shim._report_evictions(pool, keys)
+                shim._report_evictions(pool, keys, all_gone=size - len(cache) == len(keys) if size >= 0 else False)
             return result
 
         self.hooks.replace(queue, "popleft_n", take)
@@ -470,11 +492,13 @@ class CacheManagerShim:
 
         self.hooks.replace(pool, name, wrapper)
 
-    def _report_evictions(self, pool: Any, keys: list[bytes]) -> None:
+    def _report_evictions(self, pool: Any, keys: list[bytes], all_gone: bool = False) -> None:
         try:
             index = pool.cached_block_hash_to_block
             cache = getattr(index, "_cache", None)  # vLLM's dict behind the map: a plain `in` is cheapest
-            if cache is not None:  # another physical block may still hold a key
+            if all_gone:
+                gone = keys
+            elif cache is not None:  # another physical block may still hold a key
                 gone = list(filterfalse(cache.__contains__, keys))
             else:
                 gone = [k for k in keys if index.get_one_block(k) is None]

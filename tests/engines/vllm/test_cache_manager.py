@@ -9,6 +9,7 @@ import time
 from importlib import resources
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -17,7 +18,7 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.instrumentation.vllm.driver import Driver, DriverConfig, Layout, build_manager
 from kvtrace.instrumentation.vllm.recipe import recipe_from_kv_cache_config
-from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity, bytes_per_block
+from kvtrace.instrumentation.vllm.shim import CacheManagerShim, Identity, bytes_per_block, key_of_pool_key
 from kvtrace.schema import ComponentKind, EventKind
 
 TRACE = resources.files("kvtrace.cli") / "data" / "mooncake_conversation_head.jsonl.gz"
@@ -173,3 +174,42 @@ def test_usage_samples_split_the_device_pool() -> None:
     # the no-model driver allocates no KV tensors: a pool block is then its groups' pages
     assert not manager.kv_cache_config.kv_cache_tensors
     assert shim.pool_block_bytes == sum(bytes_per_block(g) for g in manager.kv_cache_config.kv_cache_groups) > 0
+
+
+def test_evictions_follow_vllms_hash_map_with_duplicate_blocks() -> None:
+    """vLLM does not de-duplicate: two requests computing the same prefix at once cache it twice.
+    A key is evicted when its last block is reused, never while another block still holds it,
+    and reported once; every other reuse of a hashed block is not an eviction."""
+    config = DriverConfig(layout=Layout.DENSE, num_blocks=40)
+    manager = build_manager(config)
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(max_queue_size=1 << 20), register_atexit=False)
+    shim = CacheManagerShim(manager, emitter, Identity(instance="vllm-0", model="tiny")).install()
+    driver = Driver(manager, config)
+    block = config.block_size
+    tokens = list(range(1000, 1000 + 8 * block + 3))
+    twins = [driver.request(name, tokens) for name in ("a", "b")]
+    found = [manager.get_computed_blocks(req) for req in twins]  # both look up before either computes
+    assert [hit for _, hit, _ in found] == [0, 0]
+    for req, (blocks, _, _) in zip(twins, found, strict=True):
+        assert manager.allocate_slots(req, req.num_tokens, num_new_computed_tokens=0, new_computed_blocks=blocks)
+    index = manager.block_pool.cached_block_hash_to_block._cache
+    doubled = [k for k, v in index.items() if isinstance(v, dict) and len(v) == 2]
+    assert len(doubled) == 8  # every full block is cached twice
+    for req in twins:
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        manager.free(req)
+    before = set(index)
+    keys = {key_of_pool_key(k) for k in before}
+    halved = 0  # steps that left a key with one of its two blocks
+    for n in range(10):  # other prompts reuse the free blocks, oldest first, one copy at a time
+        driver.serve(f"other-{n}", [50_000 * (n + 1) + i for i in range(5 * block)])
+        emitter.force_flush()
+        evicted = [k for e in sink.events if e.kind is EventKind.EVICT for k in (e.block_key, *e.more_keys)]
+        gone = {key_of_pool_key(k) for k in before if k not in index}
+        assert set(evicted) & keys == gone  # reported exactly when the last copy went
+        held = [index.get(k) for k in before]
+        halved += any(v is not None and (not isinstance(v, dict) or len(v) == 1) for v in held)
+    assert gone == keys and halved  # every key went, some of them one copy at a time
+    assert len(evicted) == len(set(evicted))  # once each
+    assert emitter.shutdown() and shim.errors == 0
