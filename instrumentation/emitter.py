@@ -228,7 +228,7 @@ class BatchEmitter:
         emit (a child that never emits makes none)."""
         if self._journal is not None:
             self._journal.abandon()
-        self.__dict__.pop("emit", None)
+        self._drop_own_emit()
         self._lock = threading.Lock()
         self._init_state()
         self._stopping = self._shutdown_done  # a shut-down emitter stays shut: no worker, no queue
@@ -248,7 +248,7 @@ class BatchEmitter:
             self._journal = Journal.create(cfg.directory, self.source_id, cfg.size_bytes, instance=self._instance,
                                            engine=self._engine)
         except (OSError, ValueError) as exc:
-            self.__dict__.pop("emit", None)
+            self._drop_own_emit()
             log.warning("kvtrace emitter: no journal in %s (%s); events wait in memory, and whatever is queued when "
                         "this process dies is lost", cfg.directory, exc)
             return
@@ -256,9 +256,18 @@ class BatchEmitter:
         self._wake_at = self._config.max_export_batch_size
         self.emit = self._emit_journaled  # type: ignore[method-assign]
 
+    def _drop_own_emit(self) -> None:
+        """Let the class's `emit` show through again. Never through `self.__dict__`: reading it
+        turns the object's inline attribute values into a dict on CPython 3.11+, which slows
+        every attribute read of the hot path after it."""
+        try:
+            del self.emit
+        except AttributeError:
+            pass
+
     def _emit_opening_journal(self, event: Event) -> None:
         with self._lock:
-            if self.__dict__.get("emit") == self._emit_opening_journal:
+            if self.emit == self._emit_opening_journal:
                 self._open_journal()
         self._wake.set()  # the worker starts the journal's shipper
         self.emit(event)

@@ -83,7 +83,7 @@ def _patch_engine_core() -> None:
     original = EngineCore.add_request
 
     def add_request(self: Any, request: Any, request_wave: int = 0) -> Any:
-        if "_kvtrace_canary" not in self.__dict__:
+        if not hasattr(self, "_kvtrace_canary"):  # never self.__dict__: it would slow the engine's attribute reads
             self._kvtrace_canary = None
             try:
                 attached = attach_canary(self, canary) is not None
