@@ -71,6 +71,9 @@ def add_collector_options(col: argparse.ArgumentParser) -> None:
                      help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
     col.add_argument("--lateness-ms", type=non_negative, default=2000,
                      help="live reconstruction waits this long for out-of-order events (default 2000)")
+    col.add_argument("--live-max-held", type=positive, default=200_000,
+                     help="events one instance's reorder buffer holds at most; beyond it the oldest are used "
+                          "early and counted (default 200000)")
     col.add_argument("--zmq", metavar="ENDPOINT", help="also subscribe to an engine's ZMQ KV-event stream "
                                                       "(vLLM / SGLang), e.g. tcp://engine:5557")
     col.add_argument("--zmq-replay", metavar="ENDPOINT", help="the publisher's replay socket, to fill sequence gaps")
@@ -101,7 +104,7 @@ def collector_config(args: argparse.Namespace) -> CollectorConfig:
         dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_bytes,
         tokens=TokenTable.from_env(path=args.tokens_file),
         recipes=None if args.no_live else RecipeBook.parse(args.recipe),
-        lateness_ns=args.lateness_ms * 10**6, public_metrics=args.public_metrics,
+        lateness_ns=args.lateness_ms * 10**6, live_max_held=args.live_max_held, public_metrics=args.public_metrics,
         time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
                                max_ahead_s=args.max_clock_ahead_s),
         kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,

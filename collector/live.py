@@ -4,8 +4,10 @@ writing one verdict row per lookup into the store as its adopt arrives.
 Events reach the collector in per-source order but an instance's sources (processes) interleave,
 so each instance's events wait in a small reorder buffer and are released in (ts_ns, source_id,
 seq) order once they are older than the newest event seen minus `lateness_ns` (or, when the
-instance goes quiet, once that much wall time has passed). An event later than what was already
-released is still used, and counted.
+instance goes quiet, once that much wall time has passed). The buffer is also bounded by count
+(`max_held` per instance): a sender whose clock runs slow, or a burst of many events within the
+window, releases its oldest early (counted) instead of filling memory. An event later than what
+was already released is still used, and counted.
 
 A collector that takes over an instance (its previous collector died, or the load balancer
 moved it) has no state for it: before its first events are used, the instance's earlier events
@@ -57,7 +59,8 @@ class _Instance:
 class LiveReconstruction:
     def __init__(self, store: Store, recipes: RecipeBook | Recipe | None, metrics: CollectorMetrics,
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
-                 rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0) -> None:
+                 rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0,
+                 max_held: int = 200_000) -> None:
         self.store = store
         self.recipes = RecipeBook.of(recipes)
         self.metrics = metrics
@@ -66,6 +69,8 @@ class LiveReconstruction:
         self.rebuild_window_ns = rebuild_window_ns
         self.rebuild = rebuild
         self.idle_s = idle_s  # an instance quiet this long is finished and forgotten (memory stays bounded)
+        self.max_held = max(int(max_held), 1)  # events one instance's reorder buffer holds at most
+        self.released_early = 0
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()
         self.late_events = 0
@@ -167,7 +172,10 @@ class LiveReconstruction:
 
     def _release(self, inst: _Instance, watermark: int | None, results: list[LookupResult]) -> None:
         heap = inst.heap
-        while heap and (watermark is None or heap[0][0][0] <= watermark):
+        while heap and (watermark is None or heap[0][0][0] <= watermark or len(heap) > self.max_held):
+            if watermark is not None and heap[0][0][0] > watermark:
+                self.released_early += 1
+                self.metrics.live_released_early.inc()
             key, _, event = heapq.heappop(heap)
             if key < inst.released:
                 self.late_events += 1

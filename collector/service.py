@@ -60,6 +60,7 @@ class CollectorConfig:
     recipes: RecipeBook | Recipe | None = None  # None: no live reconstruction
     policy: Policy = Policy()
     lateness_ns: int = 2_000_000_000
+    live_max_held: int = 200_000  # events one instance's reorder buffer holds before releasing early
     rebuild_window_ns: int = 3600 * 10**9
     drain_timeout_s: float = 30.0
     kv_event_sources: tuple[KvEventSource, ...] = ()  # ZMQ KV-event streams to subscribe to
@@ -87,7 +88,8 @@ class Collector:
         spool_dir = config.spool_dir or str(data_dir() / "collector-spool")
         self.spool = DurableSpool(spool_dir, max_bytes=config.max_spool_bytes, fsync=config.fsync)
         self.live = (LiveReconstruction(self.store, config.recipes, self.metrics, config.policy,
-                                        config.lateness_ns, config.rebuild_window_ns)
+                                        config.lateness_ns, config.rebuild_window_ns,
+                                        max_held=config.live_max_held)
                      if config.recipes is not None else None)
         self.drain = Drain(self.spool, self.store, self.metrics,
                            on_stored=self.live.feed if self.live is not None else None,
