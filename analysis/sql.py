@@ -768,7 +768,6 @@ def clickhouse_results(
     """Per-lookup results computed inside ClickHouse over the stored (de-duplicated) events of
     `table` (a cluster node's `events_local`: one shard, see `analysis.shards`); `timings`, when
     given, receives one entry per statement."""
-    d = Dialect("clickhouse", store.db)
     source = f"(SELECT * FROM {store.db}.{table} FINAL WHERE {where})"
 
     def execute(sql: str) -> None:
@@ -777,7 +776,23 @@ def clickhouse_results(
     def read(sql: str) -> pl.DataFrame:
         return store.query_polars(sql, settings=CLICKHOUSE_SETTINGS)
 
-    return _run(d, source, RecipeBook.of(recipes), policy, execute, read, timings=timings)
+    book = RecipeBook.of(recipes)
+    try:
+        return _run(Dialect("clickhouse", store.db), source, book, policy, execute, read, timings=timings)
+    except Exception as exc:
+        # ClickHouse's analyzer reads `db.table` as `alias.column` when a table alias of the
+        # statement is spelled like the database (a store named `x`, `g`, `p`...): then the
+        # scratch tables go to a database of their own, named like no alias.
+        if f"Compound identifier '{store.db}." not in str(exc):
+            raise
+    scratch = f"kvtrace_scratch_{uuid.uuid4().hex[:12]}"
+    execute(f"CREATE DATABASE {scratch}")
+    try:
+        if timings is not None:
+            timings.clear()
+        return _run(Dialect("clickhouse", scratch), source, book, policy, execute, read, timings=timings)
+    finally:
+        execute(f"DROP DATABASE IF EXISTS {scratch}")
 
 
 def duckdb_results(

@@ -109,3 +109,22 @@ def test_a_cluster_nodes_own_rows_are_read(store: Store) -> None:
 def test_no_shards_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one shard"):
         sharded_results([])
+
+
+def test_a_store_named_like_a_table_alias_of_the_sql_gives_the_same_rows(store: Store, chdb_path: object) -> None:
+    """ClickHouse reads `x.table` as `alias.column` when a statement has a table alias `x`: a
+    store of that name still gets its rows (its scratch tables go elsewhere), and nothing of the
+    scratch work is left behind."""
+    events = fleet_events(instances=2, requests=12)
+    store.insert_events(events)
+    expected = clickhouse_results(store, BOOK)
+    for name in ("x", "g"):
+        odd = Store(f"chdb://{chdb_path}?database={name}")
+        odd.init()
+        try:
+            odd.insert_events(events)
+            assert_frame_equal(clickhouse_results(odd, BOOK).sort(SORT), expected.sort(SORT), check_exact=True)
+            left = odd.query_polars("SELECT name FROM system.databases WHERE name LIKE 'kvtrace_scratch%'")
+            assert left.is_empty()
+        finally:
+            odd.command(f"DROP DATABASE IF EXISTS {name}")
