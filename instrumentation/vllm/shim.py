@@ -438,6 +438,16 @@ class CacheManagerShim:
         shim = self
         popped: list[bytes] = []  # the keys of the blocks popleft_n handed get_new_blocks
         watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
+
+        def map_size() -> int:
+            """The hash map's size, or -1 where it cannot tell which popped keys left it: a
+            block's partial-prefix keys (a second kind of key) would blur the count."""
+            try:
+                cache = pool.cached_block_hash_to_block._cache  # read anew: a reset replaces the map
+                return -1 if getattr(pool, "cached_block_hashes_by_block", None) else len(cache)
+            except Exception:  # noqa: BLE001 - another vLLM: every key is looked up instead
+                return -1
+
         def take(n: int, *args: Any, **kwargs: Any) -> Any:
             blocks = popleft_n(n, *args, **kwargs)
             if watching:
@@ -450,10 +460,8 @@ class CacheManagerShim:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             watching.append(True)
             # The hash map's size before and after tells whether every popped key left it: then
-            # none needs looking up. Read anew each time: a reset replaces the map; a block's
-            # partial-prefix keys (a second kind of key) would blur the count.
-            cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
-            size = -1 if cache is None or getattr(pool, "cached_block_hashes_by_block", None) else len(cache)
+            # none needs looking up.
+            size = map_size()
             try:
                 result = allocate(*args, **kwargs)
             finally:
@@ -461,7 +469,8 @@ class CacheManagerShim:
             if popped:
                 keys = popped[:]
                 popped.clear()
-                shim._report_evictions(pool, keys, all_gone=size - len(cache) == len(keys) if size >= 0 else False)
+                after = map_size() if size >= 0 else -1
+                shim._report_evictions(pool, keys, all_gone=after >= 0 and size - after == len(keys))
             return result
 
         self.hooks.replace(queue, "popleft_n", take)
