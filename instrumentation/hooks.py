@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+_MISSING = object()
+
 
 def _holds_itself(obj: Any, name: str, current: Any) -> bool:
     """Whether `obj.name` is the object's own attribute rather than its class's method, told
@@ -33,9 +35,6 @@ def _holds_itself(obj: Any, name: str, current: Any) -> bool:
         return bool(current != (bind(found, obj, type(obj)) if bind is not None else found))
     except Exception:  # noqa: BLE001 - an odd attribute: treat it as the object's own
         return True
-
-
-_MISSING = object()
 
 
 class HookSet:
