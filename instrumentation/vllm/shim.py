@@ -79,6 +79,17 @@ def _group_mask(group: int) -> bytes:
 _PAD = b"\0\0\0\0"
 
 
+def _map_size(pool: Any) -> int:
+    """The size of the pool's hash map, or -1 where a change in it cannot be read as one key per
+    block: a block's partial-prefix keys (a second kind of key) would blur the count, and
+    another vLLM may keep it elsewhere (then the caller reads every block)."""
+    try:
+        cache = pool.cached_block_hash_to_block._cache  # read anew: a reset replaces the map
+        return -1 if getattr(pool, "cached_block_hashes_by_block", None) else len(cache)
+    except Exception:  # noqa: BLE001
+        return -1
+
+
 def _pool_key_runs(keys: list[bytes]) -> dict[int, list[int]] | None:
     """Pool keys (a 32-byte sha256 hash and a 4-byte group id each, vLLM's default) as one run
     of keys per group, in order, all in C. Joined with 4 padding bytes each, a key is five
@@ -372,15 +383,43 @@ class CacheManagerShim:
 
         def cache_full_blocks(request: Any, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int,
                               block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
+            size = _map_size(pool)
             result = original(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
                               *args, **kwargs)
             try:  # blocks in [num_cached, num_full) are fresh: the ones that got a key now were published
-                shim._committed(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id)
+                # `block_mask` (vLLM 0.32+): the window's blocks no lookup can reach are left out.
+                mask = kwargs.get("block_mask", args[0] if args else None)
+                grown = _map_size(pool) - size if size >= 0 else -1
+                if grown >= 0 and (mask is None or type(mask) is list) and grown == (
+                        num_full_blocks - num_cached_blocks if mask is None else mask.count(True)):
+                    shim._committed_all(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                        kv_cache_group_id, mask)
+                else:
+                    shim._committed(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                    kv_cache_group_id)
             except Exception:  # noqa: BLE001
                 shim._failed("cache_full_blocks")
             return result
 
         self.hooks.replace(pool, "cache_full_blocks", cache_full_blocks)
+
+    def _committed_all(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
+                       group: int, mask: list[bool] | None) -> None:
+        """`_committed` when the hash map grew by one key per block the call was to publish
+        (all of [start, stop), or those its mask keeps): each got a key of its own (none was
+        null, a duplicate's or a promoted partial one), so their keys are the request chain's,
+        and no block needs reading."""
+        if start >= stop:
+            return
+        chain = self._request_keys(request) if self._same_chain else None
+        if chain is None or stop > len(chain) or (mask is not None and len(mask) != stop - start):
+            self._committed(request, blocks, start, stop, block_size, group)
+            return
+        if mask is None:
+            self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
+        elif True in mask:
+            self._emit_commit(request, group, block_size, list(compress(chain[start:stop], mask)),
+                              start + mask.index(True), stop - 1 - mask[::-1].index(True))
 
     def _committed(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
                    group: int) -> None:
@@ -439,15 +478,6 @@ class CacheManagerShim:
         popped: list[bytes] = []  # the keys of the blocks popleft_n handed get_new_blocks
         watching: list[bool] = []  # non-empty while get_new_blocks runs on this pool
 
-        def map_size() -> int:
-            """The hash map's size, or -1 where it cannot tell which popped keys left it: a
-            block's partial-prefix keys (a second kind of key) would blur the count."""
-            try:
-                cache = pool.cached_block_hash_to_block._cache  # read anew: a reset replaces the map
-                return -1 if getattr(pool, "cached_block_hashes_by_block", None) else len(cache)
-            except Exception:  # noqa: BLE001 - another vLLM: every key is looked up instead
-                return -1
-
         def take(n: int, *args: Any, **kwargs: Any) -> Any:
             blocks = popleft_n(n, *args, **kwargs)
             if watching:
@@ -461,7 +491,7 @@ class CacheManagerShim:
             watching.append(True)
             # The hash map's size before and after tells whether every popped key left it: then
             # none needs looking up.
-            size = map_size()
+            size = _map_size(pool)
             try:
                 result = allocate(*args, **kwargs)
             finally:
@@ -469,7 +499,7 @@ class CacheManagerShim:
             if popped:
                 keys = popped[:]
                 popped.clear()
-                after = map_size() if size >= 0 else -1
+                after = _map_size(pool) if size >= 0 else -1
                 shim._report_evictions(pool, keys, all_gone=after >= 0 and size - after == len(keys))
             return result
 

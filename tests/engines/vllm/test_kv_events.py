@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 import msgspec
+import pytest
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
@@ -46,6 +47,28 @@ def test_bridge_reports_the_same_commits_and_evictions_as_the_shim() -> None:
     assert facts(bridged, EventKind.COMMIT) == facts(shim_events, EventKind.COMMIT)
     assert facts(bridged, EventKind.EVICT) == facts(shim_events, EventKind.EVICT)
     assert facts(bridged, EventKind.EVICT)  # the small cache did evict
+
+
+def test_every_way_the_shim_reads_commits_matches_vllms_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shim takes a commit's keys from the request's chain when vLLM's hash map grew by one
+    key per block (with or without a window's block mask), and reads the blocks otherwise: the
+    workload goes each way, and the commits are vLLM's own either way."""
+    taken: Counter[str] = Counter()
+    fast, slow = CacheManagerShim._committed_all, CacheManagerShim._committed
+
+    def counted_fast(self, request, blocks, start, stop, block_size, group, mask):  # noqa: ANN001, ANN202
+        taken["masked" if mask is not None else "whole"] += 1
+        return fast(self, request, blocks, start, stop, block_size, group, mask)
+
+    def counted_slow(self, *args):  # noqa: ANN001, ANN002, ANN202
+        taken["read"] += 1
+        return slow(self, *args)
+
+    monkeypatch.setattr(CacheManagerShim, "_committed_all", counted_fast)
+    monkeypatch.setattr(CacheManagerShim, "_committed", counted_slow)
+    payloads, shim_events = workload()
+    assert taken["whole"] and taken["masked"] and taken["read"], taken
+    assert facts(translate_all(payloads), EventKind.COMMIT) == facts(shim_events, EventKind.COMMIT)
 
 
 def _port() -> int:
