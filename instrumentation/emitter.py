@@ -211,6 +211,7 @@ class BatchEmitter:
         self._acked = 0  # records the worker is done with (delivered or dropped)
         self._flushed = threading.Condition(threading.Lock())
         self._shipper_started = False
+        self._prefaulted = False  # the journal's pages faulted in by the worker (Journal.prefault)
         self._adopted = False
         self._recovered = 0
         self._emitted_floor = 0  # an adopted journal's sequence end: nothing emitted goes uncounted
@@ -450,6 +451,9 @@ class BatchEmitter:
             if journal is not None:
                 if not self._shipper_started:  # a forked child's journal, made at its first emit
                     self._start_shipper()
+                if not self._prefaulted and not self._adopted:
+                    self._prefaulted = True
+                    journal.prefault(stop=lambda: self._stopping)
                 if leftovers:
                     leftovers = False
                     try:

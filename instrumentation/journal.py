@@ -35,6 +35,7 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ _COUNTER = {name: _COUNTERS + i for i, name in enumerate(COUNTERS)}
 _IDENTITY = 512  # u32 length, then the identity as msgpack
 _VERSION_NUMBER = 1
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.11 lacks the name
 _HEAD = struct.Struct("<IIQ")  # payload length, tag, seq
 _RECORD = 0x4A52564B  # "KVRJ"
 _PAD = 0x4150564B  # "KVPA": the rest of the data up to its end is padding
@@ -389,6 +391,31 @@ class Journal:
 
     def note_batch_seq(self, batch_seq: int) -> None:
         self._words[_BATCH_SEQ] = batch_seq
+
+    def prefault(self, step: int = 256 << 10, stop: Callable[[], bool] = bool) -> bool:
+        """Fault the data pages in for writing, from the write position on, ahead of the
+        emitting side. The first write to a page of a new file mapping faults (about 7 us on a
+        VM: two thirds of what appending an 11 KB lookup cost); done here, on the worker's
+        thread, in steps that let the engine's thread run in between, it is off the engine's
+        path. Contents are left as they are. False where the kernel cannot (Linux before 5.14,
+        other systems): pages then fault in as they are first written, and when `stop()` says
+        so before the end."""
+        if sys.platform != "linux":
+            return False
+        page = mmap.PAGESIZE
+        step = max(step // page, 1) * page
+        first = (int(self._words[_WRITE]) % self.size) // page * page
+        offsets = [*range(first, self.size, step), *range(0, first, step)]
+        try:
+            for offset in offsets:
+                if self.closed or stop():
+                    return False
+                end = first if offset < first else self.size
+                self._mm.madvise(_MADV_POPULATE_WRITE, HEADER_BYTES + offset, min(step, end - offset))
+                time.sleep(0)  # let the engine's thread have the interpreter between steps
+        except (OSError, ValueError):  # EINVAL: an older kernel; ValueError: closed meanwhile
+            return False
+        return True
 
     def heartbeat(self) -> None:
         self._words[_HEARTBEAT] = time.time_ns()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,35 @@ def test_records_wrap_around_the_ring_and_what_does_not_fit_is_refused(tmp_path:
     finally:
         journal.close(State.CLOSED)
     assert not journal.path.exists()
+
+
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB of the mapping of `path` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line: its range ... its path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_brings_the_pages_in_and_leaves_the_records_alone(tmp_path: Path) -> None:
+    journal = Journal.create(tmp_path, 0xABD, 4 << 20)
+    try:
+        for seq in range(100):
+            assert journal.append(ev(seq + 1, keys=seq % 40), seq)
+        before = _resident_kib(journal.path)
+        assert before < 1024  # only what the records touched
+        assert journal.prefault(step=64 << 10)
+        assert _resident_kib(journal.path) >= 4 << 10  # the whole data area, header aside
+        got = journal.read(1000)
+        assert not got.fault and got.count == 100
+        assert [msgspec.msgpack.decode(p, type=Event).block_key - 1 for p in got.payloads] == list(range(100))
+        assert journal.prefault(stop=lambda: True) is False  # asked to stop: stops
+    finally:
+        journal.close(State.CLOSED)
 
 
 def _pokes(journal: Journal) -> memoryview:
