@@ -40,8 +40,12 @@ class BlockCheck:
     restore_bytes: int
 
 
+_MISSING = {component: BlockCheck(False, False, False, reason, "", Tier.NONE, 0)
+            for component, reason in MISSING_REASON.items()}  # frozen: one per component, shared
+
+
 def _missing(component: ComponentKind) -> BlockCheck:
-    return BlockCheck(False, False, False, MISSING_REASON[component], "", Tier.NONE, 0)
+    return _MISSING[component]
 
 
 class CopyStatus(IntEnum):
@@ -110,7 +114,7 @@ def check_object(
         return BlockCheck(True, False, False, reason, detail, Tier.NONE, 0)
     if Tier.DEVICE in good:
         return BlockCheck(True, True, True, GapReason.NONE, "", Tier.DEVICE, 0)
-    source = min(good, key=_TIER_RANK.__getitem__)
+    source = Tier(min(good, key=_TIER_RANK.__getitem__))  # copies are keyed by the tier's value
     nbytes = obj.copies[source].nbytes or (commit.nbytes if commit is not None else 0)
     return BlockCheck(True, True, False, GapReason.NOT_RESIDENT, source.value, source, nbytes)
 
@@ -136,6 +140,8 @@ class _GroupView:
         attention that is the run of present blocks from the start; for a sliding window, the
         last window that is complete; for Mamba, the last checkpoint. A boundary that needs no
         block of this group (a tail group at a compressed boundary) is no hit of its own."""
+        if not self._present[-1]:  # nothing of this group is held: no boundary can be a hit
+            return 0
         b = self.group.block_size
         for p in range(cap // b * b, 0, -b):
             blocks = self.group.needed(p)
@@ -189,12 +195,13 @@ def evaluate(
     """
     chains = lookup.group_block_keys
     views = []
+    objects, instance = state.objects, lookup.instance
     for g in recipe.groups:
         keys = chains[g.group_id] if g.group_id < len(chains) else []
+        gid, component, missing = g.group_id, g.component, _MISSING[g.component]
         checks = [
-            check_object(state, lookup.instance, state.get(lookup.instance, g.group_id, k), g.component, lookup, policy)
-            if k
-            else _missing(g.component)
+            missing if k == 0 or (obj := objects.get((instance, gid, k))) is None
+            else check_object(state, instance, obj, component, lookup, policy)
             for k in keys
         ]
         views.append(_GroupView(g, checks))
