@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import accumulate
+from operator import attrgetter
 
 from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, ObjectState, identity_of
 from kvtrace.schema.events import Event
@@ -122,6 +123,9 @@ def check_object(
 _TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3, Tier.NONE: 4}
 
 
+_PRESENT, _USABLE, _RESIDENT = attrgetter("present"), attrgetter("usable"), attrgetter("resident")
+
+
 class _GroupView:
     """One group's blocks for one request, with prefix sums for O(1) range checks."""
 
@@ -130,9 +134,9 @@ class _GroupView:
     def __init__(self, group: GroupSpec, checks: list[BlockCheck]) -> None:
         self.group = group
         self.checks = checks
-        self._present = [0, *accumulate(int(c.present) for c in checks)]
-        self._usable = [0, *accumulate(int(c.usable) for c in checks)]
-        self._resident = [0, *accumulate(int(c.resident) for c in checks)]
+        self._present = list(accumulate(map(_PRESENT, checks), initial=0))  # in C: bools add up as ints
+        self._usable = list(accumulate(map(_USABLE, checks), initial=0))
+        self._resident = list(accumulate(map(_RESIDENT, checks), initial=0))
 
     def hash_hit(self, cap: int) -> int:
         """What this group's own hash lookup finds: the longest boundary (a multiple of its block
