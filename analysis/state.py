@@ -114,25 +114,19 @@ class CacheState:
             transfer = kind in _TRANSFERS
             tier = _TIER_KEY[event.dst_tier if transfer else event.tier]
             copy = Copy(kind is not EventKind.CREATE, event.nbytes, event.checksum, ord)
-            if kind is EventKind.COMMIT:
-                commit, lease = Commit(identity_of(event), event.tenant, event.checksum, event.nbytes), \
-                    event.lease_expiry_ns
-                for block_key in keys:
-                    obj = objects.get(key := (instance, group, block_key))
-                    if obj is None:
-                        objects[key] = ObjectState({tier: copy}, commit, lease)
-                    else:
-                        obj.copies[tier] = copy
-                        obj.commit, obj.lease_expiry_ns = commit, lease
-                return
-            lease = event.lease_expiry_ns if transfer else 0
+            # A commit sets the lease it names, even none; a transfer only one it names.
+            commit = Commit(identity_of(event), event.tenant, event.checksum, event.nbytes) \
+                if kind is EventKind.COMMIT else None
+            lease = event.lease_expiry_ns if commit is not None or transfer else 0
             for block_key in keys:
                 obj = objects.get(key := (instance, group, block_key))
                 if obj is None:
-                    objects[key] = ObjectState({tier: copy}, None, lease)
+                    objects[key] = ObjectState({tier: copy}, commit, lease)
                 else:
                     obj.copies[tier] = copy
-                    if lease:
+                    if commit is not None:
+                        obj.commit, obj.lease_expiry_ns = commit, lease
+                    elif lease:
                         obj.lease_expiry_ns = lease
         elif kind is EventKind.EVICT:
             tier = _TIER_KEY[event.tier]

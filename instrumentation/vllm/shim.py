@@ -417,9 +417,8 @@ class CacheManagerShim:
             return
         if mask is None:
             self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
-        elif True in mask:
-            self._emit_commit(request, group, block_size, list(compress(chain[start:stop], mask)),
-                              start + mask.index(True), stop - 1 - mask[::-1].index(True))
+        else:
+            self._emit_flagged(request, group, block_size, chain, start, mask)
 
     def _committed(self, request: Any, blocks: Sequence[Any], start: int, stop: int, block_size: int,
                    group: int) -> None:
@@ -434,11 +433,7 @@ class CacheManagerShim:
             if None not in hashes:
                 self._emit_commit(request, group, block_size, chain[start:stop], start, stop - 1)
                 return
-            keys = list(compress(chain[start:stop], hashes))
-            if keys:
-                first = start + hashes.index(next(filter(None, hashes)))
-                last = stop - 1 - hashes[::-1].index(next(filter(None, reversed(hashes))))
-                self._emit_commit(request, group, block_size, keys, first, last)
+            self._emit_flagged(request, group, block_size, chain, start, hashes)
             return
         keys = []
         first = last = -1
@@ -451,6 +446,16 @@ class CacheManagerShim:
             last = i
         if keys:
             self._emit_commit(request, group, block_size, keys, first, last)
+
+    def _emit_flagged(self, request: Any, group: int, block_size: int, chain: list[int], start: int,
+                      flags: Sequence[Any]) -> None:
+        """One commit of the chain's keys from `start` whose flag is set (a block's hash, or
+        its `block_mask` entry): those published, after a window's null or masked blocks."""
+        keys = list(compress(chain[start : start + len(flags)], flags))
+        if keys:
+            first = flags.index(next(filter(None, flags)))
+            last = len(flags) - 1 - flags[::-1].index(next(filter(None, reversed(flags))))
+            self._emit_commit(request, group, block_size, keys, start + first, start + last)
 
     def _emit_commit(self, request: Any, group: int, block_size: int, keys: list[int], first: int, last: int) -> None:
         _, component, page = self.groups[group]
