@@ -8,15 +8,17 @@ dispatch beyond that.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from operator import attrgetter
 from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from kvtrace.schema.events import SCHEMA_VERSION, Event
+from kvtrace.schema.events import FIELD_NAMES, SCHEMA_VERSION, WIRE_REQUIRED, Event
 from kvtrace.schema.fields import FieldSpec, field_specs
 
 SCHEMA_METADATA_KEY = b"kvtrace.schema_version"
@@ -106,21 +108,104 @@ def iter_rows(table: pa.Table) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
-_EVENTS = msgspec.json.Decoder(list[Event])
-
-
 def from_arrow(table: pa.Table) -> list[Event]:
     """Events of a table that already passed validation (the store, our own exports).
 
-    The rows go through one columnar JSON encoding (polars, in Rust) and one typed msgspec
-    decode (in C): about twice as fast as building a dict per row in Python. polars is imported
-    here, not with the module: an engine that only encodes Arrow (the columns wire) needs
-    pyarrow alone.
+    Column by column, never a dict or a parse per row: a column holding one value (most of the
+    wide event's, in any batch) is looked at once, a string column is converted once per
+    distinct value (its dictionary), numbers come out of Arrow in C, and each event is one call
+    of a constructor compiled for the batch's shape (which columns vary, which are constant).
+    About 3x faster than the JSON round trip it replaced, and what the collector's live
+    verdicts and every streaming read pay per event.
     """
-    import polars as pl
-
     if not table.num_rows:
         return []
-    return _EVENTS.decode(pl.from_arrow(conform(table)).write_json())  # type: ignore[union-attr]
+    out: list[Event] = []
+    for batch in conform(table).to_batches():
+        if batch.num_rows:
+            out += _batch_events(batch)
+    return out
 
 
+def _batch_events(batch: pa.RecordBatch) -> list[Event]:
+    n = batch.num_rows
+    varying: list[str] = []
+    columns: list[list[Any]] = []
+    constants: dict[str, Any] = {}
+    for spec, column in zip(field_specs(Event), batch.columns, strict=True):
+        values = _column_values(spec, column, n)
+        if isinstance(values, list) and values is not _EMPTY:
+            varying.append(spec.name)
+            columns.append(values)
+        elif values is not _DEFAULT:
+            constants[spec.name] = values
+    make = _constructor(tuple(varying), tuple(constants))(*constants.values())
+    return list(map(make, *columns)) if columns else [make() for _ in range(n)]
+
+
+_DEFAULT = object()  # a column holding only its field's default: left to the constructor
+# The empty list of every event's empty list fields: a list per field per event (what the
+# constructor's default makes) cost more than the rest of the decode, most of it in the garbage
+# collector, which tracks every list. Events are facts that nothing changes once made.
+_EMPTY: list[Any] = []
+
+
+def _column_values(spec: FieldSpec, column: pa.Array, n: int) -> list[Any] | Any:
+    """A column as a list of Python values, or its one value (`_DEFAULT` for the field's own
+    default, which the constructor fills in)."""
+    if spec.depth:
+        lengths = pc.list_value_length(column)
+        filled = pc.greater(lengths, 0)
+        count = pc.sum(filled).as_py() or 0
+        if not count:
+            return _EMPTY
+        rows = (column if count == n else column.filter(filled)).to_pylist()
+        if spec.enum_type is not None:
+            rows = [list(map(spec.enum_type, row)) for row in rows]
+        if count == n:
+            return rows
+        out: list[Any] = [_EMPTY] * n
+        for i, row in zip(pc.indices_nonzero(filled).to_pylist(), rows, strict=True):
+            out[i] = row
+        return out
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        encoded = column.dictionary_encode()
+        distinct = encoded.dictionary.to_pylist()
+        if spec.enum_type is not None:
+            distinct = list(map(spec.enum_type, distinct))
+        if len(distinct) == 1:
+            return _one(distinct[0], spec)
+        return list(map(distinct.__getitem__, encoded.indices.to_pylist()))
+    # Numbers and flags: one value when the bits are all equal (so -0.0 and NaN stay as they are).
+    bits = column.view(pa.uint64()) if pa.types.is_float64(column.type) else column
+    low_high = pc.min_max(bits)
+    if low_high["min"] == low_high["max"]:
+        return _one(column[0].as_py(), spec)
+    return column.to_pylist()
+
+
+def _one(value: Any, spec: FieldSpec) -> Any:
+    """A column's one value, or `_DEFAULT` where the constructor would make the same (an
+    envelope field is always given, as on the wire; -0.0 is not 0.0)."""
+    default = spec.default
+    if (spec.name in WIRE_REQUIRED or type(value) is not type(default) or value != default
+            or (type(value) is float and math.copysign(1.0, value) < 0)):
+        return value
+    return _DEFAULT
+
+
+@cache
+def _constructor(varying: tuple[str, ...], constant: tuple[str, ...]) -> Callable[..., Callable[..., Event]]:
+    """`(constant values) -> (varying values) -> Event` for one shape of batch: a constructor
+    called with keywords in C, compiled once per shape (a store's batches share a few), the
+    way `dataclasses` writes its `__init__`. The names are the Struct's own fields, never
+    input."""
+    assert set(varying) | set(constant) <= set(FIELD_NAMES)
+    given = [f"{name}=v{i}" for i, name in enumerate(varying)] + [f"{name}=c{i}" for i, name in enumerate(constant)]
+    source = (f"def bind({''.join(f'c{i}, ' for i in range(len(constant)))}):\n"
+              f"    def make({''.join(f'v{i}, ' for i in range(len(varying)))}):\n"
+              f"        return Event({', '.join(given)})\n"
+              f"    return make\n")
+    namespace: dict[str, Any] = {"Event": Event}
+    exec(source, namespace)  # noqa: S102 - field names only, from the Struct's own definition
+    return namespace["bind"]  # type: ignore[no-any-return]
