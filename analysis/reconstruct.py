@@ -26,6 +26,10 @@ class _Pending:
     lookup: Event
     recipe: Recipe
     at_lookup: Evaluation
+    changes: int  # the instance's state changes when it was judged (CacheState.changes_of)
+
+
+_NO_TENANTS: frozenset[str] = frozenset()
 
 
 class PublishedRecipe(msgspec.Struct, array_like=True):
@@ -150,7 +154,8 @@ class Reconstructor:
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
         recipe = self.recipe_for(event.model, event.engine, event.source_id)
-        self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy))
+        self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy),
+                                      self.state.changes_of(event.instance))
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
             self.pending_overflow += 1
@@ -185,18 +190,26 @@ class Reconstructor:
         if adopt is not None:
             adopted = adopted_tokens(adopt)
             recomputed = adopt.recomputed_tokens
-            at_use = evaluate(
-                self.state,
-                pending.recipe,
-                msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
-                self.policy,
-                explain_up_to=recoverable,
-            )
-            if at_use.recoverable < recoverable:
-                recoverable = at_use.recoverable
-                resident = min(resident, at_use.resident)
-                reason, group, detail = GapReason.CHANGED_BEFORE_USE, at_use.reason_group, at_use.reason.value
-            cross = self._cross_tenant(pending, adopted)
+            # Judged again at use, unless nothing could have changed since the lookup: no state
+            # event of its instance came between, and none of its objects has a lease (else
+            # time alone can end their validity). The usual case: an engine adopts right after
+            # its lookup.
+            state, instance = self.state, lookup.instance
+            if state.changes_of(instance) != pending.changes or instance in state.leased:
+                at_use = evaluate(
+                    state,
+                    pending.recipe,
+                    msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
+                    self.policy,
+                    explain_up_to=recoverable,
+                )
+                if at_use.recoverable < recoverable:
+                    recoverable = at_use.recoverable
+                    resident = min(resident, at_use.resident)
+                    reason, group, detail = GapReason.CHANGED_BEFORE_USE, at_use.reason_group, at_use.reason.value
+            # Reuse across tenants needs an object of another tenant on the instance.
+            if adopted and not state.tenants.get(instance, _NO_TENANTS) <= {lookup.tenant}:
+                cross = self._cross_tenant(pending, adopted)
         step = pending.recipe.alignment
         verdict = classify(ev.logical, ev.logical // step * step, recoverable, resident)
         restore = ev.restore_bytes

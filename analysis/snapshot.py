@@ -27,7 +27,7 @@ from kvtrace.schema.records import StateSnapshot
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(ReconstructorState)
-FORMAT = b"kvts1"  # leads the payload: a later layout changes it, and a reader refuses one it does not know
+FORMAT = b"kvts2"  # leads the payload: a later layout changes it, and a reader refuses one it does not know
 
 
 class SnapshotError(ValueError):

@@ -97,11 +97,20 @@ class CacheState:
 
     objects: dict[ObjectKey, ObjectState] = field(default_factory=dict)
     bulk: dict[str, dict[BulkKey, tuple[int, Reason]]] = field(default_factory=dict)
+    # What lets a verdict skip work it would redo for nothing (see `Reconstructor._result`): per
+    # instance, how many state events it has had, whether any named a lease (then validity
+    # changes with time alone), and the tenants its objects may carry ("" for an object no
+    # commit published).
+    changes: dict[str, int] = field(default_factory=dict)
+    leased: set[str] = field(default_factory=set)
+    tenants: dict[str, set[str]] = field(default_factory=dict)
 
     def apply(self, event: Event, ord: int) -> None:
         kind = event.kind
         if kind not in OBJECT_KINDS:  # requests, usage samples and probes change no state
             return
+        changes = self.changes
+        changes[event.instance] = changes.get(event.instance, 0) + 1
         if kind is EventKind.INVALIDATE and event.block_key == 0:
             scopes = self.bulk.setdefault(event.instance, {})
             scopes[(event.tier, event.tenant, event.adapter)] = (ord, event.reason)
@@ -118,6 +127,12 @@ class CacheState:
             commit = Commit(identity_of(event), event.tenant, event.checksum, event.nbytes) \
                 if kind is EventKind.COMMIT else None
             lease = event.lease_expiry_ns if commit is not None or transfer else 0
+            if lease:
+                self.leased.add(instance)
+            tenants = self.tenants.get(instance)
+            if tenants is None:
+                tenants = self.tenants[instance] = set()
+            tenants.add(event.tenant if commit is not None else "")
             for block_key in keys:
                 obj = objects.get(key := (instance, group, block_key))
                 if obj is None:
@@ -157,6 +172,10 @@ class CacheState:
                         if hit is not None and hit[0] > best[0]:
                             best = hit
         return best
+
+    def changes_of(self, instance: str) -> int:
+        """How many state events the instance has had: equal counts, no change between."""
+        return self.changes.get(instance, 0)
 
     def get(self, instance: str, group_id: int, block_key: int) -> ObjectState | None:
         return self.objects.get((instance, group_id, block_key))
