@@ -199,15 +199,19 @@ def evaluate(
     """
     chains = lookup.group_block_keys
     views = []
-    objects, instance = state.objects, lookup.instance
+    tables, instance = state.tables, lookup.instance
     for g in recipe.groups:
         keys = chains[g.group_id] if g.group_id < len(chains) else []
-        gid, component, missing = g.group_id, g.component, _MISSING[g.component]
-        checks = [
-            missing if k == 0 or (obj := objects.get((instance, gid, k))) is None
-            else check_object(state, instance, obj, component, lookup, policy)
-            for k in keys
-        ]
+        component, missing = g.component, _MISSING[g.component]
+        table = tables.get((instance, g.group_id))
+        found = list(map(table.get, keys)) if table else [None] * len(keys)  # in C
+        if found.count(None) == len(found):  # nothing of the chain is held: no block to check
+            checks = [missing] * len(found)
+        else:
+            if 0 in table:  # type: ignore[operator]  # key 0 names no block, whatever holds it
+                found = [None if k == 0 else obj for k, obj in zip(keys, found, strict=True)]
+            checks = [missing if obj is None else check_object(state, instance, obj, component, lookup, policy)
+                      for obj in found]
         views.append(_GroupView(g, checks))
     keep = policy.keep_one_token and lookup.engine not in policy.stores
     cap = lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens

@@ -50,7 +50,7 @@ def take(rec: Reconstructor, last: Event, print_: str) -> StateSnapshot:
     payload = FORMAT + zlib.compress(_ENCODER.encode(captured), 3)
     return StateSnapshot(
         ts_ns=last.ts_ns, source_id=last.source_id, seq=last.seq, events=rec.events_seen, fingerprint=print_,
-        created_ns=time.time_ns(), objects=len(captured.state.objects), pending=len(captured.pending),
+        created_ns=time.time_ns(), objects=captured.state.object_count(), pending=len(captured.pending),
         state=base64.b64encode(payload).decode("ascii"),
     )
 

@@ -20,7 +20,7 @@ reproduce this state without replaying it (see `analysis.sql`):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -95,7 +95,10 @@ class CacheState:
     object at once: an invalidation is an O(1) update, and the few scopes bound the memory.
     """
 
-    objects: dict[ObjectKey, ObjectState] = field(default_factory=dict)
+    # Live objects, one table per (instance, group) keyed by block key: a lookup or a run reads
+    # a group's table once, then one int-keyed get per block (a 3-tuple built and hashed per
+    # block was the largest single cost of judging a lookup).
+    tables: dict[tuple[str, int], dict[int, ObjectState]] = field(default_factory=dict)
     bulk: dict[str, dict[BulkKey, tuple[int, Reason]]] = field(default_factory=dict)
     # What lets a verdict skip work it would redo for nothing (see `Reconstructor._result`): per
     # instance, how many state events it has had, whether any named a lease (then validity
@@ -117,9 +120,12 @@ class CacheState:
             return
         # A run (more_keys) is the same fact for each of its blocks: what the fact writes is
         # built once and shared (Copy and Commit are never changed after they are made).
-        objects, instance, group = self.objects, event.instance, event.group_id
+        instance = event.instance
+        table = self.tables.get(scope := (instance, event.group_id))
         keys = (event.block_key, *event.more_keys) if event.more_keys else (event.block_key,)
         if kind in _WRITES:
+            if table is None:
+                table = self.tables[scope] = {}
             transfer = kind in _TRANSFERS
             tier = _TIER_KEY[event.dst_tier if transfer else event.tier]
             copy = Copy(kind is not EventKind.CREATE, event.nbytes, event.checksum, ord)
@@ -134,28 +140,30 @@ class CacheState:
                 tenants = self.tenants[instance] = set()
             tenants.add(event.tenant if commit is not None else "")
             for block_key in keys:
-                obj = objects.get(key := (instance, group, block_key))
+                obj = table.get(block_key)
                 if obj is None:
-                    objects[key] = ObjectState({tier: copy}, commit, lease)
+                    table[block_key] = ObjectState({tier: copy}, commit, lease)
                 else:
                     obj.copies[tier] = copy
                     if commit is not None:
                         obj.commit, obj.lease_expiry_ns = commit, lease
                     elif lease:
                         obj.lease_expiry_ns = lease
+        elif table is None:  # an eviction or invalidation of something not held anywhere
+            return
         elif kind is EventKind.EVICT:
             tier = _TIER_KEY[event.tier]
             for block_key in keys:
-                obj = objects.get(key := (instance, group, block_key))
+                obj = table.get(block_key)
                 if obj is not None:  # else an eviction of something not held anywhere
                     copies = obj.copies
                     copies.pop(tier, None)
                     if not copies:
-                        del objects[key]
+                        del table[block_key]
         elif kind is EventKind.INVALIDATE:
             reason = event.reason
             for block_key in keys:
-                obj = objects.get((instance, group, block_key))
+                obj = table.get(block_key)
                 if obj is not None:
                     obj.invalidated_ord, obj.invalidated_reason = ord, reason
 
@@ -178,4 +186,14 @@ class CacheState:
         return self.changes.get(instance, 0)
 
     def get(self, instance: str, group_id: int, block_key: int) -> ObjectState | None:
-        return self.objects.get((instance, group_id, block_key))
+        table = self.tables.get((instance, group_id))
+        return table.get(block_key) if table is not None else None
+
+    def object_count(self) -> int:
+        return sum(map(len, self.tables.values()))
+
+    def items(self) -> Iterator[tuple[ObjectKey, ObjectState]]:
+        """Every live object with its (instance, group_id, block_key)."""
+        for (instance, group), table in self.tables.items():
+            for block_key, obj in table.items():
+                yield (instance, group, block_key), obj

@@ -105,7 +105,7 @@ def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
         feed_s += time.perf_counter() - fed
         decode_s += fed - started
         seen += len(events)
-        max_objects = max(max_objects, len(rec.state.objects))
+        max_objects = max(max_objects, rec.state.object_count())
         if seen >= limit:
             break
     started = time.perf_counter()

@@ -26,8 +26,9 @@ def _events() -> list[Event]:
 
 
 def _untracked(rec: Reconstructor) -> None:
-    objects = rec.state.objects
+    objects = dict(rec.state.items())
     assert objects
+    assert not any(map(gc.is_tracked, rec.state.tables.values()))
     for obj in objects.values():
         assert not gc.is_tracked(obj) and not gc.is_tracked(obj.copies), obj
         assert obj.commit is None or not gc.is_tracked(obj.commit)
@@ -39,7 +40,7 @@ def test_live_objects_are_never_tracked_by_the_garbage_collector() -> None:
     for event in events:
         rec.feed(event)
     _untracked(rec)
-    tiers = {key[2]: set(obj.copies) for key, obj in rec.state.objects.items()}
+    tiers = {key[2]: set(obj.copies) for key, obj in rec.state.items()}
     assert tiers == {1: {"device", "host"}, 2: {"host"}, 4: {"device"}}  # 3 lost its only copy
     (result,) = rec.finish()
     # Blocks 1 and 2 held (2 on the host only), 3 gone: a hit of two blocks, one to restore.

@@ -294,7 +294,7 @@ def test_state_memory_is_bounded_by_live_objects() -> None:
                  tier=Tier.DEVICE, reason=Reason.CAPACITY)
     rec = Reconstructor(s.recipe)
     list(rec.run(s.events))
-    assert len(rec.state.objects) == 0
+    assert rec.state.object_count() == 0
 
 
 def test_recipes_validate_and_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
