@@ -131,9 +131,12 @@ class _GroupView:
 
     __slots__ = ("group", "checks", "_present", "_usable", "_resident")
 
-    def __init__(self, group: GroupSpec, checks: list[BlockCheck]) -> None:
+    def __init__(self, group: GroupSpec, checks: list[BlockCheck], none_held: bool = False) -> None:
         self.group = group
         self.checks = checks
+        if none_held:  # every sum is 0: one list of zeros serves all three (never written to)
+            self._present = self._usable = self._resident = [0] * (len(checks) + 1)
+            return
         self._present = list(accumulate(map(_PRESENT, checks), initial=0))  # in C: bools add up as ints
         self._usable = list(accumulate(map(_USABLE, checks), initial=0))
         self._resident = list(accumulate(map(_RESIDENT, checks), initial=0))
@@ -206,12 +209,12 @@ def evaluate(
         table = tables.get((instance, g.group_id))
         found = list(map(table.get, keys)) if table else [None] * len(keys)  # in C
         if found.count(None) == len(found):  # nothing of the chain is held: no block to check
-            checks = [missing] * len(found)
-        else:
-            if 0 in table:  # type: ignore[operator]  # key 0 names no block, whatever holds it
-                found = [None if k == 0 else obj for k, obj in zip(keys, found, strict=True)]
-            checks = [missing if obj is None else check_object(state, instance, obj, component, lookup, policy)
-                      for obj in found]
+            views.append(_GroupView(g, [missing] * len(found), none_held=True))
+            continue
+        if 0 in table:  # type: ignore[operator]  # key 0 names no block, whatever holds it
+            found = [None if k == 0 else obj for k, obj in zip(keys, found, strict=True)]
+        checks = [missing if obj is None else check_object(state, instance, obj, component, lookup, policy)
+                  for obj in found]
         views.append(_GroupView(g, checks))
     keep = policy.keep_one_token and lookup.engine not in policy.stores
     cap = lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens
