@@ -398,13 +398,17 @@ class CacheSimulator:
     def _load_run(self, run: list[_Block], src: Tier | None) -> None:
         """Report blocks of one group, consecutive in the prompt and already placed on the
         device, as loaded from one tier in one transfer (one event naming them all, as
-        engines' connectors report runs)."""
+        engines' connectors report runs). The event's checksum is every block's: one that
+        names several blocks of different bytes carries none (0, not computed)."""
         assert src is not None
         level = min(STORE_TIERS.index(src), 2) - 1
         total = sum(b.nbytes for b in run)
         ns = self.config.load_latency_ns[level] + total / self.config.load_bytes_per_s[level] * 1e9
         first = run[0]
-        self._emit(EventKind.LOAD, first, src_tier=src, dst_tier=Tier.DEVICE, checksum=first.tiers[src],
+        checksum = first.tiers[src]
+        if any(b.tiers[src] != checksum for b in run[1:]):
+            checksum = 0
+        self._emit(EventKind.LOAD, first, src_tier=src, dst_tier=Tier.DEVICE, checksum=checksum,
                    more_keys=[b.key for b in run[1:]], token_end=(run[-1].index + 1) * first.group.block_size,
                    duration_ns=self._noisy(ns))
 
@@ -497,6 +501,23 @@ class CacheSimulator:
         if block.revision != c.model_revision or block.epoch != c.epoch:
             return False
         return not (block.lease_expiry_ns and block.lease_expiry_ns <= at_ns)
+
+    def truth_logical(self, request: SimRequest) -> int:
+        """What a hash lookup of this request finds here now, by each group's own rule: the
+        longest boundary (a multiple of the group's block size, short of the whole prompt) whose
+        needed blocks are all held, in whatever state; the best group's. The analysis's logical
+        hit, from the simulator's own blocks."""
+        chains = block_keys(self.recipe, request.tokens)
+        cap = max(len(request.tokens) - 1, 0)
+        best = 0
+        for g in self.recipe.groups:
+            chain, b = chains[g.group_id], g.block_size
+            for p in range(cap // b * b, best, -b):
+                blocks = g.needed(p)
+                if blocks and blocks.stop <= len(chain) and all(self._present(g, chain[i]) for i in blocks):
+                    best = p
+                    break
+        return best
 
     def truth_recoverable(self, request: SimRequest) -> int:
         """The longest aligned boundary a correct engine could resume this request at, now."""

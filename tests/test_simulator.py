@@ -189,3 +189,26 @@ def test_a_restart_under_the_same_instance_name_starts_empty(store: Store, tmp_p
     again = results["again"]
     assert again.recoverable_hit_tokens == again.adopted_tokens == 1024 and not again.missed_reuse
     assert_same(three_paths(store, tmp_path, events, recipes=None))
+
+
+def test_a_prefix_loaded_back_from_the_host_in_one_run_is_recoverable_and_not_corrupt() -> None:
+    """A load of several blocks is one event naming them all: its checksum cannot be each
+    block's, so it must not claim one (it once claimed the first block's for every block, and
+    the analysis then saw every other block's copy as corrupt: a false alarm)."""
+    tokens = [*PREFIX, *range(1, 8)]
+    config = SimConfig(recipe=BUILTIN["dense"], bytes_per_token=1024, capacity_bytes=(1 << 20, 64 << 20, 0),
+                       fetch_tiers=(Tier.HOST,))
+    sink = MemorySink()
+    emitter = BatchEmitter(sink, BatchConfig(schedule_delay_millis=10), register_atexit=False)
+    sim = CacheSimulator(config, emitter)
+    sim.serve(SimRequest("warm", tokens))
+    sim.serve(SimRequest("other", list(range(20_000, 21_100))))  # pushes the prefix down to the host
+    truth = sim.truth_recoverable(SimRequest("victim", tokens))
+    outcome = sim.serve(SimRequest("victim", tokens))
+    assert emitter.shutdown()
+    loads = [e for e in sink.events if e.kind is EventKind.LOAD]
+    assert any(e.more_keys for e in loads) and all(e.checksum == 0 for e in loads if e.more_keys)
+    assert outcome.loaded_bytes[Tier.HOST] > 0
+    r = victim(sink.events, "dense")
+    assert r.recoverable_hit_tokens == truth == r.adopted_tokens > 0
+    assert r.reason is not GapReason.CHECKSUM_MISMATCH and not r.unsafe_reuse
