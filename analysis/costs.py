@@ -15,6 +15,7 @@ how many seconds were lost by doing the other thing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -49,7 +50,12 @@ class LinearFit:
         return self.coef[self.names.index(name)]
 
 
-def least_squares(x: np.ndarray, y: np.ndarray, names: tuple[str, ...]) -> LinearFit:
+def least_squares(x: np.ndarray, y: np.ndarray, names: tuple[str, ...], nonnegative: bool = False) -> LinearFit:
+    """Ordinary least squares; with `nonnegative`, the best fit whose coefficients are all >= 0
+    (for costs: a noisy sample set can otherwise fit a negative per-token cost, and then long
+    spans would cost negative seconds). With a handful of coefficients the exact answer is the
+    best of the unconstrained fits on each subset of the columns that comes out non-negative;
+    a dropped coefficient is 0 with no error."""
     n, k = x.shape
     if n <= k:
         raise FitError(f"{n} samples cannot fit {k} coefficients ({', '.join(names)})")
@@ -59,12 +65,29 @@ def least_squares(x: np.ndarray, y: np.ndarray, names: tuple[str, ...]) -> Linea
     if np.linalg.matrix_rank(xs) < k:
         raise FitError(f"samples do not vary enough to separate {', '.join(names)}")
     coef_s, *_ = np.linalg.lstsq(xs, y, rcond=None)
+    kept = list(range(k))
+    if nonnegative and (coef_s < 0).any():
+        best = None
+        for size in range(k - 1, 0, -1):
+            for subset in itertools.combinations(range(k), size):
+                part, *_ = np.linalg.lstsq(xs[:, subset], y, rcond=None)
+                if (part >= 0).all():
+                    r = y - xs[:, subset] @ part
+                    if best is None or float(r @ r) < best[0]:
+                        best = (float(r @ r), list(subset), part)
+        if best is None:
+            raise FitError(f"no fit of {', '.join(names)} with every coefficient >= 0")
+        _, kept, part = best
+        coef_s = np.zeros(k)
+        coef_s[kept] = part
     resid = y - xs @ coef_s
-    dof = n - k
+    dof = n - len(kept)
     sigma2 = float(resid @ resid) / dof
-    cov = sigma2 * np.linalg.inv(xs.T @ xs)
+    sub = xs[:, kept]
+    variances = np.zeros(k)
+    variances[kept] = np.diag(sigma2 * np.linalg.inv(sub.T @ sub))
     coef = coef_s / scale
-    stderr = np.sqrt(np.maximum(np.diag(cov), 0.0)) / scale
+    stderr = np.sqrt(np.maximum(variances, 0.0)) / scale
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(resid @ resid) / total if total > 0 else 1.0
     return LinearFit(names, tuple(map(float, coef)), tuple(map(float, stderr)), n, r2)
@@ -186,7 +209,8 @@ def fit_prefill(events: pl.DataFrame, min_samples: int = 8,
         n, s = part["tokens"].to_numpy(), part["start"].to_numpy()
         x = np.column_stack([np.ones(part.height), n, n * (s + n / 2)])
         try:
-            fit = least_squares(x, part["seconds"].to_numpy(), ("fixed_s", "per_token_s", "per_pair_s"))
+            fit = least_squares(x, part["seconds"].to_numpy(), ("fixed_s", "per_token_s", "per_pair_s"),
+                                nonnegative=True)
         except FitError:
             continue
         out.append(PrefillModel(str(model), fit))

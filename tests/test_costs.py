@@ -137,3 +137,23 @@ def test_restore_decisions_price_each_partial_lookup(simulated) -> None:
     assert (wrong["lost_s"] == wrong["restore_s"] - wrong["recompute_s"]).all()
     assert (decisions.filter(pl.col("restore_cheaper"))["lost_s"] == 0).all()
     assert waiting_seconds(events).height == 0  # the simulator's loads never wait in flight
+
+
+def test_a_prefill_fit_never_prices_a_span_below_zero():
+    """Timings that a straight least-squares fit reads as a negative per-pair cost (noise on a
+    loaded machine) give a fit with that coefficient at 0, never negative seconds."""
+    rng = np.random.default_rng(3)
+    n = np.array([32, 64, 128, 256] * 6, dtype=float)
+    s = np.repeat([0.0, 128.0, 256.0, 0.0, 128.0, 256.0], 4)
+    pair = n * (s + n / 2)
+    y = 0.001 + 2e-5 * n - 4e-9 * pair + rng.normal(0, 1e-5, n.size)
+    x = np.column_stack([np.ones(n.size), n, pair])
+    names = ("fixed_s", "per_token_s", "per_pair_s")
+    assert least_squares(x, y, names)["per_pair_s"] < 0  # what a plain fit makes of it
+    fit = least_squares(x, y, names, nonnegative=True)
+    assert min(fit.coef) >= 0 and fit["per_pair_s"] == 0 and fit["per_token_s"] > 0
+    model = PrefillModel("m", fit)
+    assert all(model.seconds(start, tokens) > 0 for start in (0, 4096) for tokens in (1, 32, 100_000))
+    # The best non-negative fit: no other choice of the free coefficients leaves less residual.
+    free = least_squares(x[:, :2], y, names[:2])
+    assert fit["fixed_s"] == pytest.approx(free["fixed_s"]) and fit["per_token_s"] == pytest.approx(free["per_token_s"])
