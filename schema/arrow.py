@@ -11,7 +11,7 @@ import enum
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -208,7 +208,7 @@ def _one(value: Any, spec: FieldSpec) -> Any:
     return _DEFAULT
 
 
-@cache
+@lru_cache(maxsize=256)  # bounded: a long-running collector meets a few shapes, never many
 def _constructor(varying: tuple[str, ...], constant: tuple[str, ...]) -> Callable[..., Callable[..., Event]]:
     """`(constant values) -> (varying values) -> Event` for one shape of batch: a constructor
     called with keywords in C, compiled once per shape (a store's batches share a few), the
