@@ -74,7 +74,6 @@ class FleetSimulator:
         self.load = [0] * len(self.sims)
         self._rng = random.Random(seed)
         self._next = 0
-        self.truths: list[FleetTruth] = []
 
     @property
     def names(self) -> list[str]:
@@ -101,7 +100,6 @@ class FleetSimulator:
             best_instance=self.sims[best].config.instance if recoverable[best] else "",
             recoverable_here=recoverable[chosen], adopted=outcome.adopted_tokens,
         )
-        self.truths.append(truth)
         return truth, outcome
 
     def serve_all(self, requests: Iterable[SimRequest]) -> list[FleetTruth]:
