@@ -25,6 +25,10 @@ class Policy:
 
     shared_tenants: frozenset[str] = frozenset()  # namespaces every tenant may reuse
     keep_one_token: bool = True  # engines compute at least the last prompt token
+    # Judge each lookup on every instance of its model too: what was seen and recoverable
+    # anywhere in the fleet when it arrived (see `analysis.fleet`). Off, the fleet is each
+    # instance alone, and the fleet columns repeat the instance's own numbers.
+    fleet: bool = False
     # Engines that are KV stores, not model runners (LMCache): asked about a whole token sequence,
     # they may serve all of it. The one-token rule belongs to the engine that computes, not to them.
     stores: frozenset[str] = frozenset({"lmcache"})
@@ -193,16 +197,20 @@ class Evaluation:
 
 
 def evaluate(
-    state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0
+    state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0,
+    instance: str | None = None,
 ) -> Evaluation:
-    """The three hit numbers for one lookup event, and why recoverable stops where it does.
+    """The three hit numbers for one lookup event, and why recoverable stops where it does;
+    on `instance` when given (what another instance of the fleet held for this request).
 
     The reason explains why the aligned logical hit (or, when re-checking at adopt time,
     `explain_up_to`: what was recoverable at lookup) is not recoverable.
     """
     chains = lookup.group_block_keys
     views = []
-    tables, instance = state.tables, lookup.instance
+    tables = state.tables
+    if instance is None:
+        instance = lookup.instance
     for g in recipe.groups:
         keys = chains[g.group_id] if g.group_id < len(chains) else []
         component, missing = g.component, _MISSING[g.component]

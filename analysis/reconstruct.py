@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
+from kvtrace.analysis.fleet import FleetView, alone, judge
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
@@ -27,6 +28,7 @@ class _Pending:
     recipe: Recipe
     at_lookup: Evaluation
     changes: int  # the instance's state changes when it was judged (CacheState.changes_of)
+    fleet: FleetView | None = None  # judged on the fleet too (Policy.fleet)
 
 
 _NO_TENANTS: frozenset[str] = frozenset()
@@ -69,7 +71,7 @@ class Reconstructor:
     ) -> None:
         self.recipes = RecipeBook.of(recipes)
         self.policy = policy
-        self.state = CacheState()
+        self.state = CacheState(fleet=policy.fleet)
         self.max_pending = max_pending
         self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
         # The block size of each group of a given recipe, by (engine, model); None: none given.
@@ -154,8 +156,9 @@ class Reconstructor:
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
         recipe = self.recipe_for(event.model, event.engine, event.source_id)
-        self._pending[key] = _Pending(event, recipe, evaluate(self.state, recipe, event, self.policy),
-                                      self.state.changes_of(event.instance))
+        own = evaluate(self.state, recipe, event, self.policy)
+        fleet = judge(self.state, recipe, event, own, self.policy) if self.policy.fleet else None
+        self._pending[key] = _Pending(event, recipe, own, self.state.changes_of(event.instance), fleet)
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
             self.pending_overflow += 1
@@ -213,6 +216,7 @@ class Reconstructor:
         step = pending.recipe.alignment
         verdict = classify(ev.logical, ev.logical // step * step, recoverable, resident)
         restore = ev.restore_bytes
+        fleet = pending.fleet or alone(lookup, ev)
         return LookupResult(
             ts_ns=lookup.ts_ns,
             source_id=lookup.source_id,
@@ -240,6 +244,12 @@ class Reconstructor:
             restore_disk_bytes=restore.get(Tier.DISK, 0),
             restore_remote_bytes=restore.get(Tier.REMOTE, 0),
             group_logical_tokens=list(ev.group_logical),
+            seen_anywhere_tokens=fleet.seen,
+            recoverable_anywhere_tokens=fleet.recoverable,
+            best_instance=fleet.best_instance,
+            routing_regret_tokens=fleet.recoverable - ev.recoverable,
+            fleet_reason=fleet.reason,
+            best_restore_bytes=fleet.restore_bytes,
         )
 
     def _cross_tenant(self, pending: _Pending, adopted: int) -> bool:

@@ -40,7 +40,9 @@ def fingerprint(recipes: RecipeBook | Recipe | None, policy: Policy) -> str:
     book = RecipeBook.of(recipes)
     given = sorted((name, _ENCODER.encode(r)) for name, r in book.scoped.items())
     default = _ENCODER.encode(book.default) if book.default is not None else b""
-    rules = (sorted(policy.shared_tenants), policy.keep_one_token, sorted(policy.stores))
+    rules: tuple[object, ...] = (sorted(policy.shared_tenants), policy.keep_one_token, sorted(policy.stores))
+    if policy.fleet:  # named only when on, so the snapshots of runs without it keep their fingerprint
+        rules = (*rules, "fleet")
     return hashlib.sha256(_ENCODER.encode([given, default, rules])).hexdigest()[:16]
 
 

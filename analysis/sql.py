@@ -591,7 +591,12 @@ def _final(d: Dialect, t: _Plan) -> str:
         f" CASE WHEN {seen} AND {rec} > {adopted} THEN 1 ELSE 0 END AS missed_reuse,"
         " coalesce(cx.cross, 0) AS cross_tenant,"
         " coalesce(rs.r_host, 0) AS restore_host_bytes, coalesce(rs.r_disk, 0) AS restore_disk_bytes,"
-        " coalesce(rs.r_remote, 0) AS restore_remote_bytes, l.group_logical AS group_logical_tokens"
+        " coalesce(rs.r_remote, 0) AS restore_remote_bytes, l.group_logical AS group_logical_tokens,"
+        # The fleet is the instance alone (see Policy.fleet): its own numbers at the lookup.
+        " l.logical AS seen_anywhere_tokens, l.rec AS recoverable_anywhere_tokens,"
+        " CASE WHEN l.rec > 0 THEN k.instance ELSE '' END AS best_instance, 0 AS routing_regret_tokens,"
+        f" CASE WHEN l.rec < l.logical THEN {lookup_reason} ELSE '' END AS fleet_reason,"
+        " coalesce(rs.r_host, 0) + coalesce(rs.r_disk, 0) + coalesce(rs.r_remote, 0) AS best_restore_bytes"
         f" FROM {d.table(t.lk)} k"
         f" JOIN {d.table(t.rb)} l ON l.lid = k.ord AND l.phase = 0"
         f" LEFT JOIN {d.table(t.rb)} a ON a.lid = k.ord AND a.phase = 1"
@@ -681,6 +686,9 @@ def _run(
     keep_tables: bool = False,
     timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
+    if policy.fleet:
+        raise ValueError("the fleet view (Policy.fleet) is computed by the streaming and live paths only;"
+                         " the ClickHouse and DuckDB paths give each instance's own numbers")
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 

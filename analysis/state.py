@@ -107,6 +107,15 @@ class CacheState:
     changes: dict[str, int] = field(default_factory=dict)
     leased: set[str] = field(default_factory=set)
     tenants: dict[str, set[str]] = field(default_factory=dict)
+    # The fleet index (kept when `fleet`, see `analysis.fleet`): which instances hold each block
+    # key, per (model, group), as a bit mask of instance slots. It changes only when an object is
+    # born or dies, so it costs nothing per event beyond those; a lookup finds the instances that
+    # could hold any of its prefix with one get per block, not a scan of every instance.
+    fleet: bool = False
+    slots: dict[str, int] = field(default_factory=dict)  # instance -> its bit in the masks
+    names: list[str] = field(default_factory=list)  # slot -> instance
+    models: dict[str, str] = field(default_factory=dict)  # instance -> the model its blocks are indexed under
+    holders: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
 
     def apply(self, event: Event, ord: int) -> None:
         kind = event.kind
@@ -139,10 +148,13 @@ class CacheState:
             if tenants is None:
                 tenants = self.tenants[instance] = set()
             tenants.add(event.tenant if commit is not None else "")
+            hold, bit = self._index(instance, event.model, event.group_id) if self.fleet else (None, 0)
             for block_key in keys:
                 obj = table.get(block_key)
                 if obj is None:
                     table[block_key] = ObjectState({tier: copy}, commit, lease)
+                    if hold is not None:
+                        hold[block_key] = hold.get(block_key, 0) | bit
                 else:
                     obj.copies[tier] = copy
                     if commit is not None:
@@ -153,6 +165,7 @@ class CacheState:
             return
         elif kind is EventKind.EVICT:
             tier = _TIER_KEY[event.tier]
+            hold, bit = self._index(instance, event.model, event.group_id) if self.fleet else (None, 0)
             for block_key in keys:
                 obj = table.get(block_key)
                 if obj is not None:  # else an eviction of something not held anywhere
@@ -160,12 +173,28 @@ class CacheState:
                     copies.pop(tier, None)
                     if not copies:
                         del table[block_key]
+                        if hold is not None and (left := hold.pop(block_key, 0) & ~bit):
+                            hold[block_key] = left
         elif kind is EventKind.INVALIDATE:
             reason = event.reason
             for block_key in keys:
                 obj = table.get(block_key)
                 if obj is not None:
                     obj.invalidated_ord, obj.invalidated_reason = ord, reason
+
+    def _index(self, instance: str, model: str, group_id: int) -> tuple[dict[int, int], int]:
+        """The fleet index's table for the instance's blocks of `group_id`, and the instance's bit.
+        An instance's blocks are indexed under the model of its first event that wrote one."""
+        slot = self.slots.get(instance)
+        if slot is None:
+            slot = self.slots[instance] = len(self.names)
+            self.names.append(instance)
+            self.models[instance] = model
+        scope = (self.models[instance], group_id)
+        hold = self.holders.get(scope)
+        if hold is None:
+            hold = self.holders[scope] = {}
+        return hold, 1 << slot
 
     def invalidation(self, instance: str, obj: ObjectState, tier: Tier) -> tuple[int, Reason]:
         """The latest invalidation that applies to the object's copy on `tier`: (ord, reason)."""

@@ -92,6 +92,15 @@ class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     restore_disk_bytes: U64 = 0
     restore_remote_bytes: U64 = 0
     group_logical_tokens: list[U32] = []
+    # The fleet view at the lookup (`Policy.fleet`; without it the fleet is this instance alone):
+    # the longest hash hit on any instance of the model, the longest recoverable prefix on the
+    # best one, which one, and what the routing decision cost (`analysis.fleet`).
+    seen_anywhere_tokens: U32 = 0
+    recoverable_anywhere_tokens: U32 = 0
+    best_instance: Label = ""  # holds recoverable_anywhere ("" when it is 0; this instance on a tie)
+    routing_regret_tokens: U32 = 0  # recoverable anywhere, not here (at the lookup)
+    fleet_reason: GapReason = GapReason.NONE  # why the longest seen hit was not recoverable where it was seen
+    best_restore_bytes: U64 = 0  # to fetch from slower tiers on the best instance
 
 
 class Agreement(StrEnum):

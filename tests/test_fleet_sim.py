@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.fleet import FleetSimulator, RoutePolicy
@@ -21,6 +22,7 @@ from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.recipes import BUILTIN
+from kvtrace.schema.verdicts import GapReason
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 RECIPE = BUILTIN["dense"]
@@ -33,11 +35,11 @@ def _requests(n: int, trace: str = "mooncake_conversation_trace.jsonl") -> list[
             for r in read_trace(TRACES / trace, limit=n)]
 
 
-def _run(policy: RoutePolicy, requests: list[SimRequest], instances: int = 3):
+def _run(policy: RoutePolicy, requests: list[SimRequest], instances: int = 3, config: SimConfig = CONFIG):
     sinks = [MemorySink() for _ in range(instances)]
     emitters = [BatchEmitter(s, BatchConfig(schedule_delay_millis=10, max_queue_size=1 << 20), register_atexit=False)
                 for s in sinks]
-    fleet = FleetSimulator(CONFIG, emitters, policy, seed=7)
+    fleet = FleetSimulator(config, emitters, policy, seed=7)
     truths = fleet.serve_all(requests)
     for emitter, sim in zip(emitters, fleet.sims, strict=True):
         assert emitter.shutdown()
@@ -73,3 +75,36 @@ def test_prefix_aware_routing_loses_fewer_tokens_to_routing_than_round_robin():
         assert sum(t.prompt_tokens for t in truths) == sum(len(r.tokens) for r in requests)
     assert regret[RoutePolicy.ROUND_ROBIN] > 0
     assert regret[RoutePolicy.PREFIX_AWARE] < regret[RoutePolicy.ROUND_ROBIN] / 2  # 19,456 vs 59,568 tokens
+
+
+@pytest.mark.parametrize(("policy", "recipe"), [
+    *((p, "dense") for p in RoutePolicy),
+    (RoutePolicy.RANDOM, "mamba-hybrid"),  # a hit needs one checkpoint, not the whole prefix
+    (RoutePolicy.LEAST_LOADED, "sliding-window-hybrid"),  # hits elsewhere that the window lost there
+])
+def test_the_analysis_fleet_view_equals_the_fleet_s_truth_for_every_request(policy, recipe):
+    """Seen anywhere, recoverable anywhere, the best instance and the regret, from the events of
+    all instances: each equals what the simulators' own blocks said at the lookup."""
+    config = SimConfig(recipe=BUILTIN[recipe], instance="fleet", bytes_per_token=1024,
+                       capacity_bytes=(48 << 20, 96 << 20, 0), fetch_tiers=(Tier.HOST,))
+    _, truths, events = _run(policy, _requests(120, "mooncake_synthetic_trace.jsonl"), instances=4, config=config)
+    rows = reconstruct(events, BUILTIN[recipe], Policy(fleet=True))
+    by_id = {t.request_id: t for t in truths}
+    assert len(rows) == len(truths)
+    for row in rows:
+        t = by_id[row.request_id]
+        got = (row.seen_anywhere_tokens, row.recoverable_anywhere_tokens, row.best_instance,
+               row.recoverable_hit_tokens, row.routing_regret_tokens, row.adopted_tokens)
+        assert got == (t.seen_anywhere, t.recoverable_anywhere, t.best_instance, t.recoverable_here, t.regret,
+                       t.adopted), row
+        assert (row.fleet_reason == "") == (t.seen_anywhere == t.recoverable_anywhere)
+    # Other instances held more than the chosen one by hash for some requests; where what they
+    # held was not recoverable there either, the row says why.
+    assert any(r.seen_anywhere_tokens > r.logical_hit_tokens for r in rows)
+    if recipe == "sliding-window-hybrid":
+        assert {r.fleet_reason for r in rows} > {GapReason.NONE}
+    elif policy is not RoutePolicy.PREFIX_AWARE:
+        assert sum(r.routing_regret_tokens for r in rows) > 0
+    # Without the fleet view each instance is its own fleet.
+    alone = reconstruct(events, BUILTIN[recipe])
+    assert all(r.seen_anywhere_tokens == r.logical_hit_tokens and r.routing_regret_tokens == 0 for r in alone)
