@@ -26,8 +26,9 @@ class Policy:
     shared_tenants: frozenset[str] = frozenset()  # namespaces every tenant may reuse
     keep_one_token: bool = True  # engines compute at least the last prompt token
     # Judge each lookup on every instance of its model too: what was seen and recoverable
-    # anywhere in the fleet when it arrived (see `analysis.fleet`). Off, the fleet is each
-    # instance alone, and the fleet columns repeat the instance's own numbers.
+    # anywhere in the fleet when it arrived (see `analysis.fleet`; the streaming path, which
+    # reads every instance in one order). Off, the fleet is each instance alone, and the fleet
+    # columns repeat the instance's own numbers.
     fleet: bool = False
     # Engines that are KV stores, not model runners (LMCache): asked about a whole token sequence,
     # they may serve all of it. The one-token rule belongs to the engine that computes, not to them.

@@ -87,3 +87,43 @@ def restore_bytes(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
     """Bytes that restore actions would move, per source tier."""
     cols = [pl.col(f"restore_{t}_bytes").sum() for t in ("host", "disk", "remote")]
     return frame.select(cols) if not by else frame.group_by(list(by)).agg(cols).sort(list(by))
+
+
+FLEET_STAGES = ("never_seen", "seen_not_recoverable", "routing_regret", "local_loss", "adopted")
+"""Where a prompt's tokens went, in order; they add up to its prompt tokens (`fleet_funnel`)."""
+
+
+def fleet_funnel(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
+    """Prompt tokens split into the fleet stages: never seen anywhere, seen but recoverable
+    nowhere, recoverable elsewhere but not here (routing regret), recoverable here but not
+    adopted (local loss), and adopted within what was recoverable. Unsafe reuse (adopted past
+    recoverable) is counted as its own column, not as a stage."""
+    here = pl.col("recoverable_anywhere_tokens") - pl.col("routing_regret_tokens")  # at the lookup
+    safe = pl.min_horizontal(pl.col("adopted_tokens"), here)
+    stages = {
+        "never_seen": pl.col("prompt_tokens") - pl.col("seen_anywhere_tokens"),
+        "seen_not_recoverable": pl.col("seen_anywhere_tokens") - pl.col("recoverable_anywhere_tokens"),
+        "routing_regret": pl.col("routing_regret_tokens"),
+        "local_loss": here - safe,
+        "adopted": safe,
+    }
+    aggs = [pl.len().alias("lookups"), pl.col("prompt_tokens").sum(),
+            *(expr.sum().alias(name) for name, expr in stages.items()),
+            (pl.col("routing_regret_tokens") > 0).sum().alias("regretted_lookups"),
+            (pl.col("adopted_tokens") - here).clip(lower_bound=0).sum().alias("adopted_past_recoverable")]
+    tokens = ("prompt_tokens", "seen_anywhere_tokens", "recoverable_anywhere_tokens", "routing_regret_tokens",
+              "adopted_tokens")
+    frame = users(frame).with_columns(pl.col(c).cast(pl.Int64) for c in tokens)  # differences, not wrapped
+    if not by:
+        return frame.select(aggs)
+    return frame.group_by(list(by)).agg(aggs).sort(list(by))
+
+
+def regret_pairs(frame: pl.DataFrame) -> pl.DataFrame:
+    """Routing regret by (instance the request was sent to, instance that held more), largest first."""
+    return (
+        users(frame).filter(pl.col("routing_regret_tokens") > 0)
+        .group_by("instance", "best_instance")
+        .agg(pl.len().alias("lookups"), pl.col("routing_regret_tokens").sum().alias("regret_tokens"))
+        .sort("regret_tokens", "instance", "best_instance", descending=[True, False, False])
+    )

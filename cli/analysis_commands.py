@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--by", default="", help="comma-separated dimensions: model,instance,tenant")
     analyze.add_argument("--bucket-s", type=non_negative, default=0, help="also group by time buckets of N seconds")
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
+    analyze.add_argument("--fleet", action="store_true",
+                         help="also judge each lookup on every instance of its model: seen and recoverable anywhere, "
+                              "the best instance and the routing regret (stream path; prints the fleet funnel)")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
     analyze.add_argument("--joined-output", help="write the engine + KV store picture per request (vLLM with "
                                                   "LMCache: instances X and X/lmcache) to this Parquet file")
@@ -127,7 +130,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     import polars as pl
 
     from kvtrace.analysis.evaluate import Policy
-    from kvtrace.analysis.funnel import funnel, reasons
+    from kvtrace.analysis.funnel import fleet_funnel, funnel, reasons, regret_pairs
     from kvtrace.analysis.run import AnalysisPath, analyze, analyze_range, save_verdicts
     from kvtrace.schema.recipes import RecipeBook, RecipeError, UnknownModel
     from kvtrace.store.client import Store
@@ -142,13 +145,17 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    policy = Policy(shared_tenants=frozenset(args.shared_tenant))
+    policy = Policy(shared_tenants=frozenset(args.shared_tenant), fleet=args.fleet)
     ranged = args.since is not None or args.until is not None
+    if args.fleet and (args.path not in (None, "stream") or args.shard):
+        print("error: --fleet needs every instance's events in one order: the stream path over one store or "
+              "event files (not --path clickhouse or duckdb, not --shard)", file=sys.stderr)
+        return 2
     if ranged and (args.path not in (None, "stream") or args.shard or args.parquet):
         print("error: --since/--until read the store from a snapshot by the stream path: they do not combine "
               "with --path clickhouse or duckdb, --shard or event files", file=sys.stderr)
         return 2
-    path = AnalysisPath(args.path or ("stream" if ranged else "clickhouse"))
+    path = AnalysisPath(args.path or ("stream" if ranged or args.fleet else "clickhouse"))
     run = None
     try:
         if ranged:
@@ -193,6 +200,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         if frame.height:
             print("\ngap between logical and recoverable, by reason")
             print(reasons(frame, by).head(20))
+        if args.fleet and frame.height:
+            print("\nfleet: where each prompt token went (tokens; routing regret: recoverable on another instance)")
+            print(fleet_funnel(frame, by))
+            pairs = regret_pairs(frame)
+            if pairs.height:
+                print("\nrouting regret by instance pair (sent to -> best)")
+                print(pairs.head(20))
         _print_joined(analysis, args.joined_output)
         _print_probes(analysis)
     if args.output:

@@ -58,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--recipe-out", help="vllm, sglang, lmcache: where to write the recipe derived from the "
                                                "engine (default MODEL.recipe.json)")
     replay_p.add_argument("--policy", default="lru", help="retention: lru, interval:N or branch")
+    replay_p.add_argument("--instances", type=positive, default=1,
+                          help="sim: this many engines behind a router (instances sim/0, sim/1, ...)")
+    replay_p.add_argument("--route", choices=["random", "round_robin", "least_loaded", "prefix_aware"],
+                          default="prefix_aware", help="sim with --instances: how the router picks an engine")
     replay_p.add_argument("--speed", type=float, default=0.0, help="0 = as fast as possible, 1 = trace time")
     replay_p.add_argument("--tenant", default="default", help="tenant for requests whose trace names none")
     replay_p.set_defaults(handler=cmd_replay, extra="store")
@@ -133,6 +137,10 @@ def _store(args: argparse.Namespace) -> Store:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.instances > 1 and args.engine != "sim":
+        print(f"error: --instances serves a fleet of reference simulators (--engine sim), not {args.engine}",
+              file=sys.stderr)
+        return 2
     if args.engine in ("vllm", "sglang", "lmcache"):
         from kvtrace.cli.replay_engines import replay_lmcache, replay_sglang, replay_vllm
 
@@ -151,12 +159,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         reader = _trace(args)
         with Store(args.dsn) as store:
             # after the store's client: without the store extra, that is the one named
-            from kvtrace.instrumentation.recording import record_replay
+            from kvtrace.instrumentation.fleet import RoutePolicy
+            from kvtrace.instrumentation.recording import record_fleet_replay
 
             store.init()
             with progress_bar(desc="replay", unit="req", disable=None) as bar:
-                recorded = record_replay(store, reader, config, ReplayOptions(speed=args.speed, tenant=args.tenant),
-                                         progress=lambda _: bar.update())
+                recorded = record_fleet_replay(store, reader, config, args.instances, RoutePolicy(args.route),
+                                               ReplayOptions(speed=args.speed, tenant=args.tenant),
+                                               progress=lambda _: bar.update())
     except (TraceError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -166,7 +176,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
           f"{stats.dropped} dropped")
     if reader.skipped:
         print(f"skipped {reader.skipped} malformed lines; first: {reader.errors[0]}", file=sys.stderr)
-    print("next: kvtrace analyze   (each lookup judged by the recipe its engine published)")
+    print("next: kvtrace analyze" + ("   (each lookup judged by the recipe its engine published)" if args.instances == 1
+                                      else " --fleet   (where in the fleet each prompt was recoverable)"))
     return 1 if stats.dropped else 0
 
 

@@ -61,6 +61,9 @@ class LiveReconstruction:
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
                  rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0,
                  max_held: int = 200_000) -> None:
+        if policy.fleet:
+            raise ValueError("live verdicts judge each instance on its own stream (each released on its own "
+                             "watermark); the fleet view needs every instance in one order: `kvtrace analyze --fleet`")
         self.store = store
         self.recipes = RecipeBook.of(recipes)
         self.metrics = metrics

@@ -24,6 +24,7 @@ from enum import StrEnum
 
 from kvtrace.instrumentation.api import Emitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimOutcome, SimRequest
+from kvtrace.schema.kinds import Tier
 
 
 class RoutePolicy(StrEnum):
@@ -78,6 +79,27 @@ class FleetSimulator:
     @property
     def names(self) -> list[str]:
         return [s.config.instance for s in self.sims]
+
+    # What a replay reads from the engine it drives (`instrumentation.replay`), for the fleet.
+    @property
+    def now_ns(self) -> int:
+        return max(s.now_ns for s in self.sims)
+
+    @property
+    def events(self) -> int:
+        return sum(s.events for s in self.sims)
+
+    @property
+    def used_bytes(self) -> dict[Tier, int]:
+        total: dict[Tier, int] = {}
+        for sim in self.sims:
+            for tier, n in sim.used_bytes.items():
+                total[tier] = total.get(tier, 0) + n
+        return total
+
+    def serve_request(self, request: SimRequest) -> SimOutcome:
+        """Serve one request where the router sends it (the truth is left out)."""
+        return self.serve(request)[1]
 
     def serve(self, request: SimRequest) -> tuple[FleetTruth, SimOutcome]:
         now = max(max(s.now_ns for s in self.sims), request.arrival_ns)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from kvtrace.instrumentation.fleet import FleetSimulator
 from kvtrace.instrumentation.simulator import CacheSimulator, SimRequest
 from kvtrace.instrumentation.traces import TraceRequest, synthesize_tokens
 
@@ -50,12 +51,14 @@ def tokens_of(req: TraceRequest, vocab_size: int = 32_000) -> list[int]:
 
 def replay(
     trace: Iterable[TraceRequest],
-    sim: CacheSimulator,
+    sim: CacheSimulator | FleetSimulator,
     options: ReplayOptions = ReplayOptions(),
     progress: Callable[[int], None] | None = None,
     sample_every: int = 25,
 ) -> ReplayReport:
-    """Serve every request of `trace` on `sim`; `progress(n)` is called after each request."""
+    """Serve every request of `trace` on `sim` (one engine, or a fleet behind its router);
+    `progress(n)` is called after each request."""
+    serve = sim.serve_request if isinstance(sim, FleetSimulator) else sim.serve
     report = ReplayReport()
     start_wall = time.monotonic_ns()
     base = sim.now_ns
@@ -67,7 +70,7 @@ def replay(
                 time.sleep((due - now) / 1e9)
             else:
                 report.behind_ns = now - due
-        outcome = sim.serve(
+        outcome = serve(
             SimRequest(req.request_id, tokens_of(req, options.vocab_size), tenant=req.tenant or options.tenant,
                        arrival_ns=base + req.arrival_ns)
         )

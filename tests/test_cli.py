@@ -22,6 +22,9 @@ from kvtrace.store.client import Store
 from kvtrace.store.dsn import default_dsn
 
 
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -369,6 +372,28 @@ def test_replay_into_the_store_then_analyze(capsys, store, tmp_path):
     assert m and int(m.group(1)) == store.count_events()
     code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--recipe", "gemma=sliding-window-hybrid")
     assert code == 0 and "12 lookups" in out, err
+
+
+def test_replay_a_fleet_then_analyze_where_in_the_fleet_each_prompt_was_recoverable(capsys, store, tmp_path):
+    trace = TRACES / "mooncake_synthetic_trace.jsonl"
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--limit", "60", "--instances", "3",
+                         "--route", "round_robin", "--tiers-gib", "0.25,0.5,0")
+    assert code == 0 and "kvtrace analyze --fleet" in out, err
+    m = re.search(r"replayed 60 requests .* (\d+) events stored, 0 dropped", out)
+    assert m and int(m.group(1)) == store.count_events()
+    result = tmp_path / "fleet.parquet"
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "-o", str(result))
+    assert code == 0 and "60 lookups (stream path)" in out and "where each prompt token went" in out, err
+    rows = pq.read_table(result).to_pylist()
+    assert {r["instance"] for r in rows} == {"sim-0/0", "sim-0/1", "sim-0/2"}
+    regret = [r for r in rows if r["routing_regret_tokens"]]
+    assert regret and all(r["best_instance"] not in ("", r["instance"]) for r in regret)
+    assert "routing regret by instance pair" in out and regret[0]["best_instance"] in out
+    for argv in (("--path", "clickhouse"), ("--shard", str(store.dsn))):
+        code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", *argv)
+        assert code == 2 and "--fleet needs every instance's events in one order" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm", "--instances", "2")
+    assert code == 2 and "--instances serves a fleet of reference simulators" in err
 
 
 def test_replay_stops_at_a_bad_line_or_skips_it(capsys, store, tmp_path):
