@@ -21,7 +21,6 @@ from kvtrace.schema.recipes import BUILTIN
 from kvtrace.store.client import Store
 from kvtrace.store.dsn import default_dsn
 
-
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
