@@ -148,12 +148,14 @@ class CacheState:
             if tenants is None:
                 tenants = self.tenants[instance] = set()
             tenants.add(event.tenant if commit is not None else "")
-            hold, bit = self._index(instance, event.model, event.group_id) if self.fleet else (None, 0)
+            fleet, hold, bit = self.fleet, None, 0  # the index's table, read at the first birth only
             for block_key in keys:
                 obj = table.get(block_key)
                 if obj is None:
                     table[block_key] = ObjectState({tier: copy}, commit, lease)
-                    if hold is not None:
+                    if fleet:
+                        if hold is None:
+                            hold, bit = self._index(instance, event.model, event.group_id)
                         hold[block_key] = hold.get(block_key, 0) | bit
                 else:
                     obj.copies[tier] = copy
@@ -165,7 +167,7 @@ class CacheState:
             return
         elif kind is EventKind.EVICT:
             tier = _TIER_KEY[event.tier]
-            hold, bit = self._index(instance, event.model, event.group_id) if self.fleet else (None, 0)
+            fleet, hold, bit = self.fleet, None, 0
             for block_key in keys:
                 obj = table.get(block_key)
                 if obj is not None:  # else an eviction of something not held anywhere
@@ -173,8 +175,11 @@ class CacheState:
                     copies.pop(tier, None)
                     if not copies:
                         del table[block_key]
-                        if hold is not None and (left := hold.pop(block_key, 0) & ~bit):
-                            hold[block_key] = left
+                        if fleet:
+                            if hold is None:
+                                hold, bit = self._index(instance, event.model, event.group_id)
+                            if left := hold.pop(block_key, 0) & ~bit:
+                                hold[block_key] = left
         elif kind is EventKind.INVALIDATE:
             reason = event.reason
             for block_key in keys:
