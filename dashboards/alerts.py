@@ -54,6 +54,7 @@ class RuleKind(StrEnum):
     SILENT = "silent"  # an instance sent nothing for `window_s`, after sending in the baseline
     EMITTER_DROPS = "emitter_drops"  # events the emitters reported dropped, above threshold
     UNCLEAN_END = "unclean_end"  # emitters whose process died before they shut down, above threshold
+    ROUTING_REGRET = "routing_regret"  # tokens recoverable on another instance, not the chosen one / prompt tokens
 
 
 class Label(StrEnum):
@@ -125,6 +126,13 @@ rules:
     window_s: 3600
     by: [instance]
     summary: an engine process died without shutting down; the description counts its event gap
+  - name: routing-regret
+    kind: routing_regret
+    threshold: 0.1           # 10 % of prompt tokens were recoverable on another instance, not the chosen one
+    window_s: 300
+    for_s: 60
+    min_lookups: 20
+    summary: requests sent away from the instance that held their prefix (verdicts judged with the fleet view)
 """
 
 
@@ -214,7 +222,8 @@ def _rates(frame: pl.DataFrame, by: Sequence[Label]) -> pl.DataFrame:
     aggs = [pl.len().alias("lookups"), prompt.alias("prompt"),
             ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
             (pl.col("recoverable_hit_tokens").sum() / prompt).alias("recoverable_rate"),
-            pl.col("unsafe_reuse").cast(pl.Int64).sum().alias("unsafe")]
+            pl.col("unsafe_reuse").cast(pl.Int64).sum().alias("unsafe"),
+            (pl.col("routing_regret_tokens").sum() / prompt).alias("routing_regret")]
     return frame.group_by(keys).agg(aggs) if keys else frame.select(aggs)
 
 
@@ -269,7 +278,7 @@ class Evaluator:
                 drop = 1.0 - r["recoverable_rate"] / b["recoverable_rate"]
                 out.append(Sample(rule.name, _labels(r, rule.by), drop, drop > rule.threshold))
             return out
-        column = "divergence" if rule.kind is RuleKind.DIVERGENCE else "unsafe"
+        column = {RuleKind.DIVERGENCE: "divergence", RuleKind.ROUTING_REGRET: "routing_regret"}.get(rule.kind, "unsafe")
         for r in window.iter_rows(named=True):
             if r["lookups"] < rule.min_lookups:
                 continue
@@ -322,7 +331,7 @@ def _ending(end: EmitterEnd) -> str:
             f"{end.recovered:,} shipped from its journal after it died")
 
 
-_VERDICT_KINDS = (RuleKind.DIVERGENCE, RuleKind.UNSAFE_REUSE, RuleKind.RECOVERABLE_DROP)
+_VERDICT_KINDS = (RuleKind.DIVERGENCE, RuleKind.UNSAFE_REUSE, RuleKind.RECOVERABLE_DROP, RuleKind.ROUTING_REGRET)
 _PER_INSTANCE = (RuleKind.STREAM_GAP, RuleKind.SILENT, RuleKind.EMITTER_DROPS, RuleKind.UNCLEAN_END)
 
 
@@ -410,7 +419,8 @@ class AlertState:
 # -- where the cause is shown ------------------------------------------------------------------
 DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8050"  # `kvtrace dashboard`'s default address
 
-_PAGE = {RuleKind.DIVERGENCE: "gaps", RuleKind.RECOVERABLE_DROP: "gaps", RuleKind.UNSAFE_REUSE: "unsafe"}
+_PAGE = {RuleKind.DIVERGENCE: "gaps", RuleKind.RECOVERABLE_DROP: "gaps", RuleKind.UNSAFE_REUSE: "unsafe",
+         RuleKind.ROUTING_REGRET: "fleet"}
 
 
 def cause_url(dashboard_url: str, alert: Alert) -> str:

@@ -206,6 +206,46 @@ PANELS: tuple[Panel, ...] = (
             "ARRAY JOIN ['host', 'disk', 'remote'] AS tier, [host_t, disk_t, remote_t] AS tokens, "
             "[host_b, disk_b, remote_b] AS gib WHERE tokens > 0 OR gib > 0 ORDER BY tier"),
     Panel(
+        key="fleet", title="Fleet: where each prompt token went, from never seen anywhere to adopted",
+        kind=PanelKind.BARS, x="stage", series=("tokens",), unit=Unit.TOKENS, y_title="prompt tokens",
+        x_title="stage", labels=(("tokens", "tokens"),), source=Source.VERDICTS,
+        description="Never seen: no instance of the model held it by hash. Seen, not recoverable: held, but not "
+                    "complete and valid on any instance. Routing regret: recoverable on another instance, not on "
+                    "the one the router chose. Local loss: recoverable here, not adopted. The stages add up to the "
+                    "prompt tokens. Judged with the fleet view (`kvtrace analyze --fleet --write-verdicts`); "
+                    "without it every instance is its own fleet and the regret is 0.",
+        sql="SELECT stage, tokens FROM (SELECT sum(prompt_tokens) - sum(seen_anywhere_tokens) AS never, "
+            "sum(seen_anywhere_tokens) - sum(recoverable_anywhere_tokens) AS unrecoverable, "
+            "sum(routing_regret_tokens) AS regret, "
+            "sum(recoverable_anywhere_tokens - routing_regret_tokens "
+            "- least(adopted_tokens, recoverable_anywhere_tokens - routing_regret_tokens)) AS local, "
+            "sum(least(adopted_tokens, recoverable_anywhere_tokens - routing_regret_tokens)) AS adopted, "
+            f"count() AS n FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')}) "
+            "ARRAY JOIN ['never seen', 'seen, not recoverable', 'routing regret', 'local loss', 'adopted'] AS stage, "
+            "[toInt64(never), toInt64(unrecoverable), toInt64(regret), toInt64(local), toInt64(adopted)] AS tokens "
+            "WHERE n > 0"),
+    Panel(
+        key="regret", title="Routing regret over time: share of prompt tokens recoverable on another instance",
+        kind=PanelKind.TIMESERIES, x="time", series=("routing_regret", "seen_not_recoverable"), unit=Unit.SHARE,
+        y_title="share of prompt tokens", x_title="time (UTC)",
+        labels=(("routing_regret", "routing regret (recoverable elsewhere)"),
+                ("seen_not_recoverable", "seen somewhere, recoverable nowhere")),
+        source=Source.VERDICTS,
+        sql=f"SELECT {_BUCKET} AS time, sum(routing_regret_tokens) / sum(prompt_tokens) AS routing_regret, "
+            "(sum(seen_anywhere_tokens) - sum(recoverable_anywhere_tokens)) / sum(prompt_tokens) "
+            "AS seen_not_recoverable "
+            f"FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')} GROUP BY time ORDER BY time"),
+    Panel(
+        key="regret_pairs", title="Routing regret by instance pair: sent to, and where more was recoverable",
+        kind=PanelKind.BARS, x="pair", series=("regret_tokens",), unit=Unit.TOKENS, y_title="tokens of regret",
+        x_title="sent to -> best instance", labels=(("regret_tokens", "routing regret"),), source=Source.VERDICTS,
+        when_empty="None: no request in this range could have reused more on another instance (or its verdicts "
+                   "were judged without the fleet view: `kvtrace analyze --fleet --write-verdicts`).",
+        sql="SELECT concat(instance, ' -> ', best_instance) AS pair, sum(routing_regret_tokens) AS regret_tokens, "
+            "count() AS lookups "
+            f"FROM {{db}}.verdicts FINAL WHERE routing_regret_tokens > 0 AND {filters('verdicts')} "
+            "GROUP BY pair ORDER BY regret_tokens DESC, pair LIMIT 50"),
+    Panel(
         key="unsafe", title="Unsafe reuse: requests that adopted beyond what was recoverable",
         kind=PanelKind.TABLE, x="time", source=Source.VERDICTS, zero_is_good=True,
         series=("instance", "request_id", "model", "tenant", "logical_hit_tokens", "recoverable_hit_tokens",
@@ -339,6 +379,7 @@ PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiers": ("Tiers", ("usage", "tiers", "inflight")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
     "costs": ("Load vs recompute", ("loadcost",)),
+    "fleet": ("Fleet", ("fleet", "regret", "regret_pairs")),
     "health": ("Event streams", ("endings",)),
 }
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import polars as pl
 
-from kvtrace.analysis.sql import clickhouse_results
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.run import stream_results
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import AdoptPolicy, CacheSimulator, Fault, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.store import StoreSink
@@ -70,7 +71,9 @@ def replay(store: Store, engines: tuple[tuple[str, AdoptPolicy], ...] = ENGINES,
         assert emitter.shutdown()
     if not verdicts:
         return
-    judged = clickhouse_results(store, recipe)
+    # Judged with the fleet view (the stream path): the two engines serve the same documents, so
+    # the fleet page has regret to show; the other columns are what every path gives.
+    judged = stream_results(store, recipe, Policy(fleet=True))
     store.insert_arrow("verdicts", conform(judged.to_arrow(), LookupResult))
     # What `kvtrace verify` would store for a few of them (its engine side runs in the vLLM suite).
     checks = [Verification(ts_ns=r["ts_ns"], run_id="t", instance=r["instance"], request_id=r["request_id"],

@@ -83,6 +83,19 @@ def test_unsafe_reuse_fires(store: Store, receiver: Receiver) -> None:
     assert unsafe["labels"]["severity"] == "critical" and float(unsafe["annotations"]["value"]) >= 1
 
 
+def test_routing_regret_fires_for_the_instance_sent_requests_another_could_resume_further(store: Store) -> None:
+    from tests.dashboard_fill import replay
+
+    replay(store)  # two engines of one model; verdicts judged with the fleet view
+    (rule,) = load_rules("rules: [{name: regret, kind: routing_regret, threshold: 0.01, window_s: 900, "
+                         "by: [instance]}]")
+    samples = {dict(s.labels)["instance"]: s for s in Evaluator(store, [rule]).evaluate()}
+    rows = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL WHERE instance = 'engine-b'")
+    share = rows["routing_regret_tokens"].sum() / rows["prompt_tokens"].sum()
+    assert samples["engine-b"].breaching and samples["engine-b"].value == pytest.approx(share) and share > 0.01
+    assert not samples["engine-a"].breaching and samples["engine-a"].value == 0
+
+
 def test_pending_until_the_condition_holds_for_its_duration() -> None:
     (rule,) = load_rules("rules: [{name: d, kind: divergence, threshold: 0.1, for_s: 30}]")
     state = AlertState()
@@ -216,6 +229,7 @@ def test_fingerprints_are_alertmanagers() -> None:
     ("{name: r, kind: recoverable_drop, window_s: 300, baseline_s: 3600}", (("model", "m"),), "gaps", 3600),
     ("{name: u, kind: unsafe_reuse, by: [model, tenant]}", (("model", "m"), ("tenant", "")), "unsafe", 300),
     ("{name: g, kind: stream_gap, by: [instance], window_s: 120}", (("instance", "i-1"),), "health", 120),
+    ("{name: f, kind: routing_regret, by: [instance]}", (("instance", "i-1"),), "fleet", 300),
 ])
 def test_generator_urls_point_at_the_page_showing_the_cause(rule: str, labels: tuple, page: str,
                                                              span_s: int) -> None:

@@ -118,6 +118,15 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     rows = {p.key: client.get(f"/api/panels/{p.key}", params=every).json() for p in PANELS}
     assert len(rows["funnel"]) > 10 and any(r["divergence"] > 0 for r in rows["funnel"])
     assert {r["instance"] for r in rows["unsafe"]} == {"engine-b"}
+    # the fleet page: the stages add up to the prompt tokens, and engine-b (whose unsafe reuse spoils
+    # its checkpoints) was sent requests engine-a could have resumed further
+    stages = {r["stage"]: r["tokens"] for r in rows["fleet"]}
+    verdict_rows = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")
+    assert sum(stages.values()) == verdict_rows["prompt_tokens"].sum()
+    assert stages["routing regret"] == verdict_rows["routing_regret_tokens"].sum() > 0
+    assert [(r["pair"], r["regret_tokens"]) for r in rows["regret_pairs"]] == [
+        ("engine-b -> engine-a", stages["routing regret"])]
+    assert any(r["routing_regret"] > 0 for r in rows["regret"])
     assert any(r["reason"] == "no_checkpoint_at_boundary" for r in rows["reasons"])
     assert {r["tier"] for r in rows["tiers"]} >= {"device", "host"}
     one = client.get("/api/panels/tiers",
