@@ -286,6 +286,11 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     )
 
 
+_PG_COLUMNS = ("lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(f"r_{f}" for f in (*_IDENTITY_STR, "epoch"))
+               + ", adopted, g, comp, b, win, ratio, align, ngroups, cap, chain, len")
+"""The columns of a point (one lookup, adopt or fleet judgement, per cache group), in order."""
+
+
 def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
     keep = "1" if policy.keep_one_token else "0"
     if policy.keep_one_token and policy.stores:
@@ -311,6 +316,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         f"r_{f}" for f in (*_IDENTITY_STR, "epoch")
     ) + ", g, comp, b, win, ratio, len"
     pb = d.explode_chain(cols, d.table(t.pg))
+    fleet = _steps_fleet_points(d, t, pg, cols) if policy.fleet else [(t.pg, pg)]
 
     # The object's state just before each point: its last event before it (one as-of join),
     # which carries the last write on each tier, commit and lease; then the current generation,
@@ -368,7 +374,42 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     )
     # The state lookup is read once (by pc), so it is a subquery, not a table: each table of a
     # block's rows costs a materialization of every column (as much as a join in DuckDB).
-    return [(t.pg, pg), (t.pb, pb), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+    return [*fleet, (t.pb, pb), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+
+
+_WRITE_KINDS = "('create', 'commit', 'offload', 'load')"
+
+
+def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[str, str]]:
+    """The fleet view's points (`analysis.fleet`): each lookup judged again, at the lookup, on
+    every other instance of its model that wrote one of its blocks before it, as a point of its
+    own (phase 1 + the instance's index), so every later step computes its hits as for the
+    lookup's own instance. An instance's model is that of its first write (as the streaming
+    index files it); a lookup's is its own instance's if it wrote before the lookup, else the
+    lookup's. The streaming path judges fewer (those whose held blocks could beat the best so
+    far); the others cannot win, so the rows are the same."""
+    fi = ("SELECT instance, CAST(row_number() OVER (ORDER BY instance) AS BIGINT) AS idx, model, first_ord FROM ("
+          f" SELECT instance, argMin(model, ord) AS model, min(ord) AS first_ord FROM {d.table(t.ev)}"
+          f" WHERE kind IN {_WRITE_KINDS} GROUP BY instance)")
+    blocks = d.explode_chain(cols + ", r_model AS scope", f"(SELECT * FROM {d.table(t.pg0)} WHERE phase = 0)")
+    fc = (
+        "SELECT DISTINCT p.lid AS lid, e.instance AS instance FROM ("
+        f" SELECT b.*, coalesce(oi.model, b.scope) AS want FROM ({blocks}) b"
+        f" LEFT JOIN {d.table(t.fi)} oi ON oi.instance = b.instance AND oi.first_ord < b.at_ord WHERE b.key <> 0) p"
+        f" JOIN (SELECT instance, group_id, block_key, ord FROM {d.table(t.ev)} WHERE kind IN {_WRITE_KINDS}) e"
+        " ON e.group_id = p.g AND e.block_key = p.key"
+        f" JOIN {d.table(t.fi)} ci ON ci.instance = e.instance"
+        " WHERE e.ord < p.at_ord AND e.instance <> p.instance AND ci.model = p.want"
+    )
+    names = [c.strip() for c in _PG_COLUMNS.split(",")]
+    swap = {"phase": "1 + c.idx AS phase", "instance": "c.instance AS instance"}
+    picked = ", ".join(swap.get(n, f"g.{n} AS {n}") for n in names)
+    points = (f"SELECT {', '.join(names)} FROM {d.table(t.pg0)} UNION ALL"
+              f" SELECT {picked} FROM {d.table(t.pg0)} g JOIN ("
+              f"  SELECT f.lid AS lid, f.instance AS instance, i.idx AS idx"
+              f"  FROM {d.table(t.fc)} f JOIN {d.table(t.fi)} i ON i.instance = f.instance) c ON c.lid = g.lid"
+              " WHERE g.phase = 0")
+    return [(t.pg0, pg), (t.fi, fi), (t.fc, fc), (t.pg, points)]
 
 
 def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
@@ -528,25 +569,26 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         f"   SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, {_MISSING_CASE} AS missing,"
         f"    {d.idiv('r.q', 'g.b')} AS j, {_start(d, 'r.q')} AS st"
         f"   FROM {d.table(t.gs)} g JOIN (SELECT r.lid AS lid, r.phase AS phase,"
-        "     CASE WHEN r.phase = 0 THEN r.top ELSE r0.rec END AS q"
+        "     CASE WHEN r.phase = 1 THEN r0.rec ELSE r.top END AS q"
         f"     FROM {d.table(t.rb)} r JOIN {d.table(t.rb)} r0 ON r0.lid = r.lid AND r0.phase = 0) r"
         "    ON r.lid = g.lid AND r.phase = g.phase WHERE r.q > 0) q"
         f"  LEFT JOIN {d.table(t.pw)} s ON s.lid = q.lid AND s.phase = q.phase AND s.g = q.g AND s.i = q.st) x"
         f" LEFT JOIN {d.table(t.pw)} bb ON bb.lid = x.lid AND bb.phase = x.phase AND bb.g = x.g AND bb.i = x.fi"
         " WHERE x.fi >= 0"
     )
-    # Bytes to restore at the recoverable boundary (lookup time), per source tier.
+    # Bytes to restore at the recoverable boundary (at the lookup, on each instance judged), per
+    # source tier.
     restore = (
-        "SELECT w.lid AS lid,"
+        "SELECT w.lid AS lid, w.phase AS phase,"
         + ", ".join(
             f" sum(CASE WHEN w.resident = 0 AND w.restore_tier = '{tier}' THEN w.restore_nb ELSE 0 END) AS r_{tier}"
             for tier in ("host", "disk", "remote")
         )
-        + f" FROM {d.table(t.pw)} w JOIN (SELECT g.lid AS lid, g.g AS g,"
+        + f" FROM {d.table(t.pw)} w JOIN (SELECT g.lid AS lid, g.phase AS phase, g.g AS g,"
         f"  {d.idiv('r.rec', 'g.b')} AS j, {_start(d, 'r.rec')} AS st"
         f"  FROM {d.table(t.gs)} g JOIN {d.table(t.rb)} r ON r.lid = g.lid AND r.phase = g.phase"
-        "  WHERE g.phase = 0 AND r.rec > 0) n ON n.lid = w.lid AND n.g = w.g"
-        " WHERE w.phase = 0 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
+        "  WHERE g.phase <> 1 AND r.rec > 0) n ON n.lid = w.lid AND n.phase = w.phase AND n.g = w.g"
+        " WHERE w.phase <> 1 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid, w.phase"
     )
     # Did the adopted prefix include state committed under another tenant namespace?
     cross = (
@@ -560,7 +602,47 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
             (t.cx, cross)]
 
 
-def _final(d: Dialect, t: _Plan) -> str:
+def _reason(rec: str, top: str, logical: str, code: str) -> str:
+    """Why a point's aligned hash hit was not recoverable: its first failing group's code, or
+    a misaligned boundary (as `evaluate` names it)."""
+    return (f"CASE WHEN {rec} < {top} THEN coalesce({code}, '')"
+            f" WHEN {top} < {logical} THEN '{GapReason.MISALIGNED.value}' ELSE '' END")
+
+
+def _steps_fleet_view(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
+    """Per lookup, the fleet view from its points at the lookup (its own, phase 0, and one per
+    other instance judged): the longest hash hit and the longest recoverable prefix, each on the
+    first instance in (tokens, its own instance, name) order, as `analysis.fleet.judge` picks."""
+    any_value = "any" if d.clickhouse else "any_value"
+    points = (
+        "SELECT r.lid AS lid, r.phase AS phase, r.logical AS logical, r.rec AS rec, i.instance AS instance,"
+        f" {_reason('r.rec', 'r.top', 'r.logical', 'f.code')} AS reason,"
+        " coalesce(rs.r_host, 0) + coalesce(rs.r_disk, 0) + coalesce(rs.r_remote, 0) AS restore,"
+        " CASE WHEN r.phase = 0 THEN 1 ELSE 0 END AS own"
+        f" FROM {d.table(t.rb)} r"
+        f" JOIN (SELECT lid, phase, {any_value}(instance) AS instance FROM {d.table(t.pg)} GROUP BY lid, phase) i"
+        " ON i.lid = r.lid AND i.phase = r.phase"
+        f" LEFT JOIN (SELECT * FROM {d.table(t.fl)} WHERE rank = 1) f ON f.lid = r.lid AND f.phase = r.phase"
+        f" LEFT JOIN {d.table(t.rs)} rs ON rs.lid = r.lid AND rs.phase = r.phase"
+        " WHERE r.phase <> 1"
+    )
+    ranked = (
+        "SELECT *, row_number() OVER (PARTITION BY lid ORDER BY logical DESC, own DESC, instance) AS seen_rank,"
+        " row_number() OVER (PARTITION BY lid ORDER BY rec DESC, own DESC, instance) AS best_rank"
+        f" FROM ({points})"
+    )
+    fv = (
+        "SELECT s.lid AS lid, s.logical AS seen, b.rec AS best,"
+        " CASE WHEN b.rec > 0 THEN b.instance ELSE '' END AS best_instance,"
+        " CASE WHEN b.rec < s.logical THEN s.reason ELSE '' END AS reason,"
+        " CASE WHEN b.rec > 0 THEN b.restore ELSE 0 END AS restore"
+        f" FROM (SELECT * FROM {d.table(t.fr)} WHERE seen_rank = 1) s"
+        f" JOIN (SELECT * FROM {d.table(t.fr)} WHERE best_rank = 1) b ON b.lid = s.lid"
+    )
+    return [(t.fr, ranked), (t.fv, fv)]
+
+
+def _final(d: Dialect, t: _Plan, fleet: bool) -> str:
     changed = "(a.lid IS NOT NULL AND a.rec < l.rec)"
     rec = f"CASE WHEN {changed} THEN a.rec ELSE l.rec END"
     res = f"CASE WHEN {changed} THEN least(l.res, a.res) ELSE l.res END"
@@ -592,19 +674,23 @@ def _final(d: Dialect, t: _Plan) -> str:
         " coalesce(cx.cross, 0) AS cross_tenant,"
         " coalesce(rs.r_host, 0) AS restore_host_bytes, coalesce(rs.r_disk, 0) AS restore_disk_bytes,"
         " coalesce(rs.r_remote, 0) AS restore_remote_bytes, l.group_logical AS group_logical_tokens,"
-        # The fleet is the instance alone (see Policy.fleet): its own numbers at the lookup.
-        " l.logical AS seen_anywhere_tokens, l.rec AS recoverable_anywhere_tokens,"
-        " CASE WHEN l.rec > 0 THEN k.instance ELSE '' END AS best_instance, 0 AS routing_regret_tokens,"
-        f" CASE WHEN l.rec < l.logical THEN {lookup_reason} ELSE '' END AS fleet_reason,"
-        " coalesce(rs.r_host, 0) + coalesce(rs.r_disk, 0) + coalesce(rs.r_remote, 0) AS best_restore_bytes"
-        f" FROM {d.table(t.lk)} k"
+        + (" fv.seen AS seen_anywhere_tokens, fv.best AS recoverable_anywhere_tokens,"
+           " fv.best_instance AS best_instance, fv.best - l.rec AS routing_regret_tokens, fv.reason AS fleet_reason,"
+           " fv.restore AS best_restore_bytes" if fleet else
+           # The fleet is the instance alone (see Policy.fleet): its own numbers at the lookup.
+           " l.logical AS seen_anywhere_tokens, l.rec AS recoverable_anywhere_tokens,"
+           " CASE WHEN l.rec > 0 THEN k.instance ELSE '' END AS best_instance, 0 AS routing_regret_tokens,"
+           f" CASE WHEN l.rec < l.logical THEN {lookup_reason} ELSE '' END AS fleet_reason,"
+           " coalesce(rs.r_host, 0) + coalesce(rs.r_disk, 0) + coalesce(rs.r_remote, 0) AS best_restore_bytes")
+        + f" FROM {d.table(t.lk)} k"
         f" JOIN {d.table(t.rb)} l ON l.lid = k.ord AND l.phase = 0"
         f" LEFT JOIN {d.table(t.rb)} a ON a.lid = k.ord AND a.phase = 1"
         f" LEFT JOIN (SELECT * FROM {d.table(t.fl)} WHERE phase = 0 AND rank = 1) lf ON lf.lid = k.ord"
         f" LEFT JOIN (SELECT * FROM {d.table(t.fl)} WHERE phase = 1 AND rank = 1) af ON af.lid = k.ord"
-        f" LEFT JOIN {d.table(t.rs)} rs ON rs.lid = k.ord"
+        f" LEFT JOIN (SELECT * FROM {d.table(t.rs)} WHERE phase = 0) rs ON rs.lid = k.ord"
         f" LEFT JOIN {d.table(t.cx)} cx ON cx.lid = k.ord"
-        " ORDER BY k.ord"
+        + (f" LEFT JOIN {d.table(t.fv)} fv ON fv.lid = k.ord" if fleet else "")
+        + " ORDER BY k.ord"
     )
 
 
@@ -686,9 +772,6 @@ def _run(
     keep_tables: bool = False,
     timings: list[StatementTiming] | None = None,
 ) -> pl.DataFrame:
-    if policy.fleet:
-        raise ValueError("the fleet view (Policy.fleet) is computed by the streaming and live paths only;"
-                         " the ClickHouse and DuckDB paths give each instance's own numbers")
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 
@@ -733,9 +816,10 @@ def _run(
             created.append(table)
             if rows:
                 execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
-        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t)):
+        fleet = _steps_fleet_view(d, t) if policy.fleet else []
+        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t), *fleet):
             step(name, select)
-        return conform_results(timed_read("(final)", _final(d, t)))
+        return conform_results(timed_read("(final)", _final(d, t, policy.fleet)))
     finally:
         if not keep_tables:
             for name in reversed(created):

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     analyze.add_argument("--shared-tenant", action="append", default=[], help="namespace every tenant may reuse")
     analyze.add_argument("--fleet", action="store_true",
                          help="also judge each lookup on every instance of its model: seen and recoverable anywhere, "
-                              "the best instance and the routing regret (stream path; prints the fleet funnel)")
+                              "the best instance and the routing regret (prints the fleet funnel; not with --shard)")
     analyze.add_argument("-o", "--output", help="write per-lookup results to this Parquet file")
     analyze.add_argument("--joined-output", help="write the engine + KV store picture per request (vLLM with "
                                                   "LMCache: instances X and X/lmcache) to this Parquet file")
@@ -147,15 +147,15 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     policy = Policy(shared_tenants=frozenset(args.shared_tenant), fleet=args.fleet)
     ranged = args.since is not None or args.until is not None
-    if args.fleet and (args.path not in (None, "stream") or args.shard):
-        print("error: --fleet needs every instance's events in one order: the stream path over one store or "
-              "event files (not --path clickhouse or duckdb, not --shard)", file=sys.stderr)
+    if args.fleet and args.shard:
+        print("error: --fleet needs every instance's events in one place: a shard holds only its own instances "
+              "(not --shard)", file=sys.stderr)
         return 2
     if ranged and (args.path not in (None, "stream") or args.shard or args.parquet):
         print("error: --since/--until read the store from a snapshot by the stream path: they do not combine "
               "with --path clickhouse or duckdb, --shard or event files", file=sys.stderr)
         return 2
-    path = AnalysisPath(args.path or ("stream" if ranged or args.fleet else "clickhouse"))
+    path = AnalysisPath(args.path or ("stream" if ranged else "clickhouse"))
     run = None
     try:
         if ranged:

@@ -381,16 +381,22 @@ def test_replay_a_fleet_then_analyze_where_in_the_fleet_each_prompt_was_recovera
     m = re.search(r"replayed 60 requests .* (\d+) events stored, 0 dropped", out)
     assert m and int(m.group(1)) == store.count_events()
     result = tmp_path / "fleet.parquet"
-    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "-o", str(result))
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "--path", "stream", "-o", str(result))
     assert code == 0 and "60 lookups (stream path)" in out and "where each prompt token went" in out, err
     rows = pq.read_table(result).to_pylist()
+    in_store = tmp_path / "fleet_sql.parquet"  # the default path: ClickHouse, the same rows
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "-o", str(in_store))
+    assert code == 0 and "60 lookups (clickhouse path)" in out, err
+    def by_lookup(table: list[dict]) -> list[dict]:
+        return sorted(table, key=lambda r: (r["ts_ns"], r["source_id"], r["seq"]))
+
+    assert by_lookup(pq.read_table(in_store).to_pylist()) == by_lookup(rows)
     assert {r["instance"] for r in rows} == {"sim-0/0", "sim-0/1", "sim-0/2"}
     regret = [r for r in rows if r["routing_regret_tokens"]]
     assert regret and all(r["best_instance"] not in ("", r["instance"]) for r in regret)
     assert "routing regret by instance pair" in out and regret[0]["best_instance"] in out
-    for argv in (("--path", "clickhouse"), ("--shard", str(store.dsn))):
-        code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", *argv)
-        assert code == 2 and "--fleet needs every instance's events in one order" in err
+    code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "--shard", str(store.dsn))
+    assert code == 2 and "--fleet needs every instance's events in one place" in err
     code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm", "--instances", "2")
     assert code == 2 and "--instances serves a fleet of reference simulators" in err
 

@@ -57,6 +57,20 @@ def test_ranges_from_snapshots_equal_one_full_run(store: Store, events: list[Eve
     assert all(run.started_at_ns > 0 and not run.note for run in runs[1:])
 
 
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3))
+def test_fleet_view_ranges_from_snapshots_equal_one_full_run(store: Store, events: list[Event],
+                                                             cuts: list[float]) -> None:
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE IF EXISTS {store.db}.snapshots")
+    store.insert_events(events)
+    fleet = Policy(fleet=True)
+    got, _ = _by_ranges(store, _ranges(events, cuts), fleet)
+    assert_frame_equal(got, streaming(events, fleet), check_exact=True)
+
+
 def test_a_late_range_reads_from_its_snapshot(store: Store) -> None:
     events = fleet_events(instances=3, requests=60)
     store.insert_events(events)

@@ -61,6 +61,34 @@ def test_three_paths_agree_on_random_lifecycles(store: Store, tmp_path: Path, ev
     assert_same(three_paths(store, tmp_path, events))
 
 
+FLEET = Policy(fleet=True)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(events=lifecycle_streams())
+def test_three_paths_agree_on_the_fleet_view(store: Store, tmp_path: Path, events: list[Event]) -> None:
+    """Lookups on one instance judged on the other too (the streams put blocks on both)."""
+    assert_same(three_paths(store, tmp_path, events, FLEET))
+
+
+def test_the_fleet_view_agrees_where_another_instance_held_more(store: Store, tmp_path: Path) -> None:
+    from hypothesis import find
+
+    def elsewhere(evs: list[Event]) -> bool:
+        rows = streaming(evs, FLEET)
+        return bool(rows.height and (rows["routing_regret_tokens"] > 0).any()
+                    and (rows["fleet_reason"] != "").any())
+
+    events = find(lifecycle_streams(max_ops=40), elsewhere, settings=settings(database=None, max_examples=2000))
+    frames = three_paths(store, tmp_path, events, FLEET)
+    assert_same(frames)
+    assert (frames[0]["best_instance"] != frames[0]["instance"]).any()
+
+
 def test_shared_tenant_policy_agrees(store: Store, tmp_path: Path) -> None:
     from hypothesis import find
 
