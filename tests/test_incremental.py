@@ -57,7 +57,7 @@ def test_ranges_from_snapshots_equal_one_full_run(store: Store, events: list[Eve
     assert all(run.started_at_ns > 0 and not run.note for run in runs[1:])
 
 
-@settings(max_examples=15, deadline=None,
+@settings(max_examples=10, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3))
