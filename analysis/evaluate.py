@@ -197,6 +197,13 @@ class Evaluation:
     restore_bytes: dict[Tier, int]
 
 
+def hit_cap(lookup: Event, policy: Policy) -> int:
+    """The longest hit a lookup can have: its prompt, less the last token where the engine must
+    compute it (see Policy.keep_one_token)."""
+    keep = policy.keep_one_token and lookup.engine not in policy.stores
+    return max(lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens, 0)
+
+
 def evaluate(
     state: CacheState, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0,
     instance: str | None = None,
@@ -225,9 +232,7 @@ def evaluate(
         checks = [missing if obj is None else check_object(state, instance, obj, component, lookup, policy)
                   for obj in found]
         views.append(_GroupView(g, checks))
-    keep = policy.keep_one_token and lookup.engine not in policy.stores
-    cap = lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens
-    cap = max(cap, 0)
+    cap = hit_cap(lookup, policy)
 
     # What a hash lookup reports: the best hit any group's own lookup finds (present keys by the
     # group's rule), whatever the state of those objects and whatever the other groups hold.

@@ -22,7 +22,7 @@ from operator import or_
 
 import msgspec
 
-from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
+from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, hit_cap
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
@@ -87,9 +87,7 @@ def judge(state: CacheState, recipe: Recipe, lookup: Event, own: Evaluation, pol
     beat it. Ties go to the lookup's own instance, then to the first instance by name, so every
     path names the same one."""
     here = alone(lookup, own)
-    keep = policy.keep_one_token and lookup.engine not in policy.stores
-    cap = max(lookup.prompt_tokens - 1 if keep else lookup.prompt_tokens, 0)
-    found = candidates(state, recipe, lookup, cap)
+    found = candidates(state, recipe, lookup, hit_cap(lookup, policy))
     if not found:
         return here
     mine = lookup.instance

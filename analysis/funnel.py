@@ -108,7 +108,7 @@ def fleet_funnel(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
         "adopted": safe,
     }
     aggs = [pl.len().alias("lookups"), pl.col("prompt_tokens").sum(),
-            *(expr.sum().alias(name) for name, expr in stages.items()),
+            *(stages[name].sum().alias(name) for name in FLEET_STAGES),
             (pl.col("routing_regret_tokens") > 0).sum().alias("regretted_lookups"),
             (pl.col("adopted_tokens") - here).clip(lower_bound=0).sum().alias("adopted_past_recoverable")]
     tokens = ("prompt_tokens", "seen_anywhere_tokens", "recoverable_anywhere_tokens", "routing_regret_tokens",
