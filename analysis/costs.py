@@ -311,6 +311,64 @@ def restore_decisions(results: pl.DataFrame, transfers: Iterable[TransferModel],
     return pl.DataFrame(rows, schema=schema)
 
 
+def _restore_seconds(model: str, by_tier: Iterable[tuple[Tier, int]],
+                     to_device: Mapping[tuple[str, Tier], TransferModel]) -> float | None:
+    """Seconds to bring each tier's bytes to the device, one transfer per tier (None: a tier
+    with bytes has no fitted path)."""
+    total = 0.0
+    for tier, nbytes in by_tier:
+        if nbytes:
+            path = to_device.get((model, tier))
+            if path is None:
+                return None
+            total += path.seconds(nbytes)
+    return total
+
+
+def routing_regret_seconds(results: pl.DataFrame, transfers: Iterable[TransferModel],
+                           prefills: Iterable[PrefillModel]) -> pl.DataFrame:
+    """Per lookup with routing regret (fleet view rows): the modelled seconds to serve its prompt
+    on the instance it was sent to and on the best instance, and what the routing cost.
+
+    Serving at boundary r costs restoring the recoverable prefix's off-device bytes plus
+    recomputing [r, prompt). On the chosen instance the restore is priced per tier; the best
+    instance's rows carry only its total restore bytes, so they are priced on the slowest fitted
+    path to the device (`best_exact` is False then): `best_s` is at most that, and `regret_s`,
+    the seconds the request would have saved there (0 where it would have saved none), at
+    least what the routing cost. Where the model has no fitted prefill, or a restore no fitted
+    path, the seconds are null (the tokens still count): a guess is not a price.
+    """
+    to_device = {(t.model, t.src): t for t in transfers if t.dst is Tier.DEVICE}
+    slowest: dict[str, TransferModel] = {}
+    for (model, _), path in to_device.items():
+        old = slowest.get(model)
+        if old is None or (path.bytes_per_s, -path.latency_s) < (old.bytes_per_s, -old.latency_s):
+            slowest[model] = path
+    by_model = {p.model: p for p in prefills}
+    rows = []
+    for r in results.filter(pl.col("routing_regret_tokens") > 0).iter_rows(named=True):
+        prefill, path = by_model.get(r["model"]), slowest.get(r["model"])
+        here_restore = _restore_seconds(r["model"], ((tier, r[column]) for column, tier in _RESTORE_COLUMNS),
+                                        to_device)
+        best_bytes = r["best_restore_bytes"]
+        best_restore = 0.0 if not best_bytes else None if path is None else path.seconds(best_bytes)
+        here_s = best_s = regret_s = None
+        if prefill is not None and here_restore is not None and best_restore is not None:
+            prompt, best = r["prompt_tokens"], r["recoverable_anywhere_tokens"]
+            here = best - r["routing_regret_tokens"]
+            here_s = here_restore + prefill.seconds(here, prompt - here)
+            best_s = best_restore + prefill.seconds(best, prompt - best)
+            regret_s = max(here_s - best_s, 0.0)
+        rows.append({"ts_ns": r["ts_ns"], "request_id": r["request_id"], "model": r["model"],
+                     "instance": r["instance"], "best_instance": r["best_instance"],
+                     "regret_tokens": r["routing_regret_tokens"], "here_s": here_s, "best_s": best_s,
+                     "best_exact": not best_bytes, "regret_s": regret_s})
+    schema = {"ts_ns": pl.Int64, "request_id": pl.Utf8, "model": pl.Utf8, "instance": pl.Utf8,
+              "best_instance": pl.Utf8, "regret_tokens": pl.Int64, "here_s": pl.Float64, "best_s": pl.Float64,
+              "best_exact": pl.Boolean, "regret_s": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
 def waiting_seconds(events: pl.DataFrame) -> pl.DataFrame:
     """Time requests waited on loads still in flight when they were admitted, per model."""
     samples = transfer_samples(events).filter(pl.col("in_flight"))

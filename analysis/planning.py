@@ -20,6 +20,7 @@ from kvtrace.analysis.costs import (
     fit_prefill,
     fit_transfers,
     restore_decisions,
+    routing_regret_seconds,
     waiting_seconds,
 )
 from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
@@ -108,6 +109,7 @@ class CostReport:
     crossovers: pl.DataFrame
     decisions: pl.DataFrame
     waiting: pl.DataFrame
+    regret: pl.DataFrame  # routing regret in seconds, per lookup (results with the fleet view)
 
     def transfer_table(self) -> pl.DataFrame:
         rows = []
@@ -139,13 +141,22 @@ class CostReport:
             pl.col("lost_s").filter(~pl.col("restored")).sum().alias("lost_recomputing_s"),
         ).sort("model")
 
+    def regret_by_pair(self) -> pl.DataFrame:
+        """Routing regret in seconds by (instance sent to, best instance), largest first."""
+        return self.regret.group_by("instance", "best_instance").agg(
+            pl.len().alias("lookups"), pl.col("regret_tokens").sum(), pl.col("regret_s").sum(),
+            pl.col("regret_s").is_null().sum().alias("unpriced"),
+            pl.col("best_exact").filter(pl.col("regret_s").is_not_null()).all().alias("exact"),
+        ).sort("regret_s", "instance", "best_instance", descending=[True, False, False])
+
 
 def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[int] = (0, 1024, 8192, 32768),
                 calibrations: pl.DataFrame | None = None) -> CostReport:
     transfers = fit_transfers(events, calibrations=calibrations)
     prefills = fit_prefill(events, calibrations=calibrations)
     return CostReport(transfers, prefills, crossover_curve(transfers, prefills, bytes_per_token(events), starts),
-                      restore_decisions(results, transfers, prefills), waiting_seconds(events))
+                      restore_decisions(results, transfers, prefills), waiting_seconds(events),
+                      routing_regret_seconds(results, transfers, prefills))
 
 
 def calibration_report(samples: Sequence[CalibrationSample]) -> CostReport:
@@ -156,7 +167,7 @@ def calibration_report(samples: Sequence[CalibrationSample]) -> CostReport:
     none = empty_events()
     return CostReport(fit_transfers(none, min_samples=3, calibrations=measured),
                       fit_prefill(none, min_samples=4, calibrations=measured),
-                      pl.DataFrame(), pl.DataFrame(), pl.DataFrame())
+                      pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), pl.DataFrame())
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,8 @@ class Observations:
 
 
 def read_observations(
-    recipes: RecipeBook | Recipe, store: Store | None = None, files: Sequence[str | Path] = ()
+    recipes: RecipeBook | Recipe, store: Store | None = None, files: Sequence[str | Path] = (),
+    policy: Policy = Policy(),
 ) -> Observations:
     """From event files (Parquet, JSONL or spool) when any are given, analyzed by DuckDB; else
     from the store, analyzed inside it."""
@@ -172,5 +173,6 @@ def read_observations(
         with tempfile.TemporaryDirectory(prefix="kvtrace-") as tmp:
             parquet = as_parquet(files, tmp)
             return Observations(event_frame(parquet=parquet),
-                                lookup_results(AnalysisPath.DUCKDB, recipes, parquet=parquet))
-    return Observations(event_frame(store=store), lookup_results(AnalysisPath.CLICKHOUSE, recipes, store=store))
+                                lookup_results(AnalysisPath.DUCKDB, recipes, policy, parquet=parquet))
+    return Observations(event_frame(store=store),
+                        lookup_results(AnalysisPath.CLICKHOUSE, recipes, policy, store=store))

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_recipe_option(costs)
     costs.add_argument("--starts", default="0,1024,8192,32768",
                        help="context positions (tokens) to give the crossover at (default 0,1024,8192,32768)")
+    costs.add_argument("--fleet", action="store_true",
+                       help="also judge each lookup on every instance of its model and price the routing regret in "
+                            "seconds (serving on the chosen instance vs the best one)")
     costs.add_argument("-o", "--output", help="write the per-lookup restore decisions to this Parquet file")
     costs.set_defaults(handler=cmd_costs, extra="analysis")
 
@@ -247,14 +250,16 @@ def _print_probes(analysis: Analysis) -> None:
 # -- costs, capacity, report: events and results from the store or from files ----------------
 
 def _observations(args: argparse.Namespace, recipes: RecipeBook) -> Observations:
+    from kvtrace.analysis.evaluate import Policy
     from kvtrace.analysis.run import read_observations
     from kvtrace.store.client import Store
 
+    policy = Policy(fleet=getattr(args, "fleet", False))
     if args.parquet:
-        return read_observations(recipes, files=args.parquet)
+        return read_observations(recipes, files=args.parquet, policy=policy)
     with Store(args.dsn) as store:
         store.require_schema()
-        return read_observations(recipes, store=store)
+        return read_observations(recipes, store=store, policy=policy)
 
 
 def _calibrations(args: argparse.Namespace) -> pl.DataFrame | None:
@@ -313,6 +318,11 @@ def cmd_costs(args: argparse.Namespace) -> int:
     print(_table(report.crossovers))
     print("\nrestore decisions on lookups with recoverable state off the device")
     print(_table(report.lost()))
+    if args.fleet:
+        print("\nrouting regret in seconds, by instance pair (sent to -> best): serving on the best instance would "
+              "have saved regret_s; exact: false where the best instance's restore is priced on the slowest path; "
+              "unpriced: lookups whose model or restore path has no fitted cost)")
+        print(_table(report.regret_by_pair()))
     if report.waiting.height:
         print("\nwaiting on loads still in flight at admission")
         print(_table(report.waiting))

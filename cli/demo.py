@@ -27,7 +27,7 @@ from kvtrace.cli.progress import bar
 from kvtrace.dashboards.report import write_report
 from kvtrace.instrumentation.recording import record_replay
 from kvtrace.instrumentation.replay import ReplayOptions
-from kvtrace.instrumentation.simulator import PolicySpec, SimConfig
+from kvtrace.instrumentation.simulator import PolicySpec, SimConfig, gpu_timed
 from kvtrace.instrumentation.traces import TraceRequest, read_trace
 from kvtrace.schema.paths import data_dir
 from kvtrace.schema.recipes import BUILTIN, RecipeBook
@@ -62,14 +62,10 @@ def bundled_trace(limit: int) -> list[TraceRequest]:
 
 
 def demo_config() -> SimConfig:
-    """Small tiers so that a few hundred requests already offload, reload and evict. Loads and
-    prefills are timed like a mid-size model on one GPU (host 20 GB/s + 50 us a transfer, disk
-    2 GB/s + 2 ms; prefill 40 us a token plus attention over the context), with 2 % noise,
-    so the load-vs-recompute fits have something to fit."""
-    return SimConfig(recipe=BUILTIN[RECIPE], model="demo-jamba", instance="demo-0", bytes_per_token=4096,
-                     capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9,
-                     load_latency_ns=(50_000, 2_000_000), prefill_ns_per_token=40_000.0,
-                     prefill_ns_per_token_pair=2.0, timing_noise=0.02)
+    """Small tiers so that a few hundred requests already offload, reload and evict; loads and
+    prefills timed like a mid-size model on one GPU (`gpu_timed`)."""
+    return gpu_timed(SimConfig(recipe=BUILTIN[RECIPE], model="demo-jamba", instance="demo-0", bytes_per_token=4096,
+                               capacity_bytes=(1 << 30, 3 << 30, 12 << 30), lease_ns=3600 * 10**9))
 
 
 def best_policy(policies: pl.DataFrame) -> str:

@@ -116,12 +116,13 @@ def tier_bytes(text: str) -> tuple[int, int, int]:
 
 
 def _sim_config(args: argparse.Namespace) -> SimConfig:
-    from kvtrace.instrumentation.simulator import SimConfig
+    """The reference engine of the replay, its loads and prefills timed like one GPU's."""
+    from kvtrace.instrumentation.simulator import SimConfig, gpu_timed
     from kvtrace.schema.recipes import load_recipe
 
     capacity = tier_bytes(args.tiers_gib)
-    return SimConfig(recipe=load_recipe(args.recipe), model=args.model, bytes_per_token=args.bytes_per_token,
-                     capacity_bytes=capacity)
+    return gpu_timed(SimConfig(recipe=load_recipe(args.recipe), model=args.model, bytes_per_token=args.bytes_per_token,
+                               capacity_bytes=capacity))
 
 
 def _trace(args: argparse.Namespace) -> TraceReader:

@@ -50,6 +50,8 @@ class FleetTruth:
     best_instance: str  # an instance holding `recoverable_anywhere` ("" when it is 0)
     recoverable_here: int  # on the chosen instance
     adopted: int  # what the chosen instance reused
+    here_ns: float = 0.0  # serving it on the chosen instance, by the simulators' cost parameters
+    best_ns: float = 0.0  # and on the best instance (`CacheSimulator.truth_serve_ns`)
 
     @property
     def regret(self) -> int:
@@ -108,19 +110,22 @@ class FleetSimulator:
         logical = [sim.truth_logical(request) for sim in self.sims]
         recoverable = [sim.truth_recoverable(request) for sim in self.sims]
         chosen = self._route(logical, len(request.tokens))
+        best = max(range(len(self.sims)), key=lambda i: (recoverable[i], i == chosen, -i))
+        here_ns = self.sims[chosen].truth_serve_ns(request, recoverable[chosen])
+        best_ns = here_ns if best == chosen else self.sims[best].truth_serve_ns(request, recoverable[best])
         outcome = self.sims[chosen].serve(request)
         self._recent.append((chosen, outcome.recomputed_tokens))
         self.load[chosen] += outcome.recomputed_tokens
         if len(self._recent) > self.window:
             old, tokens = self._recent.popleft()
             self.load[old] -= tokens
-        best = max(range(len(self.sims)), key=lambda i: (recoverable[i], i == chosen, -i))
         truth = FleetTruth(
             request_id=request.request_id, instance=self.sims[chosen].config.instance,
             prompt_tokens=outcome.prompt_tokens, seen_anywhere=max(logical),
             recoverable_anywhere=recoverable[best],
             best_instance=self.sims[best].config.instance if recoverable[best] else "",
             recoverable_here=recoverable[chosen], adopted=outcome.adopted_tokens,
+            here_ns=here_ns, best_ns=best_ns,
         )
         return truth, outcome
 

@@ -92,6 +92,15 @@ class SimConfig:
     step_ns: int = 1_000  # virtual time per event
 
 
+def gpu_timed(config: SimConfig) -> SimConfig:
+    """`config` with loads and prefills timed like a mid-size model on one GPU (host 20 GB/s +
+    50 us a transfer, disk 2 GB/s + 2 ms; prefill 40 us a token plus attention over the
+    context), with 2 % noise, so the load-vs-recompute fits (`kvtrace costs`) have something
+    to fit."""
+    return replace(config, load_bytes_per_s=(20e9, 2e9), load_latency_ns=(50_000, 2_000_000),
+                   prefill_ns_per_token=40_000.0, prefill_ns_per_token_pair=2.0, timing_noise=0.02)
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
     """A retention policy by name: `lru`, `interval:N` (tokens) or `branch`."""
@@ -540,6 +549,29 @@ class CacheSimulator:
                 break
             p -= step
         return p
+
+    def truth_serve_ns(self, request: SimRequest, recoverable: int | None = None) -> float:
+        """What serving this request here would cost now, by the simulator's own cost
+        parameters: loading the off-device blocks its recoverable prefix needs, one transfer per
+        run of consecutive blocks from one tier as `serve` makes them, then prefilling the rest.
+        The ground truth for routing regret in seconds."""
+        p = self.truth_recoverable(request) if recoverable is None else recoverable
+        chains = block_keys(self.recipe, request.tokens)
+        ns = 0.0
+        for g in self.recipe.groups:
+            chain = chains[g.group_id]
+            last: tuple[Tier, int] | None = None  # the open run's tier and last block index
+            for i in g.needed(p) if p else ():
+                block = self._present(g, chain[i])
+                if block is None or Tier.DEVICE in block.tiers:
+                    continue
+                src = next(t for t in self.config.fetch_tiers if t in block.tiers)
+                level = min(STORE_TIERS.index(src), 2) - 1
+                if last != (src, i - 1):
+                    ns += self.config.load_latency_ns[level]
+                ns += block.nbytes / self.config.load_bytes_per_s[level] * 1e9
+                last = (src, i)
+        return ns + self.prefill_ns(p, len(request.tokens) - p)
 
     # -- faults -----------------------------------------------------------------------------------
     def inject(self, fault: Fault, request: SimRequest, boundary: int) -> None:

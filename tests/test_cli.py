@@ -395,6 +395,14 @@ def test_replay_a_fleet_then_analyze_where_in_the_fleet_each_prompt_was_recovera
     regret = [r for r in rows if r["routing_regret_tokens"]]
     assert regret and all(r["best_instance"] not in ("", r["instance"]) for r in regret)
     assert "routing regret by instance pair" in out and regret[0]["best_instance"] in out
+    # The replay's prefills are timed, so the regret is priced in seconds, where a restore on the
+    # best instance has a fitted path (this short replay made no loads: those lookups say so).
+    code, out, err = run(capsys, "--dsn", str(store.dsn), "costs", "--fleet")
+    assert code == 0 and "routing regret in seconds, by instance pair" in out, err
+    unpriced = sum(1 for r in regret if r["best_restore_bytes"] or r["restore_host_bytes"])
+    line = next(line for line in out.splitlines() if f" {regret[0]['instance']} " in line and "unpriced" not in line
+                and f" {regret[0]['best_instance']} " in line)
+    assert f" {len(regret)} " in line and f" {unpriced} " in line, out
     code, _, err = run(capsys, "--dsn", str(store.dsn), "analyze", "--fleet", "--shard", str(store.dsn))
     assert code == 2 and "--fleet needs every instance's events in one place" in err
     code, _, err = run(capsys, "--dsn", str(store.dsn), "replay", str(trace), "--engine", "vllm", "--instances", "2")

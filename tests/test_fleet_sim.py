@@ -8,11 +8,15 @@ tokens to the routing decision than round robin on a real trace.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import polars as pl
 import pytest
 
+from kvtrace.analysis.costs import fit_prefill, fit_transfers, routing_regret_seconds
 from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.fleet import FleetSimulator, RoutePolicy
@@ -20,6 +24,7 @@ from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.simulator import SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.memory import MemorySink
 from kvtrace.instrumentation.traces import read_trace
+from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.kinds import Tier
 from kvtrace.schema.recipes import BUILTIN
 from kvtrace.schema.verdicts import GapReason
@@ -108,3 +113,37 @@ def test_the_analysis_fleet_view_equals_the_fleet_s_truth_for_every_request(poli
     # Without the fleet view each instance is its own fleet.
     alone = reconstruct(events, BUILTIN[recipe])
     assert all(r.seen_anywhere_tokens == r.logical_hit_tokens and r.routing_regret_tokens == 0 for r in alone)
+
+
+def test_routing_regret_in_seconds_equals_the_fleet_s_own_costs():
+    """Cost models fitted from the fleet's timed loads and adopts price each regretted request:
+    serving it where it was sent and on the best instance, as the simulators' own cost
+    parameters say it would have cost there at that moment (one fetch tier, so the best
+    instance's restore is priced on its own path; no transfer latency, so one transfer per tier
+    costs what the engine's runs cost)."""
+    rng = random.Random(7)  # documents read again and again, each time with a question of its own
+    docs = [[d * 100_000 + i for i in range(rng.choice([256, 512, 1024, 2048]))] for d in range(24)]
+    requests = []
+    for i in range(160):
+        doc = rng.choice(docs)
+        requests.append(SimRequest(f"r{i}", doc[: rng.randint(len(doc) // 2, len(doc))] + [i] * rng.randint(1, 200)))
+    config = SimConfig(recipe=RECIPE, instance="fleet", model="m", bytes_per_token=1024,
+                       capacity_bytes=(8 << 20, 512 << 20, 0), fetch_tiers=(Tier.HOST,),
+                       load_bytes_per_s=(5e9, 1e9), prefill_ns_per_token=40e3, prefill_ns_per_token_pair=4.0)
+    _, truths, events = _run(RoutePolicy.ROUND_ROBIN, requests, instances=4, config=config)
+    frame = pl.from_arrow(to_arrow(events))
+    transfers, prefills = fit_transfers(frame), fit_prefill(frame)
+    assert [(t.src, t.dst) for t in transfers] == [(Tier.HOST, Tier.DEVICE)]
+    regret = routing_regret_seconds(results_frame(reconstruct(events, RECIPE, Policy(fleet=True))), transfers,
+                                    prefills)
+    by_id = {t.request_id: t for t in truths}
+    regretted = [t for t in truths if t.regret]
+    assert regret.height == len(regretted) > 10 and regret["regret_s"].null_count() == 0
+    for row in regret.iter_rows(named=True):
+        t = by_id[row["request_id"]]
+        assert row["here_s"] == pytest.approx(t.here_ns / 1e9, rel=1e-3, abs=2e-6), row
+        assert row["best_s"] == pytest.approx(t.best_ns / 1e9, rel=1e-3, abs=2e-6), row
+        assert row["regret_s"] == pytest.approx(max(t.here_ns - t.best_ns, 0) / 1e9, rel=1e-3, abs=4e-6)
+    # Some of the regret was priced through a restore on the best instance, and it still paid.
+    assert regret.filter(~pl.col("best_exact") & (pl.col("regret_s") > 0)).height
+    assert regret["regret_s"].sum() > 0
