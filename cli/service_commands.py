@@ -69,6 +69,9 @@ def add_collector_options(col: argparse.ArgumentParser) -> None:
                                 "attached; this overrides it, as for analyze (repeatable)")
     col.add_argument("--no-live", action="store_true",
                      help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
+    col.add_argument("--fleet", action="store_true",
+                     help="live verdicts with the fleet view: every instance judged in one order against the others "
+                          "(seen and recoverable anywhere, routing regret); needs the whole fleet on this collector")
     col.add_argument("--lateness-ms", type=non_negative, default=2000,
                      help="live reconstruction waits this long for out-of-order events (default 2000)")
     col.add_argument("--live-max-held", type=positive, default=200_000,
@@ -94,6 +97,7 @@ def add_collector_options(col: argparse.ArgumentParser) -> None:
 def collector_config(args: argparse.Namespace) -> CollectorConfig:
     """The collector's settings from its options (and $KVTRACE_COLLECTOR_*); a ValueError names
     a bad one. `kvtrace serve` builds its collector from the same."""
+    from kvtrace.analysis.evaluate import Policy
     from kvtrace.collector.auth import TokenTable
     from kvtrace.collector.intake import TimeWindow
     from kvtrace.collector.service import config_from_env
@@ -103,7 +107,7 @@ def collector_config(args: argparse.Namespace) -> CollectorConfig:
     return config_from_env(
         dsn=args.dsn, spool_dir=args.spool_dir, max_spool_bytes=args.max_spool_bytes,
         tokens=TokenTable.from_env(path=args.tokens_file),
-        recipes=None if args.no_live else RecipeBook.parse(args.recipe),
+        recipes=None if args.no_live else RecipeBook.parse(args.recipe), policy=Policy(fleet=args.fleet),
         lateness_ns=args.lateness_ms * 10**6, live_max_held=args.live_max_held, public_metrics=args.public_metrics,
         time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
                                max_ahead_s=args.max_clock_ahead_s),

@@ -9,6 +9,13 @@ instance goes quiet, once that much wall time has passed). The buffer is also bo
 window, releases its oldest early (counted) instead of filling memory. An event later than what
 was already released is still used, and counted.
 
+With the fleet view (`Policy(fleet=True)`), every instance is judged against the others at the
+moment of each lookup, so all instances share one reconstructor and one reorder buffer,
+released in one global order on the fleet's watermark (its newest event minus `lateness_ns`;
+the instances' clocks must agree within it, as an instance's processes' already must). It
+needs the whole fleet's events on this collector: behind a load balancer that spreads
+instances over collectors, each judges against the instances it sees.
+
 A collector that takes over an instance (its previous collector died, or the load balancer
 moved it) has no state for it: before its first events are used, the instance's earlier events
 are read back from the store (within `rebuild_window_ns`) and replayed, so verdicts continue as
@@ -53,7 +60,7 @@ class _Instance:
     last_seen_s: float = 0.0
     counter: int = 0
     probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
-    ended: set[int] = field(default_factory=set)  # sources whose emitter ended, with lookups maybe still open
+    ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
 
 
 class LiveReconstruction:
@@ -61,9 +68,6 @@ class LiveReconstruction:
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
                  rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0,
                  max_held: int = 200_000) -> None:
-        if policy.fleet:
-            raise ValueError("live verdicts judge each instance on its own stream (each released on its own "
-                             "watermark); the fleet view needs every instance in one order: `kvtrace analyze --fleet`")
         self.store = store
         self.recipes = RecipeBook.of(recipes)
         self.metrics = metrics
@@ -74,7 +78,8 @@ class LiveReconstruction:
         self.idle_s = idle_s  # an instance quiet this long is finished and forgotten (memory stays bounded)
         self.max_held = max(int(max_held), 1)  # events one instance's reorder buffer holds at most
         self.released_early = 0
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, _Instance] = {}  # by instance; with the fleet view, one for all (key "")
+        self._seen: dict[str, float] = {}  # instance -> when its last batch came (monotonic seconds)
         self._lock = threading.Lock()
         self.late_events = 0
         self.rebuilt_events = 0
@@ -87,29 +92,33 @@ class LiveReconstruction:
         self.refused: dict[tuple[str, str], str] = {}
 
     def instances(self) -> list[str]:
-        return sorted(self._instances)
+        return sorted(self._seen)
+
+    def _slot(self, instance: str) -> str:
+        return "" if self.policy.fleet else instance
 
     def feed(self, events: list[Event]) -> int:
         """Take stored events; write the verdicts that became final. Returns rows written."""
         with self._lock:
             now = time.monotonic()
             results: list[LookupResult] = []
-            by_instance: dict[str, list[Event]] = {}
+            by_slot: dict[str, list[Event]] = {}
             for event in events:
-                by_instance.setdefault(event.instance, []).append(event)
-            for name, batch in by_instance.items():
-                inst = self._instances.get(name)
+                by_slot.setdefault(self._slot(event.instance), []).append(event)
+                self._seen[event.instance] = now
+            for slot, batch in by_slot.items():
+                inst = self._instances.get(slot)
                 if inst is None:
-                    inst = self._instances[name] = self._start(name, min(batch, key=_key), results)
+                    inst = self._instances[slot] = self._start(slot, min(batch, key=_key), results)
                 for event in batch:
                     inst.counter += 1
                     heapq.heappush(inst.heap, (_key(event), inst.counter, event))
                     inst.newest_ns = max(inst.newest_ns, event.ts_ns)
                 inst.last_seen_s = now
-            for name, inst in self._instances.items():
+            for inst in self._instances.values():
                 self._release(inst, inst.newest_ns - self.lateness_ns, results)
-                self._close_ended(name, inst, results)
-            self.metrics.live_instances.set(len(self._instances))
+                self._close_ended(inst, results)
+            self.metrics.live_instances.set(len(self._seen))
             return self._write(results)
 
     def ended(self, sources: list[tuple[str, int]]) -> int:
@@ -120,14 +129,15 @@ class LiveReconstruction:
         with self._lock:
             results: list[LookupResult] = []
             for name, source in sources:
-                if (inst := self._instances.get(name)) is not None:
-                    inst.ended.add(source)
-                    self._close_ended(name, inst, results)
+                if (inst := self._instances.get(self._slot(name))) is not None:
+                    inst.ended.add((name, source))
+                    self._close_ended(inst, results)
             return self._write(results)
 
-    def _close_ended(self, name: str, inst: _Instance, results: list[LookupResult]) -> None:
-        for source in [s for s in inst.ended if all(e.source_id != s for _, _, e in inst.heap)]:
-            inst.ended.discard(source)
+    def _close_ended(self, inst: _Instance, results: list[LookupResult]) -> None:
+        held = {(e.instance, e.source_id) for _, _, e in inst.heap} if inst.ended else set()
+        for name, source in [s for s in inst.ended if s not in held]:
+            inst.ended.discard((name, source))
             done = inst.reconstructor.close_source(name, source)
             results.extend(done)
             self._rows.extend(inst.probes.verdicts(done))
@@ -138,39 +148,47 @@ class LiveReconstruction:
         with self._lock:
             now = time.monotonic()
             results: list[LookupResult] = []
-            for name, inst in list(self._instances.items()):
+            for slot, inst in list(self._instances.items()):
                 quiet = now - inst.last_seen_s
                 if force or quiet >= self.lateness_ns / 1e9:
                     self._release(inst, None, results)
-                    self._close_ended(name, inst, results)
+                    self._close_ended(inst, results)
                 if force or quiet >= self.idle_s:
                     done = inst.reconstructor.finish()
                     results.extend(done)
                     self._rows.extend(inst.probes.verdicts(done))
                     if not force:
-                        del self._instances[name]
-            self.metrics.live_instances.set(len(self._instances))
+                        del self._instances[slot]
+            for name, seen in list(self._seen.items()):
+                if not force and now - seen >= self.idle_s and self._slot(name) not in self._instances:
+                    del self._seen[name]
+            self.metrics.live_instances.set(len(self._seen))
             return self._write(results)
 
-    def _start(self, name: str, first: Event, results: list[LookupResult]) -> _Instance:
+    def _start(self, slot: str, first: Event, results: list[LookupResult]) -> _Instance:
+        """A reconstructor for an instance (the fleet's, for slot ""), rebuilt from its stored
+        events before `first`."""
         inst = _Instance(Reconstructor(self.recipes, self.policy))
         if not self.rebuild:
             return inst
         since = first.ts_ns - self.rebuild_window_ns
+        mine = "instance = {i:String} AND " if slot else ""
         # The engine's own recipe is in its attach event, however long ago it attached.
-        attached = "instance = {i:String} AND kind = 'attach' AND ts_ns < {since:Int64}"
-        for table in self.store.iter_event_batches(attached, {"i": name, "since": since}):
+        attached = mine + "kind = 'attach' AND ts_ns < {since:Int64}"
+        scope = {"i": slot} if slot else {}
+        for table in self.store.iter_event_batches(attached, {**scope, "since": since}):
             for event in from_arrow(table):
                 self._use(inst, event, results)
-        where = ("instance = {i:String} AND ts_ns >= {since:Int64} AND "
+        where = (mine + "ts_ns >= {since:Int64} AND "
                  "(ts_ns, source_id, seq) < ({t:Int64}, {s:UInt64}, {q:UInt64})")
-        params = {"i": name, "since": since, "t": first.ts_ns, "s": first.source_id, "q": first.seq}
+        params = {**scope, "since": since, "t": first.ts_ns, "s": first.source_id, "q": first.seq}
         for table in self.store.iter_event_batches(where, params):
             for event in from_arrow(table):
                 self._use(inst, event, results)
                 self.rebuilt_events += 1
         if self.rebuilt_events:
-            log.info("instance %s: rebuilt live state from %d stored events", name, self.rebuilt_events)
+            log.info("%s: rebuilt live state from %d stored events", f"instance {slot}" if slot else "the fleet",
+                     self.rebuilt_events)
         return inst
 
     def _release(self, inst: _Instance, watermark: int | None, results: list[LookupResult]) -> None:

@@ -4,7 +4,6 @@ a dead object leaves in the index, and what a model or a namespace keeps apart."
 from __future__ import annotations
 
 import msgspec
-import pytest
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.fleet import candidates
@@ -111,10 +110,3 @@ def test_the_index_travels_in_a_snapshot_and_the_fleet_names_its_own_fingerprint
     assert resumed.state.holders == rec.state.holders and resumed.state.fleet
     out = [r for e in events[1:] for r in resumed.feed(e)] + resumed.finish()
     assert msgspec.structs.asdict(out[0]) == msgspec.structs.asdict(_one(events))
-
-
-def test_live_verdicts_refuse_the_fleet_view_rather_than_judge_it_out_of_order():
-    from kvtrace.collector.live import LiveReconstruction
-
-    with pytest.raises(ValueError, match="kvtrace analyze --fleet"):
-        LiveReconstruction(None, dense(), None, FLEET)  # type: ignore[arg-type]

@@ -152,6 +152,48 @@ def test_live_verdicts_equal_the_streaming_rows(store: Store, events: list[Event
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), max_size=4))
+def test_live_fleet_verdicts_equal_the_streaming_rows(store: Store, events: list[Event], cuts: list[float]) -> None:
+    """With the fleet view the collector judges every instance in one order, against the others
+    at each lookup: the streaming path's fleet rows."""
+    fleet = Policy(fleet=True)
+    assert_frame_equal(_live_rows(store, events, cuts, fleet), streaming(events, fleet), check_exact=True)
+
+
+def _live_rows(store: Store, events: list[Event], cuts: list[float], policy: Policy, rebuild: bool = False,
+               first: int = 0) -> pl.DataFrame:
+    """The verdicts a live reconstruction writes when fed `events[first:]` in stream order, in
+    batches cut at `cuts` (fractions), then stopped."""
+    from kvtrace.analysis.sql import conform_results
+    from kvtrace.collector.live import LiveReconstruction
+    from kvtrace.collector.metrics import CollectorMetrics
+
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), policy, lateness_ns=0, rebuild=rebuild)
+    bounds = sorted({first + int(c * (len(ordered) - first)) for c in cuts} | {first, len(ordered)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        live.feed(ordered[a:b])
+    live.tick(force=True)
+    return conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+
+
+def test_a_collector_taking_over_a_fleet_rebuilds_every_instance_from_the_store(store: Store) -> None:
+    """A collector that starts mid-stream with the fleet view reads the whole fleet's earlier
+    events back before its first batch, so its verdicts are the full run's, regret included."""
+    events = fleet_events(instances=3, requests=30)
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    fleet = Policy(fleet=True)
+    want = streaming(events, fleet)
+    assert (want["routing_regret_tokens"] > 0).any() and want["instance"].n_unique() == 3
+    got = _live_rows(store, events, [0.3, 0.6], fleet, rebuild=True, first=len(events) // 2)
+    assert_frame_equal(got, want, check_exact=True)
+
+
 def test_a_very_long_read_holds_a_bounded_number_of_snapshots(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtrace.analysis import incremental
 
