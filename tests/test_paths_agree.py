@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
-from lifecycle import DENSE, RECIPES, lifecycle_streams
+from lifecycle import DENSE, RECIPES, first_stream, lifecycle_streams
 from polars.testing import assert_frame_equal
 
 from kvtrace.analysis.evaluate import Policy
@@ -76,27 +76,20 @@ def test_three_paths_agree_on_the_fleet_view(store: Store, tmp_path: Path, event
 
 
 def test_the_fleet_view_agrees_where_another_instance_held_more(store: Store, tmp_path: Path) -> None:
-    from hypothesis import find
-
     def elsewhere(evs: list[Event]) -> bool:
         rows = streaming(evs, FLEET)
         return bool(rows.height and (rows["routing_regret_tokens"] > 0).any()
                     and (rows["fleet_reason"] != "").any())
 
-    events = find(lifecycle_streams(max_ops=40), elsewhere, settings=settings(database=None, max_examples=2000))
+    events = first_stream(elsewhere, max_ops=40)
     frames = three_paths(store, tmp_path, events, FLEET)
     assert_same(frames)
     assert (frames[0]["best_instance"] != frames[0]["instance"]).any()
 
 
 def test_shared_tenant_policy_agrees(store: Store, tmp_path: Path) -> None:
-    from hypothesis import find
-
-    events = find(
-        lifecycle_streams(max_ops=30),
-        lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2 and len({e.tenant for e in evs}) >= 2,
-        settings=settings(database=None, max_examples=500),
-    )
+    events = first_stream(
+        lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2 and len({e.tenant for e in evs}) >= 2)
     assert_same(three_paths(store, tmp_path, events, Policy(shared_tenants=frozenset({"t2"}), keep_one_token=False)))
 
 
@@ -125,10 +118,8 @@ def test_scratch_tables_are_dropped(store: Store, tmp_path: Path) -> None:
 def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: Path) -> None:
     """A schema-v1 Parquet export has no more_keys column; it still analyzes, block by block."""
     import pyarrow.parquet as pq
-    from hypothesis import find
-
-    events = find(lifecycle_streams(max_ops=20), lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2
-                  and not any(e.more_keys for e in evs), settings=settings(database=None, max_examples=300))
+    events = first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2
+                          and not any(e.more_keys for e in evs), max_ops=20)
     store.insert_events(events)
     new = tmp_path / "v2.parquet"
     export_events(store, new)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import find, settings
-from lifecycle import RECIPES, lifecycle_streams
+from lifecycle import RECIPES, first_stream
 from polars.testing import assert_frame_equal
 
 from kvtrace.analysis.sql import StatementTiming, clickhouse_results, duckdb_results
@@ -20,8 +19,7 @@ SORT = ["ts_ns", "source_id", "seq"]
 
 
 def test_timings_name_every_statement_and_change_no_result(store: Store, tmp_path: Path) -> None:
-    events = find(lifecycle_streams(max_ops=30), lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3,
-                  settings=settings(database=None, max_examples=300))
+    events = first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3)
     store.insert_events(events)
     parquet = tmp_path / "events.parquet"
     export_events(store, parquet)
