@@ -137,19 +137,7 @@ def test_a_long_read_leaves_snapshots_along_the_way(store: Store) -> None:
 def test_live_verdicts_equal_the_streaming_rows(store: Store, events: list[Event], cuts: list[float]) -> None:
     """The collector's live reconstruction (one reconstructor per instance, fed the batches as
     they arrive, then stopped) writes the streaming path's rows."""
-    from kvtrace.analysis.sql import conform_results
-    from kvtrace.collector.live import LiveReconstruction
-    from kvtrace.collector.metrics import CollectorMetrics
-
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, rebuild=False)
-    bounds = sorted({int(c * len(ordered)) for c in cuts} | {0, len(ordered)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        live.feed(ordered[a:b])
-    live.tick(force=True)
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
-    assert_frame_equal(got, streaming(events), check_exact=True)
+    assert_frame_equal(_live_rows(store, events, cuts, Policy()), streaming(events), check_exact=True)
 
 
 @settings(max_examples=10, deadline=None,
