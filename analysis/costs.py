@@ -369,6 +369,17 @@ def routing_regret_seconds(results: pl.DataFrame, transfers: Iterable[TransferMo
     return pl.DataFrame(rows, schema=schema)
 
 
+def regret_by_pair(regret: pl.DataFrame) -> pl.DataFrame:
+    """Routing regret in seconds (`routing_regret_seconds`) by (instance sent to, best instance),
+    largest first; `unpriced` counts lookups with no seconds, `exact` says whether every priced
+    one was priced exactly."""
+    return regret.group_by("instance", "best_instance").agg(
+        pl.len().alias("lookups"), pl.col("regret_tokens").sum(), pl.col("regret_s").sum(),
+        pl.col("regret_s").is_null().sum().alias("unpriced"),
+        pl.col("best_exact").filter(pl.col("regret_s").is_not_null()).all().alias("exact"),
+    ).sort("regret_s", "instance", "best_instance", descending=[True, False, False])
+
+
 def waiting_seconds(events: pl.DataFrame) -> pl.DataFrame:
     """Time requests waited on loads still in flight when they were admitted, per model."""
     samples = transfer_samples(events).filter(pl.col("in_flight"))

@@ -19,6 +19,7 @@ from kvtrace.analysis.costs import (
     crossover_curve,
     fit_prefill,
     fit_transfers,
+    regret_by_pair,
     restore_decisions,
     routing_regret_seconds,
     waiting_seconds,
@@ -142,12 +143,7 @@ class CostReport:
         ).sort("model")
 
     def regret_by_pair(self) -> pl.DataFrame:
-        """Routing regret in seconds by (instance sent to, best instance), largest first."""
-        return self.regret.group_by("instance", "best_instance").agg(
-            pl.len().alias("lookups"), pl.col("regret_tokens").sum(), pl.col("regret_s").sum(),
-            pl.col("regret_s").is_null().sum().alias("unpriced"),
-            pl.col("best_exact").filter(pl.col("regret_s").is_not_null()).all().alias("exact"),
-        ).sort("regret_s", "instance", "best_instance", descending=[True, False, False])
+        return regret_by_pair(self.regret)
 
 
 def cost_report(events: pl.DataFrame, results: pl.DataFrame, starts: Sequence[int] = (0, 1024, 8192, 32768),

@@ -334,6 +334,8 @@ def create_dashboard_app(store: Store) -> FastAPI:
             parts.append("</section>")
         if path == "costs":
             parts.append(_costs(store, view))
+        if path == "fleet":
+            parts.append(_regret_seconds(store, view))
         return _page(title, path, base, view, window, choices(), "".join(parts))
 
     def route(path: str) -> Any:
@@ -374,16 +376,42 @@ def create_dashboard_app(store: Store) -> FastAPI:
     return app
 
 
+def _timed_events(store: Store, view: View) -> pl.DataFrame:
+    """What the cost models are fitted to: the timed loads and adopts in range (and the commits,
+    for bytes per token)."""
+    where = substitute(filters("events"), store.db, view.from_s, view.to_s, view.interval_s, view.variables)
+    return store.query_polars(
+        f"SELECT * FROM {store.db}.events FINAL WHERE {where} AND (kind IN ('load', 'adopt') AND duration_ns > 0 "
+        "OR kind = 'commit')")
+
+
+def _regret_seconds(store: Store, view: View) -> str:
+    """Routing regret in seconds by instance pair, priced by the cost models fitted in range
+    (a table only the web page has: Grafana's SQL cannot fit them)."""
+    from kvtrace.analysis.costs import fit_prefill, fit_transfers, regret_by_pair, routing_regret_seconds
+
+    title = "Routing regret in seconds, by instance pair (fitted cost models)"
+    where = substitute(filters("verdicts"), store.db, view.from_s, view.to_s, view.interval_s, view.variables)
+    rows = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL WHERE {where} AND routing_regret_tokens > 0")
+    if not rows.height:
+        return (f"<section data-panel='regret_seconds'><h2>{title}</h2><div class='empty' data-points='0'>No "
+                "routing regret in range.</div></section>")
+    events = _timed_events(store, view)
+    pairs = regret_by_pair(routing_regret_seconds(rows, fit_transfers(events), fit_prefill(events)))
+    note = ("<p class='desc'>Serving each regretted request where it was sent against on the best instance: "
+            "restore plus recompute, by the fitted load and prefill costs. exact is false where the best instance's "
+            "restore is priced on the slowest fitted path (the seconds are then a lower bound); unpriced counts "
+            f"requests whose model or restore path has no fitted cost. {_NO_TIMED}</p>")
+    return f"<section data-panel='regret_seconds'><h2>{title}</h2>{note}{_table(pairs)}</section>"
+
+
 def _costs(store: Store, view: View) -> str:
     """The crossover chart from the cost models fitted to the timed loads and adopts in range."""
     from kvtrace.analysis.costs import crossover_curve, fit_prefill, fit_transfers
     from kvtrace.analysis.planning import bytes_per_token
 
     title = "Restore beats recompute above this many tokens (fitted cost models)"
-    where = substitute(filters("events"), store.db, view.from_s, view.to_s, view.interval_s, view.variables)
-    events = store.query_polars(
-        f"SELECT * FROM {store.db}.events FINAL WHERE {where} AND (kind IN ('load', 'adopt') AND duration_ns > 0 "
-        "OR kind = 'commit')")
+    events = _timed_events(store, view)
     transfers, prefills = fit_transfers(events), fit_prefill(events)
     curve = crossover_curve(transfers, prefills, bytes_per_token(events), [0, 1024, 4096, 16384, 65536])
     if not curve.height:

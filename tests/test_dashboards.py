@@ -127,6 +127,17 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     assert [(r["pair"], r["regret_tokens"]) for r in rows["regret_pairs"]] == [
         ("engine-b -> engine-a", stages["routing regret"])]
     assert any(r["routing_regret"] > 0 for r in rows["regret"])
+    # and, on the web page only, that regret in seconds by the cost models fitted in range
+    from kvtrace.analysis.costs import fit_prefill, fit_transfers, routing_regret_seconds
+
+    events = store.query_polars(f"SELECT * FROM {store.db}.events FINAL")
+    priced = routing_regret_seconds(verdict_rows, fit_transfers(events), fit_prefill(events))
+    assert priced["regret_s"].null_count() == 0 and priced["regret_s"].sum() > 0
+    page = client.get("/fleet", params={"from": lo, "to": hi}).text
+    section = re.search(r"<section data-panel='regret_seconds'>(.*?)</section>", page, re.S).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", section)
+    assert cells[:4] == ["engine-b", "engine-a", str(priced.height), str(stages["routing regret"])], cells
+    assert float(cells[4]) == pytest.approx(priced["regret_s"].sum()) and cells[5] == "0"
     assert any(r["reason"] == "no_checkpoint_at_boundary" for r in rows["reasons"])
     assert {r["tier"] for r in rows["tiers"]} >= {"device", "host"}
     one = client.get("/api/panels/tiers",
@@ -193,6 +204,8 @@ def test_every_page_draws_in_headless_chromium(store: Store) -> None:
             want = {k: expected_points(store, k, lo, hi, interval) for k in keys}
             if path == "costs":
                 assert drawn.pop("crossover") > 0, "the crossover chart drew nothing"
+            if path == "fleet":
+                assert drawn.pop("regret_seconds") == 1, "one instance pair had regret"
             assert drawn == want, (path, drawn, want)
             shot = ARTIFACTS / f"dashboard-{path or 'funnel'}.png"
             subprocess.run([*args, "--window-size=1300,1800", f"--screenshot={shot}", url], capture_output=True,
