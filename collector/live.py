@@ -103,9 +103,14 @@ class LiveReconstruction:
             now = time.monotonic()
             results: list[LookupResult] = []
             by_slot: dict[str, list[Event]] = {}
-            for event in events:
-                by_slot.setdefault(self._slot(event.instance), []).append(event)
-                self._seen[event.instance] = now
+            if self.policy.fleet:
+                if events:
+                    by_slot[""] = events
+            else:
+                for event in events:
+                    by_slot.setdefault(event.instance, []).append(event)
+            for name in {e.instance for e in events} if self.policy.fleet else by_slot:
+                self._seen[name] = now
             for slot, batch in by_slot.items():
                 inst = self._instances.get(slot)
                 if inst is None:
