@@ -267,9 +267,13 @@ class CacheSimulator:
         slow = max(STORE_TIERS.index(src), STORE_TIERS.index(dst))
         if not slow:
             return int(block.nbytes / 1e12 * 1e9)
-        level = min(slow, 2) - 1
-        ns = self.config.load_latency_ns[level] + block.nbytes / self.config.load_bytes_per_s[level] * 1e9
-        return self._noisy(ns)
+        return self._noisy(self._copy_ns(STORE_TIERS[slow], block.nbytes))
+
+    def _copy_ns(self, slower: Tier, nbytes: float) -> float:
+        """One transfer of `nbytes` to or from the slower of its two tiers (host, or disk and
+        beyond), without noise: its latency plus the bytes at its bandwidth."""
+        level = min(STORE_TIERS.index(slower), 2) - 1
+        return self.config.load_latency_ns[level] + nbytes / self.config.load_bytes_per_s[level] * 1e9
 
     def prefill_ns(self, start: int, tokens: int) -> float:
         """The simulated cost of computing tokens [start, start + tokens), without noise."""
@@ -410,9 +414,7 @@ class CacheSimulator:
         engines' connectors report runs). The event's checksum is every block's: one that
         names several blocks of different bytes carries none (0, not computed)."""
         assert src is not None
-        level = min(STORE_TIERS.index(src), 2) - 1
-        total = sum(b.nbytes for b in run)
-        ns = self.config.load_latency_ns[level] + total / self.config.load_bytes_per_s[level] * 1e9
+        ns = self._copy_ns(src, sum(b.nbytes for b in run))
         first = run[0]
         checksum = first.tiers[src]
         if any(b.tiers[src] != checksum for b in run[1:]):
@@ -560,17 +562,19 @@ class CacheSimulator:
         ns = 0.0
         for g in self.recipe.groups:
             chain = chains[g.group_id]
-            last: tuple[Tier, int] | None = None  # the open run's tier and last block index
+            run: tuple[Tier, int] | None = None  # the open transfer's tier and last block index
+            nbytes = 0
             for i in g.needed(p) if p else ():
                 block = self._present(g, chain[i])
                 if block is None or Tier.DEVICE in block.tiers:
                     continue
                 src = next(t for t in self.config.fetch_tiers if t in block.tiers)
-                level = min(STORE_TIERS.index(src), 2) - 1
-                if last != (src, i - 1):
-                    ns += self.config.load_latency_ns[level]
-                ns += block.nbytes / self.config.load_bytes_per_s[level] * 1e9
-                last = (src, i)
+                if run is not None and run != (src, i - 1):
+                    ns += self._copy_ns(run[0], nbytes)
+                    nbytes = 0
+                run, nbytes = (src, i), nbytes + block.nbytes
+            if run is not None:
+                ns += self._copy_ns(run[0], nbytes)
         return ns + self.prefill_ns(p, len(request.tokens) - p)
 
     # -- faults -----------------------------------------------------------------------------------
