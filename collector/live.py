@@ -11,8 +11,10 @@ was already released is still used, and counted.
 
 With the fleet view (`Policy(fleet=True)`), every instance is judged against the others at the
 moment of each lookup, so all instances share one reconstructor and one reorder buffer,
-released in one global order on the fleet's watermark (its newest event minus `lateness_ns`;
-the instances' clocks must agree within it, as an instance's processes' already must). It
+released in one global order on the fleet's watermark: the newest event of its slowest instance
+still sending (heard from within `lateness_ns` of wall time) minus `lateness_ns`, so a sender
+that falls behind holds the others back instead of arriving late. The instances' clocks must
+agree within `lateness_ns`, as an instance's processes' already must. It
 needs the whole fleet's events on this collector: behind a load balancer that spreads
 instances over collectors, each judges against the instances it sees.
 
@@ -55,7 +57,7 @@ def _key(event: Event) -> tuple[int, int, int]:
 class _Instance:
     reconstructor: Reconstructor
     heap: list[tuple[tuple[int, int, int], int, Event]] = field(default_factory=list)
-    newest_ns: int = 0
+    newest: dict[str, int] = field(default_factory=dict)  # instance -> its newest event's ts_ns
     released: tuple[int, int, int] = (0, 0, 0)
     last_seen_s: float = 0.0
     counter: int = 0
@@ -118,13 +120,23 @@ class LiveReconstruction:
                 for event in batch:
                     inst.counter += 1
                     heapq.heappush(inst.heap, (_key(event), inst.counter, event))
-                    inst.newest_ns = max(inst.newest_ns, event.ts_ns)
+                    if event.ts_ns > inst.newest.get(event.instance, 0):
+                        inst.newest[event.instance] = event.ts_ns
                 inst.last_seen_s = now
             for inst in self._instances.values():
-                self._release(inst, inst.newest_ns - self.lateness_ns, results)
+                self._release(inst, self._watermark(inst, now), results)
                 self._close_ended(inst, results)
             self.metrics.live_instances.set(len(self._seen))
             return self._write(results)
+
+    def _watermark(self, inst: _Instance, now: float) -> int:
+        """Events up to here are released: the newest event of the slowest instance still
+        sending (one heard from within the lateness window, in wall time) less the lateness.
+        With one instance per reconstructor that is its own newest; under the fleet view a
+        sender that falls behind holds the fleet back rather than have its events come late,
+        and one gone quiet no longer does."""
+        active = [ts for name, ts in inst.newest.items() if now - self._seen.get(name, 0.0) < self.lateness_ns / 1e9]
+        return (min(active) if active else max(inst.newest.values(), default=0)) - self.lateness_ns
 
     def ended(self, sources: list[tuple[str, int]]) -> int:
         """(instance, source id) of emitters whose last stats say they ended, cleanly or not:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -27,14 +28,18 @@ COLUMNS = ("instance", "seen_anywhere_tokens", "recoverable_anywhere_tokens", "b
 
 
 def test_a_fleet_collector_writes_the_fleet_view_live(tmp_path: Path) -> None:
-    requests = _requests(60, "mooncake_synthetic_trace.jsonl")
-    proc = CollectorProcess(tmp_path, "--fleet", "--lateness-ms", "200")
+    # A request every 100 ms of the engines' clock, so the default 2 s lateness window covers
+    # how far one engine's sender may fall behind the others (they share this process's CPU).
+    start = time.time_ns()
+    requests = [replace(r, arrival_ns=start + i * 100_000_000)
+                for i, r in enumerate(_requests(60, "mooncake_synthetic_trace.jsonl"))]
+    proc = CollectorProcess(tmp_path, "--fleet")
     proc.start()
     try:
         emitters = [BatchEmitter(HttpSink(proc.url), BatchConfig(max_export_batch_size=512, schedule_delay_millis=20),
                                  register_atexit=False) for _ in range(3)]
         config = SimConfig(recipe=BUILTIN["dense"], instance="fleet", model="m", bytes_per_token=1024,
-                           capacity_bytes=(48 << 20, 96 << 20, 0), fetch_tiers=(Tier.HOST,), start_ns=time.time_ns())
+                           capacity_bytes=(48 << 20, 96 << 20, 0), fetch_tiers=(Tier.HOST,), start_ns=start)
         fleet = FleetSimulator(config, emitters, RoutePolicy.ROUND_ROBIN, seed=7)
         truths = {t.request_id: t for t in fleet.serve_all(requests)}
         for emitter in emitters:
@@ -45,6 +50,9 @@ def test_a_fleet_collector_writes_the_fleet_view_live(tmp_path: Path) -> None:
         while len(live := httpx.get(proc.url + "/v1/verdicts", params={"limit": 1000}, timeout=30).json()) < 60:
             assert time.monotonic() < deadline, len(live)
             time.sleep(0.5)
+        metrics = httpx.get(proc.url + "/metrics", timeout=30).text
+        assert 'live_events_skipped_total{reason="late"}' not in metrics, metrics  # every event in time
+        assert "live_events_released_early_total 0.0" in metrics
     finally:
         assert proc.stop()  # SIGTERM: drained, live state flushed
     assert len(live) == 60 and {r["instance"] for r in live} == {"fleet/0", "fleet/1", "fleet/2"}
