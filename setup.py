@@ -5,7 +5,7 @@ about the distribution is in pyproject.toml."""
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 # The top-level folders that make up the `kvtrace` namespace (tests, benchmarks and scripts
 # stay out of the wheel).
@@ -27,4 +27,8 @@ def _packages(room: Path) -> list[str]:
 
 packages = sorted(p for room in ROOMS for p in _packages(here / room))
 # kvtrace.<room> lives in ./<room>: the mapping of the namespace onto the repository root.
-setup(packages=packages, package_dir={"kvtrace": "."})
+# The compiled cache state (analysis/native_state.py says why). Optional: where no C compiler is
+# found the install goes on, and the reconstructor uses the Python state, slower, same rows.
+native = Extension("kvtrace.analysis._native", ["analysis/_native.c"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11"])
+setup(packages=packages, package_dir={"kvtrace": "."}, ext_modules=[native])

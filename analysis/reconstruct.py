@@ -15,6 +15,7 @@ import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
 from kvtrace.analysis.fleet import FleetView, alone, judge
+from kvtrace.analysis.native_state import NativeState, available
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
@@ -71,7 +72,7 @@ class Reconstructor:
     ) -> None:
         self.recipes = RecipeBook.of(recipes)
         self.policy = policy
-        self.state = CacheState(fleet=policy.fleet)
+        self.state: CacheState | NativeState = _new_state(policy)
         self.max_pending = max_pending
         self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
         # The block size of each group of a given recipe, by (engine, model); None: none given.
@@ -85,7 +86,9 @@ class Reconstructor:
         instances = self.recipes.instances
         return ReconstructorState(
             events_seen=self.events_seen, unmatched_adopts=self.unmatched_adopts,
-            pending_overflow=self.pending_overflow, state=self.state, pending=list(self._pending.values()),
+            pending_overflow=self.pending_overflow,
+            state=self.state.to_cache_state() if isinstance(self.state, NativeState) else self.state,
+            pending=list(self._pending.values()),
             published=[PublishedRecipe(src, engine, model, instances.get((src, engine, model), ""), recipe)
                        for (src, engine, model), recipe in self.recipes.published.items()],
         )
@@ -104,7 +107,8 @@ class Reconstructor:
         rec = cls(recipes, policy, max_pending)
         for p in captured.published:
             rec.recipes = rec.recipes.publish(p.source_id, p.engine, p.model, p.recipe, p.instance)
-        rec.state = captured.state
+        rec.state = NativeState.from_cache_state(captured.state, policy.shared_tenants) \
+            if isinstance(rec.state, NativeState) else captured.state
         rec.events_seen = captured.events_seen
         rec.unmatched_adopts = captured.unmatched_adopts
         rec.pending_overflow = captured.pending_overflow
@@ -156,8 +160,11 @@ class Reconstructor:
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
         recipe = self.recipe_for(event.model, event.engine, event.source_id)
-        own = evaluate(self.state, recipe, event, self.policy)
-        fleet = judge(self.state, recipe, event, own, self.policy) if self.policy.fleet else None
+        state = self.state
+        own = state.evaluate(recipe, event, self.policy) if isinstance(state, NativeState) \
+            else evaluate(state, recipe, event, self.policy)
+        fleet = judge(state, recipe, event, own, self.policy) if isinstance(state, CacheState) and state.fleet \
+            else None
         self._pending[key] = _Pending(event, recipe, own, self.state.changes_of(event.instance), fleet)
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
@@ -199,13 +206,11 @@ class Reconstructor:
             # its lookup.
             state, instance = self.state, lookup.instance
             if state.changes_of(instance) != pending.changes or instance in state.leased:
-                at_use = evaluate(
-                    state,
-                    pending.recipe,
-                    msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
-                    self.policy,
-                    explain_up_to=recoverable,
-                )
+                if isinstance(state, NativeState):
+                    at_use = state.evaluate(pending.recipe, lookup, self.policy, recoverable, adopt.ts_ns)
+                else:
+                    at_use = evaluate(state, pending.recipe, msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
+                                      self.policy, explain_up_to=recoverable)
                 if at_use.recoverable < recoverable:
                     recoverable = at_use.recoverable
                     resident = min(resident, at_use.resident)
@@ -259,10 +264,17 @@ class Reconstructor:
             chain = lookup.group_block_keys[g.group_id] if g.group_id < len(lookup.group_block_keys) else []
             for i in g.needed(adopted // g.block_size * g.block_size):
                 if i < len(chain):
-                    obj = self.state.get(lookup.instance, g.group_id, chain[i])
-                    if obj is not None and obj.tenant != lookup.tenant:
+                    tenant = self.state.tenant_of(lookup.instance, g.group_id, chain[i])
+                    if tenant is not None and tenant != lookup.tenant:
                         return True
         return False
+
+
+def _new_state(policy: Policy) -> CacheState | NativeState:
+    """The compiled state where it is built, except for the fleet view, whose index is Python's."""
+    if policy.fleet or not available():
+        return CacheState(fleet=policy.fleet)
+    return NativeState(policy.shared_tenants)
 
 
 def reconstruct(

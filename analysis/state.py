@@ -223,6 +223,11 @@ class CacheState:
         table = self.tables.get((instance, group_id))
         return table.get(block_key) if table is not None else None
 
+    def tenant_of(self, instance: str, group_id: int, block_key: int) -> str | None:
+        """The tenant of the object's last commit ("" if none), None when no such object."""
+        obj = self.get(instance, group_id, block_key)
+        return None if obj is None else obj.tenant
+
     def object_count(self) -> int:
         return sum(map(len, self.tables.values()))
 

@@ -4,7 +4,7 @@
 # static tools (type checkers, code maps) follow like any installed package; the default mode
 # maps the namespace with an import hook they cannot see. A link tree does not see a module
 # added or removed later, so the install is redone (without dependencies: seconds) whenever the
-# list of kvtrace's files changes, and redone whole when kvtrace's dependencies or the pins do.
+# list of kvtrace's files (or a C source's content) changes, and redone whole when kvtrace's dependencies or the pins do.
 
 kvtrace_deps_stamp() {
   # What pip resolves for kvtrace: its dependencies and extras, and the constraints.
@@ -17,7 +17,10 @@ print(json.dumps([project["dependencies"], project["optional-dependencies"]], so
 kvtrace_tree_stamp() {
   { cat setup.py
     find schema store instrumentation collector analysis dashboards cli -type f \
-      \( -name '*.py' -o -path 'cli/data/*' \) -not -path '*/__pycache__/*' | LC_ALL=C sort
+      \( -name '*.py' -o -name '*.c' -o -path 'cli/data/*' \) -not -path '*/__pycache__/*' | LC_ALL=C sort
+    # A compiled module is built from its source's content, not linked: a changed source rebuilds.
+    find schema store instrumentation collector analysis dashboards cli -type f -name '*.c' | LC_ALL=C sort \
+      | xargs -r cat
   } | sha256sum | cut -c1-16
 }
 

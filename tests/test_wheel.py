@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from collections.abc import Iterator
@@ -220,7 +221,12 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_rooms(tree: Path, whe
     files = [p for room in rooms for p in (tree / room).rglob("*.py")]
     files += (tree / "cli" / "data").iterdir()  # the package data
     want = {f"kvtrace/{p.relative_to(tree).as_posix()}" for p in files}
-    assert "kvtrace/instrumentation/lmcache/shim.py" in want
+    # Each C source, compiled for this Python (the build's compiler is on every machine the
+    # tests run on: without it, the wheel would be pure Python, and the reconstructor slower).
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    want |= {f"kvtrace/{p.relative_to(tree).with_suffix('').as_posix()}{suffix}"
+             for room in rooms for p in (tree / room).rglob("*.c")}
+    assert "kvtrace/instrumentation/lmcache/shim.py" in want and "kvtrace/analysis/_native" + suffix in want
     got = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("kvtrace/")}
     assert sorted(want - got) == [] and sorted(got - want) == []
 

@@ -1,0 +1,868 @@
+/* The cache state and the evaluation of one lookup, compiled: the per-block work of the
+ * streaming reconstructor (`analysis.state.CacheState.apply` and `analysis.evaluate.evaluate`).
+ *
+ * Why: a lookup or a commit run touches tens of blocks, and in Python each block costs a dict
+ * get, a Struct and a few attribute reads; live verdicts paid ~17 us of it per event. Here a
+ * block is one probe of an open-addressing table and a few loads from a flat array.
+ *
+ * The rules are exactly the Python ones (the tests feed the same streams through both and
+ * compare every row); `analysis.native_state` wraps this module so the reconstructor cannot
+ * tell them apart. Strings never cross: the wrapper interns instances, (instance, group)
+ * tables, tenants, adapters and identities to small ints, and formats a gap's detail text
+ * from the codes returned here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NTIERS 5 /* Tier: NONE, DEVICE, HOST, DISK, REMOTE (the wrapper's order) */
+#define T_NONE 0
+#define T_DEVICE 1
+#define EMPTY UINT32_MAX
+
+/* GapReason, in the order of the wrapper's _GAPS. */
+enum { G_NONE, G_MISSING_BLOCK, G_WINDOW, G_NO_CHECKPOINT, G_MISSING_TAIL, G_INDEXER, G_NOT_RESIDENT,
+       G_LEASE, G_IDENTITY, G_TENANT, G_MISALIGNED, G_UNCOMMITTED, G_INVALIDATED, G_CHECKSUM,
+       G_CHANGED, G_ROLLBACK };
+/* How a group's blocks cover a boundary (GroupSpec.needed); C_INDEXER is C_PREFIX whose epoch
+ * mismatch is its own reason. */
+enum { C_PREFIX, C_SLIDING, C_MAMBA, C_TAIL, C_INDEXER };
+/* What a gap's detail text is made of (the wrapper writes it). */
+enum { D_NONE, D_REASON, D_NO_COMMIT, D_TENANT, D_IDENTITY, D_TIER, D_BEYOND, D_MISALIGNED };
+/* CopyStatus */
+enum { S_INVALIDATED = 1, S_UNCOMMITTED, S_CORRUPT, S_OK };
+
+static const int TIER_RANK[NTIERS] = {4, 0, 1, 2, 3};
+
+typedef struct {
+    uint64_t nbytes, checksum;
+    int64_t ord;
+    uint8_t committed;
+} Copy;
+
+typedef struct {
+    uint64_t key;
+    uint64_t commit_checksum, commit_nbytes;
+    int64_t lease, inv_ord;
+    Copy copies[NTIERS];
+    uint32_t table, identity, tenant, adapter;
+    uint8_t mask, has_commit, inv_reason;
+} Obj;
+
+typedef struct {
+    uint64_t key;
+    uint32_t table, idx; /* idx EMPTY: a free slot */
+} Entry;
+
+typedef struct {
+    int64_t ord;
+    uint32_t tenant, adapter;
+    uint8_t tier, reason;
+} Scope;
+
+typedef struct {
+    Scope *s;
+    uint32_t n, cap;
+} Scopes;
+
+typedef struct {
+    uint32_t f[6]; /* model, model_revision, adapter, transform, kv_dtype, layout */
+    uint64_t epoch;
+} Ident;
+
+typedef struct {
+    uint8_t present, usable, resident, reason, dkind, rtier;
+    uint32_t darg, darg2;
+    uint64_t rbytes;
+} Check;
+
+typedef struct {
+    PyObject_HEAD
+    Entry *tab;
+    size_t tcap, tcount;
+    Obj *objs;
+    uint32_t nobj, objcap;
+    uint32_t *freel;
+    uint32_t nfree, freecap;
+    Scopes *bulk;
+    uint32_t nbulk;
+    Ident *idents;
+    uint32_t nident;
+    uint32_t *shared;
+    uint32_t nshared;
+    uint8_t rollback;
+    /* evaluate's scratch, kept between calls */
+    Check *checks;
+    int32_t *sums;
+    size_t scap;
+} State;
+
+static inline uint64_t mix(uint64_t key, uint32_t table) {
+    uint64_t h = key ^ ((uint64_t)table * 0x9E3779B97F4A7C15ULL);
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static int grow_table(State *s) {
+    size_t ncap = s->tcap ? s->tcap * 2 : 1024;
+    Entry *nt = PyMem_RawMalloc(ncap * sizeof(Entry));
+    if (!nt) return -1;
+    for (size_t i = 0; i < ncap; i++) nt[i].idx = EMPTY;
+    for (size_t i = 0; i < s->tcap; i++) {
+        Entry e = s->tab[i];
+        if (e.idx == EMPTY) continue;
+        size_t j = mix(e.key, e.table) & (ncap - 1);
+        while (nt[j].idx != EMPTY) j = (j + 1) & (ncap - 1);
+        nt[j] = e;
+    }
+    PyMem_RawFree(s->tab);
+    s->tab = nt;
+    s->tcap = ncap;
+    return 0;
+}
+
+/* The slot holding (table, key), or the free slot where it would go. */
+static inline size_t probe(const State *s, uint32_t table, uint64_t key) {
+    size_t m = s->tcap - 1, j = mix(key, table) & m;
+    while (s->tab[j].idx != EMPTY && (s->tab[j].key != key || s->tab[j].table != table)) j = (j + 1) & m;
+    return j;
+}
+
+static inline Obj *find(const State *s, uint32_t table, uint64_t key) {
+    if (!s->tcap) return NULL;
+    size_t j = probe(s, table, key);
+    return s->tab[j].idx == EMPTY ? NULL : &s->objs[s->tab[j].idx];
+}
+
+/* A new, empty object for (table, key), which must not exist. */
+static Obj *born(State *s, uint32_t table, uint64_t key) {
+    if ((s->tcount + 1) * 2 > s->tcap && grow_table(s) < 0) return NULL;
+    uint32_t idx;
+    if (s->nfree) {
+        idx = s->freel[--s->nfree];
+    } else {
+        if (s->nobj == s->objcap) {
+            uint32_t ncap = s->objcap ? s->objcap * 2 : 1024;
+            Obj *no = PyMem_RawRealloc(s->objs, (size_t)ncap * sizeof(Obj));
+            if (!no) return NULL;
+            s->objs = no;
+            s->objcap = ncap;
+        }
+        idx = s->nobj++;
+    }
+    size_t j = probe(s, table, key);
+    s->tab[j].key = key;
+    s->tab[j].table = table;
+    s->tab[j].idx = idx;
+    s->tcount++;
+    Obj *o = &s->objs[idx];
+    memset(o, 0, sizeof(Obj));
+    o->key = key;
+    o->table = table;
+    return o;
+}
+
+/* Forget (table, key): backward-shift deletion keeps every probe chain unbroken. */
+static int forget(State *s, uint32_t table, uint64_t key) {
+    size_t m = s->tcap - 1, i = probe(s, table, key);
+    if (s->tab[i].idx == EMPTY) return 0;
+    if (s->nfree == s->freecap) {
+        uint32_t ncap = s->freecap ? s->freecap * 2 : 1024;
+        uint32_t *nf = PyMem_RawRealloc(s->freel, (size_t)ncap * sizeof(uint32_t));
+        if (!nf) return -1;
+        s->freel = nf;
+        s->freecap = ncap;
+    }
+    s->freel[s->nfree++] = s->tab[i].idx;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & m;
+        if (s->tab[j].idx == EMPTY) break;
+        size_t home = mix(s->tab[j].key, s->tab[j].table) & m;
+        /* move j back to i unless its home lies cyclically in (i, j] */
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            s->tab[i] = s->tab[j];
+            i = j;
+        }
+    }
+    s->tab[i].idx = EMPTY;
+    s->tcount--;
+    return 0;
+}
+
+static int ensure_scratch(State *s, size_t blocks, size_t groups) {
+    size_t need = blocks + groups + 8;
+    if (need <= s->scap) return 0;
+    size_t ncap = need * 2;
+    Check *nc = PyMem_RawRealloc(s->checks, ncap * sizeof(Check));
+    if (!nc) return -1;
+    s->checks = nc;
+    int32_t *ns = PyMem_RawRealloc(s->sums, ncap * 3 * sizeof(int32_t));
+    if (!ns) return -1;
+    s->sums = ns;
+    s->scap = ncap;
+    return 0;
+}
+
+/* -- argument helpers ------------------------------------------------------------------------ */
+
+static inline int u64(PyObject *o, uint64_t *out) {
+    *out = PyLong_AsUnsignedLongLongMask(o);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int i64(PyObject *o, int64_t *out) {
+    *out = PyLong_AsLongLong(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+#define NEED(n, name)                                                                    \
+    if (nargs != (n)) {                                                                  \
+        PyErr_Format(PyExc_TypeError, name "() takes %d arguments (%zd given)", (n), nargs); \
+        return NULL;                                                                     \
+    }
+
+/* The keys of a fact: its block_key, then its run's more_keys (a list, or None). Calls fn on each. */
+#define EACH_KEY(first, more, body)                                             \
+    do {                                                                        \
+        uint64_t key = (first);                                                 \
+        body;                                                                   \
+        if ((more) != Py_None) {                                                \
+            Py_ssize_t _n = PyList_GET_SIZE(more);                              \
+            for (Py_ssize_t _i = 0; _i < _n; _i++) {                            \
+                if (u64(PyList_GET_ITEM(more, _i), &key) < 0) return NULL;      \
+                body;                                                           \
+            }                                                                   \
+        }                                                                       \
+    } while (0)
+
+/* write(table, block_key, more_keys, tier, committed, nbytes, checksum, ord, identity, tenant,
+ *       adapter, lease, commit): a create, commit or transfer writing `tier`'s copy. With
+ *       `commit`, the object's commit (identity, tenant, adapter, checksum, nbytes) and its lease
+ *       (even none) are set; otherwise only a lease it names. */
+static PyObject *State_write(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(13, "write");
+    uint64_t first, nbytes, checksum;
+    int64_t ord, lease;
+    if (!PyList_Check(args[2]) && args[2] != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0) return NULL;
+    PyObject *more = args[2];
+    long tier = PyLong_AsLong(args[3]);
+    int committed = PyObject_IsTrue(args[4]);
+    if (u64(args[5], &nbytes) < 0 || u64(args[6], &checksum) < 0 || i64(args[7], &ord) < 0) return NULL;
+    uint32_t identity = (uint32_t)PyLong_AsUnsignedLong(args[8]);
+    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[9]);
+    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[10]);
+    if (i64(args[11], &lease) < 0) return NULL;
+    int commit = PyObject_IsTrue(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %ld", tier);
+    Copy copy = {nbytes, checksum, ord, (uint8_t)committed};
+    EACH_KEY(first, more, {
+        Obj *o = find(s, table, key);
+        if (o == NULL) {
+            if ((o = born(s, table, key)) == NULL) return PyErr_NoMemory();
+            o->copies[tier] = copy;
+            o->mask = (uint8_t)(1u << tier);
+            o->lease = lease;
+            if (commit) {
+                o->has_commit = 1;
+                o->identity = identity;
+                o->tenant = tenant;
+                o->adapter = adapter;
+                o->commit_checksum = checksum;
+                o->commit_nbytes = nbytes;
+            }
+        } else {
+            o->copies[tier] = copy;
+            o->mask |= (uint8_t)(1u << tier);
+            if (commit) {
+                o->has_commit = 1;
+                o->identity = identity;
+                o->tenant = tenant;
+                o->adapter = adapter;
+                o->commit_checksum = checksum;
+                o->commit_nbytes = nbytes;
+                o->lease = lease;
+            } else if (lease) {
+                o->lease = lease;
+            }
+        }
+    });
+    Py_RETURN_NONE;
+}
+
+/* evict(table, block_key, more_keys, tier): drop that tier's copy; an object left with none is forgotten. */
+static PyObject *State_evict(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(4, "evict");
+    uint64_t first;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0) return NULL;
+    PyObject *more = args[2];
+    if (!PyList_Check(more) && more != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
+    long tier = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %ld", tier);
+    EACH_KEY(first, more, {
+        Obj *o = find(s, table, key);
+        if (o != NULL) {
+            o->mask &= (uint8_t)~(1u << tier);
+            if (!o->mask && forget(s, table, key) < 0) return PyErr_NoMemory();
+        }
+    });
+    Py_RETURN_NONE;
+}
+
+/* invalidate(table, block_key, more_keys, ord, reason): the objects' own invalidation. */
+static PyObject *State_invalidate(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(5, "invalidate");
+    uint64_t first;
+    int64_t ord;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0 || i64(args[3], &ord) < 0) return NULL;
+    PyObject *more = args[2];
+    if (!PyList_Check(more) && more != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
+    long reason = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    EACH_KEY(first, more, {
+        Obj *o = find(s, table, key);
+        if (o != NULL) {
+            o->inv_ord = ord;
+            o->inv_reason = (uint8_t)reason;
+        }
+    });
+    Py_RETURN_NONE;
+}
+
+/* bulk(instance, tier, tenant, adapter, ord, reason): the latest bulk invalidation of one scope
+ * ("" / NONE, id 0: any). */
+static PyObject *State_bulk(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(6, "bulk");
+    uint32_t inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    long tier = PyLong_AsLong(args[1]);
+    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[2]);
+    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[3]);
+    int64_t ord;
+    if (i64(args[4], &ord) < 0) return NULL;
+    long reason = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (inst >= s->nbulk) {
+        uint32_t n = inst + 16;
+        Scopes *nb = PyMem_RawRealloc(s->bulk, (size_t)n * sizeof(Scopes));
+        if (!nb) return PyErr_NoMemory();
+        memset(nb + s->nbulk, 0, (size_t)(n - s->nbulk) * sizeof(Scopes));
+        s->bulk = nb;
+        s->nbulk = n;
+    }
+    Scopes *sc = &s->bulk[inst];
+    for (uint32_t i = 0; i < sc->n; i++) {
+        Scope *x = &sc->s[i];
+        if (x->tier == tier && x->tenant == tenant && x->adapter == adapter) {
+            x->ord = ord;
+            x->reason = (uint8_t)reason;
+            Py_RETURN_NONE;
+        }
+    }
+    if (sc->n == sc->cap) {
+        uint32_t ncap = sc->cap ? sc->cap * 2 : 4;
+        Scope *ns = PyMem_RawRealloc(sc->s, (size_t)ncap * sizeof(Scope));
+        if (!ns) return PyErr_NoMemory();
+        sc->s = ns;
+        sc->cap = ncap;
+    }
+    sc->s[sc->n++] = (Scope){ord, tenant, adapter, (uint8_t)tier, (uint8_t)reason};
+    Py_RETURN_NONE;
+}
+
+/* identity(id, model, revision, adapter, transform, kv_dtype, layout, epoch): ids of strings. */
+static PyObject *State_identity(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(8, "identity");
+    uint32_t id = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    Ident x;
+    for (int i = 0; i < 6; i++) x.f[i] = (uint32_t)PyLong_AsUnsignedLong(args[1 + i]);
+    if (u64(args[7], &x.epoch) < 0) return NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (id >= s->nident) {
+        uint32_t n = id + 64;
+        Ident *ni = PyMem_RawRealloc(s->idents, (size_t)n * sizeof(Ident));
+        if (!ni) return PyErr_NoMemory();
+        memset(ni + s->nident, 0, (size_t)(n - s->nident) * sizeof(Ident));
+        s->idents = ni;
+        s->nident = n;
+    }
+    s->idents[id] = x;
+    Py_RETURN_NONE;
+}
+
+/* -- evaluation ------------------------------------------------------------------------------ */
+
+/* The latest invalidation that applies to o's copy on `tier` (CacheState.invalidation). */
+static inline void invalidation(const State *s, uint32_t inst, const Obj *o, int tier, int64_t *ord, uint8_t *reason) {
+    *ord = o->inv_ord;
+    *reason = o->inv_reason;
+    if (inst >= s->nbulk) return;
+    const Scopes *sc = &s->bulk[inst];
+    uint32_t tenant = o->has_commit ? o->tenant : 0, adapter = o->has_commit ? o->adapter : 0;
+    for (uint32_t i = 0; i < sc->n; i++) {
+        const Scope *x = &sc->s[i];
+        if ((x->tier == T_NONE || x->tier == tier) && (x->tenant == 0 || x->tenant == tenant) &&
+            (x->adapter == 0 || x->adapter == adapter) && x->ord > *ord) {
+            *ord = x->ord;
+            *reason = x->reason;
+        }
+    }
+}
+
+typedef struct {
+    uint32_t inst, identity, tenant;
+    int64_t ts;
+} Request;
+
+/* check_object: is this block usable by this request now? The first failing rule names the reason. */
+static void check(const State *s, const Request *rq, const Obj *o, int component, uint8_t missing, Check *out) {
+    memset(out, 0, sizeof(Check));
+    if (o == NULL || !o->mask) {
+        out->reason = missing;
+        return;
+    }
+    int best = S_INVALIDATED, good = 0;
+    int64_t by_ord = 0;
+    uint8_t by_reason = 0;
+    for (int t = 0; t < NTIERS; t++) {
+        if (!(o->mask & (1u << t))) continue;
+        const Copy *c = &o->copies[t];
+        int64_t iord;
+        uint8_t ireason;
+        invalidation(s, rq->inst, o, t, &iord, &ireason);
+        int status;
+        if (iord > c->ord) {
+            status = S_INVALIDATED;
+            if (iord > by_ord) {
+                by_ord = iord;
+                by_reason = ireason;
+            }
+        } else if (!c->committed) {
+            status = S_UNCOMMITTED;
+        } else if (o->has_commit && o->commit_checksum && c->checksum && c->checksum != o->commit_checksum) {
+            status = S_CORRUPT;
+        } else {
+            status = S_OK;
+            good |= 1 << t;
+        }
+        if (status > best) best = status;
+    }
+    out->present = 1;
+    uint8_t reason = G_NONE;
+    if (best == S_INVALIDATED) {
+        reason = by_reason == s->rollback ? G_ROLLBACK : G_INVALIDATED;
+        out->dkind = D_REASON;
+        out->darg = by_reason;
+    } else if (best == S_UNCOMMITTED) {
+        reason = G_UNCOMMITTED;
+    } else if (best == S_CORRUPT) {
+        reason = G_CHECKSUM;
+    } else if (!o->has_commit) {
+        reason = G_UNCOMMITTED;
+        out->dkind = D_NO_COMMIT;
+    } else {
+        int shared = 0;
+        for (uint32_t i = 0; i < s->nshared; i++) shared |= s->shared[i] == o->tenant;
+        if (o->tenant != rq->tenant && !shared) {
+            reason = G_TENANT;
+            out->dkind = D_TENANT;
+            out->darg = o->tenant;
+        } else if (o->identity != rq->identity) {
+            const Ident *have = &s->idents[o->identity], *want = &s->idents[rq->identity];
+            for (int i = 0; i < 7; i++) {
+                uint64_t h = i < 6 ? have->f[i] : have->epoch, w = i < 6 ? want->f[i] : want->epoch;
+                if (h != w && (i == 2 || (h && w))) {
+                    reason = (component == C_INDEXER && i == 6) ? G_INDEXER : G_IDENTITY;
+                    out->dkind = D_IDENTITY;
+                    out->darg = (uint32_t)i;
+                    out->darg2 = o->identity;
+                    break;
+                }
+            }
+        }
+        if (reason == G_NONE && o->lease && o->lease <= rq->ts) reason = G_LEASE;
+    }
+    if (reason != G_NONE) {
+        out->reason = reason;
+        return;
+    }
+    if (good & (1 << T_DEVICE)) {
+        out->usable = out->resident = 1;
+        out->rtier = T_DEVICE;
+        return;
+    }
+    int source = -1;
+    for (int t = 0; t < NTIERS; t++)
+        if ((good & (1 << t)) && (source < 0 || TIER_RANK[t] < TIER_RANK[source])) source = t;
+    out->usable = 1;
+    out->reason = G_NOT_RESIDENT;
+    out->dkind = D_TIER;
+    out->darg = (uint32_t)source;
+    out->rtier = (uint8_t)source;
+    out->rbytes = o->copies[source].nbytes ? o->copies[source].nbytes : (o->has_commit ? o->commit_nbytes : 0);
+}
+
+typedef struct {
+    int64_t group_id, component, b, window, ratio;
+    uint8_t missing;
+    Py_ssize_t n; /* blocks in the request's chain for this group */
+    Check *checks;
+    int32_t *present, *usable, *resident; /* prefix sums, n + 1 each */
+} View;
+
+static inline void needed(const View *v, int64_t p, int64_t *start, int64_t *stop) {
+    int64_t b = v->b;
+    if (p <= 0) {
+        *start = *stop = 0;
+        return;
+    }
+    *stop = p / b;
+    switch (v->component) {
+    case C_SLIDING:
+        *start = (p - v->window > 0 ? p - v->window : 0) / b;
+        break;
+    case C_MAMBA:
+        *start = p / b - 1;
+        break;
+    case C_TAIL:
+        *start = (p / v->ratio) * v->ratio / b;
+        break;
+    default:
+        *start = 0;
+    }
+    if (*stop < *start) *stop = *start; /* an empty range, as Python's */
+}
+
+static inline int all_of(const View *v, const int32_t *sums, int64_t p) {
+    int64_t start, stop;
+    needed(v, p, &start, &stop);
+    if (stop == start) return 1;
+    if (stop > v->n || start < 0) return 0;
+    return sums[stop] - sums[start] == stop - start;
+}
+
+static int64_t hash_hit(const View *v, int64_t cap) {
+    if (!v->present[v->n]) return 0;
+    for (int64_t p = cap / v->b * v->b; p > 0; p -= v->b) {
+        int64_t start, stop;
+        needed(v, p, &start, &stop);
+        if (stop > start && stop <= v->n && start >= 0 && v->present[stop] - v->present[start] == stop - start)
+            return p;
+    }
+    return 0;
+}
+
+/* evaluate(instance, tables, chains, groups, step, cap, identity, tenant, ts, explain_up_to)
+ *   tables: per group (in `groups`' order), the table id of (instance, group), or -1
+ *   chains: the lookup's group_block_keys
+ *   groups: per group, (group_id, component, block_size, window, ratio, missing reason)
+ * -> (logical, recoverable, resident, reason, reason_group, detail kind, detail arg, detail arg 2,
+ *     group_logical, ((restore tier, bytes), ...)) */
+static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(10, "evaluate");
+    Request rq;
+    rq.inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    PyObject *tables = args[1], *chains = args[2], *groups = args[3];
+    int64_t step, cap, explain;
+    if (i64(args[4], &step) < 0 || i64(args[5], &cap) < 0) return NULL;
+    rq.identity = (uint32_t)PyLong_AsUnsignedLong(args[6]);
+    rq.tenant = (uint32_t)PyLong_AsUnsignedLong(args[7]);
+    if (i64(args[8], &rq.ts) < 0 || i64(args[9], &explain) < 0) return NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(tables) || !PyList_Check(chains) || !PyTuple_Check(groups))
+        return PyErr_Format(PyExc_TypeError, "evaluate: tables and groups are tuples, chains a list");
+    if (rq.identity >= s->nident) return PyErr_Format(PyExc_ValueError, "identity %u not registered", rq.identity);
+    Py_ssize_t ng = PyTuple_GET_SIZE(groups), nchains = PyList_GET_SIZE(chains);
+    if (PyTuple_GET_SIZE(tables) != ng) return PyErr_Format(PyExc_ValueError, "evaluate: one table per group");
+    View views[64];
+    if (ng > 64) return PyErr_Format(PyExc_ValueError, "evaluate: at most 64 groups");
+    size_t blocks = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        PyObject *spec = PyTuple_GET_ITEM(groups, g);
+        View *v = &views[g];
+        v->group_id = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 0));
+        v->component = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 1));
+        v->b = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 2));
+        v->window = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 3));
+        v->ratio = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 4));
+        v->missing = (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(spec, 5));
+        if (PyErr_Occurred()) return NULL;
+        if (v->b <= 0 || (v->component == C_TAIL && v->ratio <= 0)) return PyErr_Format(PyExc_ValueError, "bad group");
+        PyObject *chain = v->group_id < nchains ? PyList_GET_ITEM(chains, v->group_id) : NULL;
+        if (chain != NULL && !PyList_Check(chain)) return PyErr_Format(PyExc_TypeError, "a chain is a list");
+        v->n = chain ? PyList_GET_SIZE(chain) : 0;
+        blocks += (size_t)v->n + 1;
+    }
+    if (ensure_scratch(s, blocks, (size_t)ng) < 0) return PyErr_NoMemory();
+    size_t off = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        View *v = &views[g];
+        v->checks = s->checks + off;
+        v->present = s->sums + off * 3;
+        v->usable = v->present + v->n + 1;
+        v->resident = v->usable + v->n + 1;
+        off += (size_t)v->n + 1;
+        long table = PyLong_AsLong(PyTuple_GET_ITEM(tables, g));
+        PyObject *chain = v->n ? PyList_GET_ITEM(chains, v->group_id) : NULL;
+        v->present[0] = v->usable[0] = v->resident[0] = 0;
+        for (Py_ssize_t i = 0; i < v->n; i++) {
+            uint64_t key;
+            if (u64(PyList_GET_ITEM(chain, i), &key) < 0) return NULL;
+            const Obj *o = (table >= 0 && key != 0) ? find(s, (uint32_t)table, key) : NULL;
+            Check *c = &v->checks[i];
+            check(s, &rq, o, (int)v->component, v->missing, c);
+            v->present[i + 1] = v->present[i] + c->present;
+            v->usable[i + 1] = v->usable[i] + c->usable;
+            v->resident[i + 1] = v->resident[i] + c->resident;
+        }
+    }
+    PyObject *group_logical = PyTuple_New(ng);
+    if (!group_logical) return NULL;
+    int64_t logical = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        int64_t h = hash_hit(&views[g], cap);
+        if (h > logical) logical = h;
+        PyTuple_SET_ITEM(group_logical, g, PyLong_FromLongLong(h));
+    }
+    int64_t top = logical / step * step, recoverable = top;
+    for (; recoverable > 0; recoverable -= step) {
+        int ok = 1;
+        for (Py_ssize_t g = 0; g < ng && ok; g++) ok = all_of(&views[g], views[g].usable, recoverable);
+        if (ok) break;
+    }
+    if (recoverable < 0) recoverable = 0;
+    int64_t resident = recoverable;
+    for (; resident > 0; resident -= step) {
+        int ok = 1;
+        for (Py_ssize_t g = 0; g < ng && ok; g++) ok = all_of(&views[g], views[g].resident, resident);
+        if (ok) break;
+    }
+    if (resident < 0) resident = 0;
+    long reason = G_NONE, group_id = -1, dkind = D_NONE;
+    unsigned long long darg = 0, darg2 = 0;
+    int64_t target = explain ? explain / step * step : top;
+    if (recoverable < target) {
+        for (Py_ssize_t g = 0; g < ng && group_id < 0; g++) {
+            const View *v = &views[g];
+            int64_t start, stop;
+            needed(v, target, &start, &stop);
+            for (int64_t i = start; i < stop; i++) {
+                if (i >= v->n) {
+                    reason = v->missing, dkind = D_BEYOND, group_id = (long)v->group_id;
+                    break;
+                }
+                const Check *c = &v->checks[i < 0 ? v->n + i : i];
+                if (!c->usable) {
+                    reason = c->reason, dkind = c->dkind, darg = c->darg, darg2 = c->darg2;
+                    group_id = (long)v->group_id;
+                    break;
+                }
+            }
+        }
+    } else if (top < logical) {
+        reason = G_MISALIGNED, dkind = D_MISALIGNED, darg = (unsigned long long)logical;
+        darg2 = (unsigned long long)step;
+    }
+    uint64_t restore[NTIERS] = {0};
+    int order[NTIERS], norder = 0, seen = 0;
+    if (resident < recoverable) {
+        for (Py_ssize_t g = 0; g < ng; g++) {
+            const View *v = &views[g];
+            int64_t start, stop;
+            needed(v, recoverable, &start, &stop);
+            for (int64_t i = start; i < stop; i++) {
+                const Check *c = &v->checks[i < 0 ? v->n + i : i];
+                if (!c->resident) {
+                    if (!(seen & (1 << c->rtier))) {
+                        seen |= 1 << c->rtier;
+                        order[norder++] = c->rtier;
+                    }
+                    restore[c->rtier] += c->rbytes;
+                }
+            }
+        }
+    }
+    PyObject *rest = PyTuple_New(norder);
+    if (!rest) {
+        Py_DECREF(group_logical);
+        return NULL;
+    }
+    for (int i = 0; i < norder; i++)
+        PyTuple_SET_ITEM(rest, i, Py_BuildValue("(iK)", order[i], (unsigned long long)restore[order[i]]));
+    return Py_BuildValue("(LLLllkKKNN)", (long long)logical, (long long)recoverable, (long long)resident, reason,
+                         group_id, (unsigned long)dkind, darg, darg2, group_logical, rest);
+}
+
+/* tenant_of(table, key): the tenant id of the object's last commit (0: none), or None: no object. */
+static PyObject *State_tenant_of(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(2, "tenant_of");
+    uint64_t key;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &key) < 0 || PyErr_Occurred()) return NULL;
+    const Obj *o = find(s, table, key);
+    if (o == NULL) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(o->has_commit ? o->tenant : 0);
+}
+
+static PyObject *State_count(State *s, PyObject *unused) { return PyLong_FromSize_t(s->tcount); }
+
+/* export() -> ([(table, key, ((tier, committed, nbytes, checksum, ord), ...), has_commit, identity,
+ *               tenant, adapter, commit_checksum, commit_nbytes, lease, inv_ord, inv_reason)],
+ *              [(instance, tier, tenant, adapter, ord, reason)]) */
+static PyObject *State_export(State *s, PyObject *unused) {
+    PyObject *objs = PyList_New(0), *scopes = PyList_New(0);
+    if (!objs || !scopes) goto fail;
+    for (size_t j = 0; j < s->tcap; j++) {
+        if (s->tab[j].idx == EMPTY) continue;
+        const Obj *o = &s->objs[s->tab[j].idx];
+        int n = 0;
+        for (int t = 0; t < NTIERS; t++) n += !!(o->mask & (1u << t));
+        PyObject *copies = PyTuple_New(n);
+        if (!copies) goto fail;
+        for (int t = 0, k = 0; t < NTIERS; t++) {
+            if (!(o->mask & (1u << t))) continue;
+            const Copy *c = &o->copies[t];
+            PyTuple_SET_ITEM(copies, k++, Py_BuildValue("(iiKKL)", t, (int)c->committed,
+                                                        (unsigned long long)c->nbytes,
+                                                        (unsigned long long)c->checksum, (long long)c->ord));
+        }
+        PyObject *row = Py_BuildValue("(IKNiIIIKKLLi)", o->table, (unsigned long long)o->key, copies,
+                                      (int)o->has_commit, o->identity, o->tenant, o->adapter,
+                                      (unsigned long long)o->commit_checksum, (unsigned long long)o->commit_nbytes,
+                                      (long long)o->lease, (long long)o->inv_ord, (int)o->inv_reason);
+        if (!row || PyList_Append(objs, row) < 0) {
+            Py_XDECREF(row);
+            goto fail;
+        }
+        Py_DECREF(row);
+    }
+    for (uint32_t i = 0; i < s->nbulk; i++) {
+        for (uint32_t k = 0; k < s->bulk[i].n; k++) {
+            const Scope *x = &s->bulk[i].s[k];
+            PyObject *row = Py_BuildValue("(IiIILi)", i, (int)x->tier, x->tenant, x->adapter, (long long)x->ord,
+                                          (int)x->reason);
+            if (!row || PyList_Append(scopes, row) < 0) {
+                Py_XDECREF(row);
+                goto fail;
+            }
+            Py_DECREF(row);
+        }
+    }
+    return Py_BuildValue("(NN)", objs, scopes);
+fail:
+    Py_XDECREF(objs);
+    Py_XDECREF(scopes);
+    return NULL;
+}
+
+/* load(table, key, copies, has_commit, identity, tenant, adapter, commit_checksum, commit_nbytes,
+ *      lease, inv_ord, inv_reason): one object as `export` gives it (a resumed snapshot). */
+static PyObject *State_load(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(12, "load");
+    uint64_t key;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &key) < 0) return NULL;
+    PyObject *copies = args[2];
+    if (!PyTuple_Check(copies)) return PyErr_Format(PyExc_TypeError, "copies: a tuple");
+    if (find(s, table, key) != NULL) return PyErr_Format(PyExc_ValueError, "object loaded twice");
+    Obj *o = born(s, table, key);
+    if (o == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(copies); i++) {
+        int t, committed;
+        unsigned long long nb, ck;
+        long long ord;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(copies, i), "iiKKL", &t, &committed, &nb, &ck, &ord)) return NULL;
+        if (t < 0 || t >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", t);
+        o->copies[t] = (Copy){nb, ck, ord, (uint8_t)committed};
+        o->mask |= (uint8_t)(1u << t);
+    }
+    o->has_commit = (uint8_t)PyObject_IsTrue(args[3]);
+    o->identity = (uint32_t)PyLong_AsUnsignedLong(args[4]);
+    o->tenant = (uint32_t)PyLong_AsUnsignedLong(args[5]);
+    o->adapter = (uint32_t)PyLong_AsUnsignedLong(args[6]);
+    if (u64(args[7], &o->commit_checksum) < 0 || u64(args[8], &o->commit_nbytes) < 0 || i64(args[9], &o->lease) < 0 ||
+        i64(args[10], &o->inv_ord) < 0)
+        return NULL;
+    o->inv_reason = (uint8_t)PyLong_AsLong(args[11]);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static void State_dealloc(State *s) {
+    PyMem_RawFree(s->tab);
+    PyMem_RawFree(s->objs);
+    PyMem_RawFree(s->freel);
+    for (uint32_t i = 0; i < s->nbulk; i++) PyMem_RawFree(s->bulk[i].s);
+    PyMem_RawFree(s->bulk);
+    PyMem_RawFree(s->idents);
+    PyMem_RawFree(s->shared);
+    PyMem_RawFree(s->checks);
+    PyMem_RawFree(s->sums);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* State(rollback_reason, shared_tenant_ids) */
+static int State_init(State *s, PyObject *args, PyObject *kw) {
+    int rollback;
+    PyObject *shared;
+    if (!PyArg_ParseTuple(args, "iO!", &rollback, &PyTuple_Type, &shared)) return -1;
+    s->rollback = (uint8_t)rollback;
+    Py_ssize_t n = PyTuple_GET_SIZE(shared);
+    PyMem_RawFree(s->shared);
+    s->shared = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (!s->shared) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) s->shared[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(shared, i));
+    s->nshared = (uint32_t)n;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyMethodDef State_methods[] = {
+    {"write", (PyCFunction)(void (*)(void))State_write, METH_FASTCALL, NULL},
+    {"evict", (PyCFunction)(void (*)(void))State_evict, METH_FASTCALL, NULL},
+    {"invalidate", (PyCFunction)(void (*)(void))State_invalidate, METH_FASTCALL, NULL},
+    {"bulk", (PyCFunction)(void (*)(void))State_bulk, METH_FASTCALL, NULL},
+    {"identity", (PyCFunction)(void (*)(void))State_identity, METH_FASTCALL, NULL},
+    {"evaluate", (PyCFunction)(void (*)(void))State_evaluate, METH_FASTCALL, NULL},
+    {"tenant_of", (PyCFunction)(void (*)(void))State_tenant_of, METH_FASTCALL, NULL},
+    {"load", (PyCFunction)(void (*)(void))State_load, METH_FASTCALL, NULL},
+    {"count", (PyCFunction)State_count, METH_NOARGS, NULL},
+    {"export", (PyCFunction)State_export, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.analysis._native.State",
+    .tp_basicsize = sizeof(State),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)State_init,
+    .tp_dealloc = (destructor)State_dealloc,
+    .tp_methods = State_methods,
+    .tp_doc = "Live cache objects and lookup evaluation (see analysis.native_state).",
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&StateType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&StateType);
+    if (PyModule_AddObject(m, "State", (PyObject *)&StateType) < 0) {
+        Py_DECREF(&StateType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

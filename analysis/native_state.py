@@ -1,0 +1,260 @@
+"""`CacheState` and `evaluate` with the per-block work compiled (`analysis/_native.c`).
+
+The rules are `analysis.state`'s and `analysis.evaluate`'s, unchanged: this class keeps the
+same facts in flat C arrays instead of a Struct per object, so a commit run or a lookup costs a
+probe per block instead of a dict get, a Struct and attribute reads per block. The
+reconstructor uses it when the extension was built and the fleet view is off (the fleet index
+stays in Python: `CacheState(fleet=True)`); `KVTRACE_NATIVE=0` turns it off. Every stream the
+tests draw gives the same rows through both (tests/test_native_state.py).
+
+Strings stay on this side: instances, (instance, group) tables, tenants, adapters and identity
+tuples become small ints here, once each, and a gap's detail text is written here from the
+codes the core returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvtrace.analysis.evaluate import Evaluation, Policy, hit_cap
+from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, Commit, Copy, ObjectKey, ObjectState, identity_of
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import OBJECT_KINDS, ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.recipes import Recipe
+from kvtrace.schema.verdicts import MISSING_REASON, GapReason
+
+try:
+    from kvtrace.analysis import _native
+except ImportError:  # built where a C compiler was found (setup.py): the Python state serves otherwise
+    _native = None  # type: ignore[assignment]
+
+# The core's codes, in its order (`_native.c`'s enums).
+_GAPS = (
+    GapReason.NONE, GapReason.MISSING_BLOCK, GapReason.WINDOW_OUT_OF_RANGE, GapReason.NO_CHECKPOINT,
+    GapReason.MISSING_TAIL, GapReason.INDEXER_OUT_OF_SYNC, GapReason.NOT_RESIDENT, GapReason.LEASE_EXPIRED,
+    GapReason.IDENTITY_MISMATCH, GapReason.TENANT_MISMATCH, GapReason.MISALIGNED, GapReason.UNCOMMITTED,
+    GapReason.INVALIDATED, GapReason.CHECKSUM_MISMATCH, GapReason.CHANGED_BEFORE_USE,
+    GapReason.SPECULATIVE_ROLLBACK,
+)
+_GAP_CODE = {g: i for i, g in enumerate(_GAPS)}
+_TIERS = (Tier.NONE, Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE)
+_TIER_CODE = {t: i for i, t in enumerate(_TIERS)}
+_TIER_BY_KEY = {t.value: i for i, t in enumerate(_TIERS)}  # CacheState's copies are keyed by value
+_REASONS = tuple(Reason)  # NONE first: code 0 is "no invalidation"
+_REASON_CODE = {r: i for i, r in enumerate(_REASONS)}
+_COMPONENT = {ComponentKind.SLIDING_WINDOW: 1, ComponentKind.MAMBA: 2, ComponentKind.UNCOMPRESSED_TAIL: 3,
+              ComponentKind.INDEXER: 4}  # the others cover [0, p): code 0
+_KIND_WRITE, _KIND_EVICT, _KIND_INVALIDATE = 0, 1, 2
+_KINDS = {EventKind.CREATE: _KIND_WRITE, EventKind.COMMIT: _KIND_WRITE, EventKind.OFFLOAD: _KIND_WRITE,
+          EventKind.LOAD: _KIND_WRITE, EventKind.EVICT: _KIND_EVICT, EventKind.INVALIDATE: _KIND_INVALIDATE}
+_TRANSFERS = frozenset({EventKind.OFFLOAD, EventKind.LOAD})
+assert set(_KINDS) == OBJECT_KINDS
+
+
+def available() -> bool:
+    """Is the compiled state built here, and not turned off (KVTRACE_NATIVE=0)?"""
+    return _native is not None and os.environ.get("KVTRACE_NATIVE", "1") != "0"
+
+
+@dataclass(slots=True)
+class NativeState:
+    """A `CacheState` without the fleet index, its objects held by the compiled core."""
+
+    shared_tenants: frozenset[str] = frozenset()
+    # As in CacheState: state events per instance, instances whose objects named a lease,
+    # tenants each instance's objects may carry.
+    changes: dict[str, int] = field(default_factory=dict)
+    leased: set[str] = field(default_factory=set)
+    tenants: dict[str, set[str]] = field(default_factory=dict)
+    fleet: bool = False
+    _core: object = None
+    _strings: dict[str, int] = field(default_factory=lambda: {"": 0})
+    _string_list: list[str] = field(default_factory=lambda: [""])
+    _identities: dict[tuple, int] = field(default_factory=dict)
+    _identity_list: list[tuple] = field(default_factory=list)
+    _instances: dict[str, int] = field(default_factory=dict)
+    _instance_list: list[str] = field(default_factory=list)
+    _tables: dict[tuple[str, int], int] = field(default_factory=dict)
+    _table_list: list[tuple[str, int]] = field(default_factory=list)
+    _specs: dict[int, tuple[Recipe, tuple, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if _native is None:
+            raise RuntimeError("kvtrace's compiled state is not built here")
+        shared = tuple(self._string(t) for t in sorted(self.shared_tenants))
+        self._core = _native.State(_REASON_CODE[Reason.ROLLBACK], shared)
+
+    # -- interning -------------------------------------------------------------------------------
+    def _string(self, value: str) -> int:
+        found = self._strings.get(value)
+        if found is None:
+            found = self._strings[value] = len(self._string_list)
+            self._string_list.append(value)
+        return found
+
+    def _identity(self, identity: tuple) -> int:
+        found = self._identities.get(identity)
+        if found is None:
+            found = self._identities[identity] = len(self._identity_list)
+            self._identity_list.append(identity)
+            self._core.identity(found, *map(self._string, identity[:6]), identity[6])  # type: ignore[attr-defined]
+        return found
+
+    def _instance(self, instance: str) -> int:
+        found = self._instances.get(instance)
+        if found is None:
+            found = self._instances[instance] = len(self._instance_list)
+            self._instance_list.append(instance)
+        return found
+
+    def _table(self, scope: tuple[str, int]) -> int:
+        found = self._tables.get(scope)
+        if found is None:
+            found = self._tables[scope] = len(self._table_list)
+            self._table_list.append(scope)
+        return found
+
+    # -- CacheState's interface ------------------------------------------------------------------
+    def apply(self, event: Event, ord: int) -> None:
+        kind = _KINDS.get(event.kind)
+        if kind is None:  # requests, usage samples and probes change no state
+            return
+        instance = event.instance
+        changes = self.changes
+        changes[instance] = changes.get(instance, 0) + 1
+        more = event.more_keys or None
+        core = self._core
+        if kind == _KIND_INVALIDATE:
+            if event.block_key == 0:
+                core.bulk(self._instance(instance), _TIER_CODE[event.tier], self._string(event.tenant),  # type: ignore[attr-defined]
+                          self._string(event.adapter), ord, _REASON_CODE[event.reason])
+                return
+            table = self._tables.get((instance, event.group_id))
+            if table is not None:
+                core.invalidate(table, event.block_key, more, ord, _REASON_CODE[event.reason])  # type: ignore[attr-defined]
+            return
+        if kind == _KIND_EVICT:
+            table = self._tables.get((instance, event.group_id))
+            if table is not None:
+                core.evict(table, event.block_key, more, _TIER_CODE[event.tier])  # type: ignore[attr-defined]
+            return
+        ekind = event.kind
+        transfer = ekind in _TRANSFERS
+        commit = ekind is EventKind.COMMIT
+        lease = event.lease_expiry_ns if commit or transfer else 0
+        if lease:
+            self.leased.add(instance)
+        tenants = self.tenants.get(instance)
+        if tenants is None:
+            tenants = self.tenants[instance] = set()
+        if commit:
+            tenants.add(event.tenant)
+            identity = self._identity(identity_of(event))
+            tenant, adapter = self._string(event.tenant), self._string(event.adapter)
+        else:
+            tenants.add("")
+            identity = tenant = adapter = 0
+        self._instance(instance)
+        core.write(self._table((instance, event.group_id)), event.block_key, more,  # type: ignore[attr-defined]
+                   _TIER_CODE[event.dst_tier if transfer else event.tier], ekind is not EventKind.CREATE,
+                   event.nbytes, event.checksum, ord, identity, tenant, adapter, lease, commit)
+
+    def changes_of(self, instance: str) -> int:
+        return self.changes.get(instance, 0)
+
+    def tenant_of(self, instance: str, group_id: int, block_key: int) -> str | None:
+        """The tenant of the object's last commit ("" if none), None when no such object."""
+        table = self._tables.get((instance, group_id))
+        if table is None:
+            return None
+        found = self._core.tenant_of(table, block_key)  # type: ignore[attr-defined]
+        return None if found is None else self._string_list[found]
+
+    def object_count(self) -> int:
+        return self._core.count()  # type: ignore[attr-defined]
+
+    def evaluate(self, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0,
+                 ts_ns: int | None = None) -> Evaluation:
+        """`analysis.evaluate.evaluate` on this state, the lookup taken at `ts_ns` when given."""
+        cached = self._specs.get(id(recipe))
+        if cached is None or cached[0] is not recipe:
+            groups = tuple((g.group_id, _COMPONENT.get(g.component, 0), g.block_size, g.window, g.ratio,
+                            _GAP_CODE[MISSING_REASON[g.component]]) for g in recipe.groups)
+            cached = self._specs[id(recipe)] = (recipe, groups, recipe.alignment)
+        _, groups, step = cached
+        instance = lookup.instance
+        tables = self._tables
+        out = self._core.evaluate(  # type: ignore[attr-defined]
+            self._instances.get(instance, 0xFFFFFFFF), tuple(tables.get((instance, g[0]), -1) for g in groups),
+            lookup.group_block_keys, groups, step, hit_cap(lookup, policy), self._identity(identity_of(lookup)),
+            self._string(lookup.tenant), lookup.ts_ns if ts_ns is None else ts_ns, explain_up_to)
+        logical, recoverable, resident, reason, group, dkind, darg, darg2, group_logical, restore = out
+        return Evaluation(
+            logical=logical, recoverable=recoverable, resident=resident, reason=_GAPS[reason], reason_group=group,
+            reason_detail=self._detail(dkind, darg, darg2, lookup) if dkind else "",
+            group_logical=group_logical, restore_bytes={_TIERS[t]: n for t, n in restore},
+        )
+
+    def _detail(self, kind: int, a: int, b: int, lookup: Event) -> str:
+        """The gap's detail text, as `check_object` and `evaluate` write it."""
+        if kind == 1:
+            return _REASONS[a].value
+        if kind == 2:
+            return "no commit seen"
+        if kind == 3:
+            return f"tenant: {self._string_list[a]} != {lookup.tenant}"
+        if kind == 4:
+            return f"{IDENTITY_FIELDS[a]}: {self._identity_list[b][a]} != {identity_of(lookup)[a]}"
+        if kind == 5:
+            return _TIERS[a].value
+        if kind == 6:
+            return "block beyond the request's key chain"
+        return f"logical {a} is not a multiple of {b}"
+
+    # -- to and from the plain state (snapshots) -------------------------------------------------
+    def to_cache_state(self) -> CacheState:
+        """The same facts as a `CacheState`, the form snapshots store."""
+        state = CacheState(changes=dict(self.changes), leased=set(self.leased),
+                           tenants={k: set(v) for k, v in self.tenants.items()})
+        objects, scopes = self._core.export()  # type: ignore[attr-defined]
+        strings, identities = self._string_list, self._identity_list
+        for table, key, copies, has_commit, identity, tenant, _, checksum, nbytes, lease, inv_ord, inv in objects:
+            commit = Commit(identities[identity], strings[tenant], checksum, nbytes) if has_commit else None
+            copied = {_TIERS[t].value: Copy(bool(c), nb, ck, o) for t, c, nb, ck, o in copies}
+            obj = ObjectState(copied, commit, lease, inv_ord, _REASONS[inv])
+            state.tables.setdefault(self._table_list[table], {})[key] = obj
+        for instance, tier, tenant, adapter, ord, reason in scopes:
+            state.bulk.setdefault(self._instance_list[instance], {})[
+                (_TIERS[tier], strings[tenant], strings[adapter])] = (ord, _REASONS[reason])
+        return state
+
+    @classmethod
+    def from_cache_state(cls, state: CacheState, shared_tenants: frozenset[str] = frozenset()) -> NativeState:
+        out = cls(shared_tenants, dict(state.changes), set(state.leased), {k: set(v) for k, v in state.tenants.items()})
+        core = out._core
+        for (instance, group), table in state.tables.items():
+            out._instance(instance)
+            tid = out._table((instance, group))
+            for key, obj in table.items():
+                commit = obj.commit
+                copies = tuple((_TIER_BY_KEY[str(t)], int(c.committed), c.nbytes, c.checksum, c.ord)
+                               for t, c in obj.copies.items())
+                if commit is not None:
+                    ident, tenant = out._identity(tuple(commit.identity)), out._string(commit.tenant)
+                    adapter = out._string(str(commit.identity[2]))
+                    core.load(tid, key, copies, True, ident, tenant, adapter, commit.checksum, commit.nbytes,  # type: ignore[attr-defined]
+                              obj.lease_expiry_ns, obj.invalidated_ord, _REASON_CODE[obj.invalidated_reason])
+                else:
+                    core.load(tid, key, copies, False, 0, 0, 0, 0, 0, obj.lease_expiry_ns,  # type: ignore[attr-defined]
+                              obj.invalidated_ord, _REASON_CODE[obj.invalidated_reason])
+        for instance, scopes in state.bulk.items():
+            iid = out._instance(instance)
+            for (tier, tenant, adapter), (ord, reason) in scopes.items():
+                core.bulk(iid, _TIER_CODE[tier], out._string(tenant), out._string(adapter), ord,  # type: ignore[attr-defined]
+                          _REASON_CODE[reason])
+        return out
+
+    def items(self) -> Iterator[tuple[ObjectKey, ObjectState]]:
+        return self.to_cache_state().items()

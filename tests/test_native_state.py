@@ -1,0 +1,152 @@
+"""The compiled cache state gives the rows the Python state gives, for every stream drawn, and
+survives the snapshot round trip (a run split anywhere, resumed by either state, gives the rows
+of the whole run)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lifecycle import RECIPES, lifecycle_streams
+
+from kvtrace.analysis import snapshot
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.native_state import NativeState, available
+from kvtrace.analysis.reconstruct import Reconstructor
+from kvtrace.analysis.state import CacheState
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.recipes import RecipeBook
+from kvtrace.schema.verdicts import GapReason, LookupResult
+
+BOOK = RecipeBook(RECIPES)
+BASE = 1_750_000_000 * 10**9
+POLICIES = [Policy(), Policy(shared_tenants=frozenset({"t0"})), Policy(keep_one_token=False)]
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _rows(events: list[Event], policy: Policy, native: bool, monkeypatch: pytest.MonkeyPatch) -> list[LookupResult]:
+    monkeypatch.setenv("KVTRACE_NATIVE", "1" if native else "0")
+    rec = Reconstructor(BOOK, policy)
+    assert isinstance(rec.state, NativeState) == native
+    return list(rec.run(events))
+
+
+def test_the_compiled_state_is_built_where_the_tests_run() -> None:
+    # The install compiles it (setup.py); were it missing, every other test here would compare
+    # the Python state with itself.
+    assert available()
+
+
+@SETTINGS
+@given(events=lifecycle_streams(), policy=st.sampled_from(POLICIES))
+def test_compiled_and_python_states_give_the_same_rows(events: list[Event], policy: Policy) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        python = _rows(events, policy, False, mp)
+        compiled = _rows(events, policy, True, mp)
+    assert compiled == python
+
+
+@SETTINGS
+@given(events=lifecycle_streams(), data=st.data())
+def test_the_compiled_state_round_trips_through_a_snapshot(events: list[Event], data: st.DataObject) -> None:
+    cut = data.draw(st.integers(0, len(events)), label="cut")
+    with pytest.MonkeyPatch.context() as mp:
+        whole = _rows(events, Policy(), False, mp)
+        # The plain state after the first part, both ways: the same objects and scopes.
+        mp.setenv("KVTRACE_NATIVE", "0")
+        python = Reconstructor(BOOK)
+        mp.setenv("KVTRACE_NATIVE", "1")
+        compiled = Reconstructor(BOOK)
+        done: list[LookupResult] = []
+        for event in events[:cut]:
+            python.feed(event)
+            done += compiled.feed(event)
+        exported = compiled.capture().state
+        assert isinstance(exported, CacheState)
+        assert exported.tables.keys() == {k for k, t in python.state.tables.items() if t}
+        assert all(exported.tables[k] == t for k, t in python.state.tables.items() if t)
+        assert exported.bulk == python.state.bulk
+        assert (exported.changes, exported.leased, exported.tenants) == \
+            (python.state.changes, python.state.leased, python.state.tenants)
+        if not cut:
+            return
+        # Resumed from the stored snapshot by either state, the rest gives the whole run's rows.
+        print_ = snapshot.fingerprint(BOOK, Policy())
+        row = snapshot.take(compiled, events[cut - 1], print_)
+        for native in (True, False):
+            mp.setenv("KVTRACE_NATIVE", "1" if native else "0")
+            resumed = snapshot.resume(row, BOOK, Policy())
+            assert isinstance(resumed.state, NativeState) == native
+            rest = list(resumed.run(events[cut:]))
+            assert sorted(done + rest, key=_key) == sorted(whole, key=_key)
+
+
+def _key(r: LookupResult) -> tuple[int, int, int]:
+    return (r.ts_ns, r.source_id, r.seq)
+
+
+def test_a_long_stream_gives_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tens of thousands of objects born, moved, invalidated and forgotten over a small key space:
+    the compiled table grows, deletes and reuses its slots, and every lookup's row still agrees."""
+    rng = random.Random(7)
+    events: list[Event] = []
+    base = dict(engine="vllm", instance="i", model="dense", component=ComponentKind.FULL_ATTENTION, source_id=1)
+    prefixes = [[rng.getrandbits(64) or 1 for _ in range(12)] for _ in range(40)]
+    for r in range(6000):
+        keys = rng.choice(prefixes)[: rng.randint(1, 12)]
+        def add(r: int = r, **kw: object) -> None:
+            events.append(Event(ts_ns=BASE + len(events), seq=len(events), request_id=f"r{r}", **{**base, **kw}))  # type: ignore[arg-type]
+
+        add(kind=EventKind.LOOKUP, prompt_tokens=len(keys) * 2 + 1, group_block_keys=[keys])
+        add(kind=EventKind.ADOPT, reused_tiers=[Tier.DEVICE], reused_tokens=[rng.randint(0, len(keys)) * 2])
+        add(kind=EventKind.COMMIT, tier=Tier.DEVICE, block_key=keys[0], more_keys=keys[1:], nbytes=64,
+            tenant="t0" if rng.random() < 0.03 else "", checksum=rng.choice([0, 5]))
+        step = rng.random()
+        if step < 0.3:
+            add(kind=EventKind.OFFLOAD, src_tier=Tier.DEVICE, dst_tier=rng.choice([Tier.HOST, Tier.DISK]),
+                block_key=keys[0], more_keys=keys[1:], nbytes=64, checksum=rng.choice([0, 5, 6]))
+            add(kind=EventKind.EVICT, tier=Tier.DEVICE, block_key=keys[-1], more_keys=keys[:-1],
+                reason=Reason.CAPACITY)
+        elif step < 0.6:
+            add(kind=EventKind.EVICT, tier=rng.choice([Tier.DEVICE, Tier.HOST]), block_key=keys[-1],
+                reason=Reason.CAPACITY)
+        elif step < 0.65:
+            add(kind=EventKind.INVALIDATE, block_key=keys[0], reason=Reason.ROLLBACK)
+        elif step < 0.67:
+            add(kind=EventKind.INVALIDATE, block_key=0, tier=Tier.HOST, reason=Reason.RESET)
+    python = _rows(events, Policy(), False, monkeypatch)
+    compiled = _rows(events, Policy(), True, monkeypatch)
+    assert compiled == python
+    reasons = collections.Counter(r.reason for r in python)
+    assert all(reasons[g] > 100 for g in (GapReason.NONE, GapReason.CHECKSUM_MISMATCH, GapReason.INVALIDATED,
+                                          GapReason.TENANT_MISMATCH, GapReason.SPECULATIVE_ROLLBACK)), reasons
+    assert sum(r.restore_host_bytes > 0 for r in python) > 100 and sum(r.restore_disk_bytes > 0 for r in python) > 100
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "compiled"])
+def test_a_lease_ends_at_its_expiry_time_and_key_zero_names_no_block(native: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edges the drawn streams reach rarely, pinned for both states: a lookup at exactly the
+    lease's expiry finds it expired, and a chain's key 0 is never a held block."""
+    base = dict(engine="vllm", instance="i", model="dense", component=ComponentKind.FULL_ATTENTION, source_id=1)
+    events = [
+        Event(kind=EventKind.COMMIT, ts_ns=BASE, seq=0, tier=Tier.DEVICE, block_key=1, more_keys=[2],
+              lease_expiry_ns=BASE + 10, **base),
+        Event(kind=EventKind.COMMIT, ts_ns=BASE, seq=1, tier=Tier.DEVICE, block_key=0, **base),
+        Event(kind=EventKind.LOOKUP, ts_ns=BASE + 9, seq=2, request_id="before", prompt_tokens=5,
+              group_block_keys=[[1, 2]], **base),
+        Event(kind=EventKind.LOOKUP, ts_ns=BASE + 10, seq=3, request_id="at", prompt_tokens=5,
+              group_block_keys=[[1, 2]], **base),
+        Event(kind=EventKind.LOOKUP, ts_ns=BASE + 10, seq=4, request_id="zero", prompt_tokens=5,
+              group_block_keys=[[0, 1]], **base),
+    ]
+    rows = {r.request_id: r for r in _rows(events, Policy(), native, monkeypatch)}
+    assert (rows["before"].recoverable_hit_tokens, rows["before"].reason) == (4, GapReason.NONE)
+    assert (rows["at"].logical_hit_tokens, rows["at"].recoverable_hit_tokens, rows["at"].reason) == \
+        (4, 0, GapReason.LEASE_EXPIRED)
+    assert rows["zero"].logical_hit_tokens == 0
