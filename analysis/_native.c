@@ -37,9 +37,9 @@ static const int TIER_RANK[NTIERS] = {4, 0, 1, 2, 3};
 
 typedef struct {
     uint64_t nbytes, checksum;
-    int64_t ord;
-    uint8_t committed;
-} Copy;
+    int64_t ord : 63; /* the stream position of the write (ords start at 1) */
+    uint64_t committed : 1;
+} Copy; /* 24 bytes, not 32: an object holds one per tier, and millions of objects are common */
 
 typedef struct {
     uint64_t key;
@@ -264,7 +264,7 @@ static PyObject *State_write(State *s, PyObject *const *args, Py_ssize_t nargs) 
     int commit = PyObject_IsTrue(args[12]);
     if (PyErr_Occurred()) return NULL;
     if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %ld", tier);
-    Copy copy = {nbytes, checksum, ord, (uint8_t)committed};
+    Copy copy = {nbytes, checksum, ord, (uint64_t)(committed != 0)};
     EACH_KEY(first, more, {
         Obj *o = find(s, table, key);
         if (o == NULL) {
@@ -784,7 +784,7 @@ static PyObject *State_load(State *s, PyObject *const *args, Py_ssize_t nargs) {
         long long ord;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(copies, i), "iiKKL", &t, &committed, &nb, &ck, &ord)) return NULL;
         if (t < 0 || t >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", t);
-        o->copies[t] = (Copy){nb, ck, ord, (uint8_t)committed};
+        o->copies[t] = (Copy){nb, ck, ord, (uint64_t)(committed != 0)};
         o->mask |= (uint8_t)(1u << t);
     }
     o->has_commit = (uint8_t)PyObject_IsTrue(args[3]);
