@@ -28,6 +28,8 @@ enum { G_NONE, G_MISSING_BLOCK, G_WINDOW, G_NO_CHECKPOINT, G_MISSING_TAIL, G_IND
 /* How a group's blocks cover a boundary (GroupSpec.needed); C_INDEXER is C_PREFIX whose epoch
  * mismatch is its own reason. */
 enum { C_PREFIX, C_SLIDING, C_MAMBA, C_TAIL, C_INDEXER };
+/* Object event kinds, as the wrapper's _KINDS codes them. */
+enum { K_CREATE, K_COMMIT, K_OFFLOAD, K_LOAD, K_INVALIDATE, K_EVICT };
 /* What a gap's detail text is made of (the wrapper writes it). */
 enum { D_NONE, D_REASON, D_NO_COMMIT, D_TENANT, D_IDENTITY, D_TIER, D_BEYOND, D_MISALIGNED };
 /* CopyStatus */
@@ -92,6 +94,11 @@ typedef struct {
     uint32_t *shared;
     uint32_t nshared;
     uint8_t rollback;
+    /* the wrapper's maps (State_bind): enum codes, interning tables, and CacheState's per-instance books */
+    PyObject *kinds, *tiers, *reasons, *strings, *string_list, *tables, *table_list, *instances, *instance_list,
+        *identities, *identity_list, *changes, *leased, *tenants;
+    /* With the fleet view (track): the keys each apply gave birth to and forgot, for its index. */
+    PyObject *born, *died;
     /* evaluate's scratch, kept between calls */
     Check *checks;
     int32_t *sums;
@@ -228,7 +235,8 @@ static inline int i64(PyObject *o, int64_t *out) {
         return NULL;                                                                     \
     }
 
-/* The keys of a fact: its block_key, then its run's more_keys (a list, or None). Calls fn on each. */
+/* The keys of a fact: its block_key, then its run's more_keys (a list, or None); `body` runs
+ * for each with `key` set. Returns -1 from the enclosing function on a bad key. */
 #define EACH_KEY(first, more, body)                                             \
     do {                                                                        \
         uint64_t key = (first);                                                 \
@@ -236,101 +244,71 @@ static inline int i64(PyObject *o, int64_t *out) {
         if ((more) != Py_None) {                                                \
             Py_ssize_t _n = PyList_GET_SIZE(more);                              \
             for (Py_ssize_t _i = 0; _i < _n; _i++) {                            \
-                if (u64(PyList_GET_ITEM(more, _i), &key) < 0) return NULL;      \
+                if (u64(PyList_GET_ITEM(more, _i), &key) < 0) return -1;        \
                 body;                                                           \
             }                                                                   \
         }                                                                       \
     } while (0)
 
-/* write(table, block_key, more_keys, tier, committed, nbytes, checksum, ord, identity, tenant,
- *       adapter, lease, commit): a create, commit or transfer writing `tier`'s copy. With
- *       `commit`, the object's commit (identity, tenant, adapter, checksum, nbytes) and its lease
- *       (even none) are set; otherwise only a lease it names. */
-static PyObject *State_write(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(13, "write");
-    uint64_t first, nbytes, checksum;
-    int64_t ord, lease;
-    if (!PyList_Check(args[2]) && args[2] != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0) return NULL;
-    PyObject *more = args[2];
-    long tier = PyLong_AsLong(args[3]);
-    int committed = PyObject_IsTrue(args[4]);
-    if (u64(args[5], &nbytes) < 0 || u64(args[6], &checksum) < 0 || i64(args[7], &ord) < 0) return NULL;
-    uint32_t identity = (uint32_t)PyLong_AsUnsignedLong(args[8]);
-    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[9]);
-    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[10]);
-    if (i64(args[11], &lease) < 0) return NULL;
-    int commit = PyObject_IsTrue(args[12]);
-    if (PyErr_Occurred()) return NULL;
-    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %ld", tier);
+static int note(PyObject *list, uint64_t key) {
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    int rc = k == NULL ? -1 : PyList_Append(list, k);
+    Py_XDECREF(k);
+    return rc;
+}
+
+/* A create, commit or transfer writing `tier`'s copy of each key. With `commit`, the object's
+ * commit (identity, tenant, adapter, checksum, nbytes) and its lease (even none) are set;
+ * otherwise only a lease it names. */
+static int do_write(State *s, uint32_t table, uint64_t first, PyObject *more, int tier, int committed,
+                    uint64_t nbytes, uint64_t checksum, int64_t ord, uint32_t identity, uint32_t tenant,
+                    uint32_t adapter, int64_t lease, int commit) {
     Copy copy = {nbytes, checksum, ord, (uint64_t)(committed != 0)};
     EACH_KEY(first, more, {
         Obj *o = find(s, table, key);
-        if (o == NULL) {
-            if ((o = born(s, table, key)) == NULL) return PyErr_NoMemory();
-            o->copies[tier] = copy;
-            o->mask = (uint8_t)(1u << tier);
+        int fresh = o == NULL;
+        if (fresh && (o = born(s, table, key)) == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (fresh && s->born != NULL && note(s->born, key) < 0) return -1;
+        o->copies[tier] = copy;
+        o->mask |= (uint8_t)(1u << tier);
+        if (commit) {
+            o->has_commit = 1;
+            o->identity = identity;
+            o->tenant = tenant;
+            o->adapter = adapter;
+            o->commit_checksum = checksum;
+            o->commit_nbytes = nbytes;
             o->lease = lease;
-            if (commit) {
-                o->has_commit = 1;
-                o->identity = identity;
-                o->tenant = tenant;
-                o->adapter = adapter;
-                o->commit_checksum = checksum;
-                o->commit_nbytes = nbytes;
-            }
-        } else {
-            o->copies[tier] = copy;
-            o->mask |= (uint8_t)(1u << tier);
-            if (commit) {
-                o->has_commit = 1;
-                o->identity = identity;
-                o->tenant = tenant;
-                o->adapter = adapter;
-                o->commit_checksum = checksum;
-                o->commit_nbytes = nbytes;
-                o->lease = lease;
-            } else if (lease) {
-                o->lease = lease;
-            }
+        } else if (lease || fresh) {
+            o->lease = lease;
         }
     });
-    Py_RETURN_NONE;
+    return 0;
 }
 
-/* evict(table, block_key, more_keys, tier): drop that tier's copy; an object left with none is forgotten. */
-static PyObject *State_evict(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(4, "evict");
-    uint64_t first;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0) return NULL;
-    PyObject *more = args[2];
-    if (!PyList_Check(more) && more != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
-    long tier = PyLong_AsLong(args[3]);
-    if (PyErr_Occurred()) return NULL;
-    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %ld", tier);
+/* Drop `tier`'s copy of each key; an object left with none is forgotten. */
+static int do_evict(State *s, uint32_t table, uint64_t first, PyObject *more, int tier) {
     EACH_KEY(first, more, {
         Obj *o = find(s, table, key);
         if (o != NULL) {
             o->mask &= (uint8_t)~(1u << tier);
-            if (!o->mask && forget(s, table, key) < 0) return PyErr_NoMemory();
+            if (!o->mask) {
+                if (forget(s, table, key) < 0) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                if (s->died != NULL && note(s->died, key) < 0) return -1;
+            }
         }
     });
-    Py_RETURN_NONE;
+    return 0;
 }
 
-/* invalidate(table, block_key, more_keys, ord, reason): the objects' own invalidation. */
-static PyObject *State_invalidate(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(5, "invalidate");
-    uint64_t first;
-    int64_t ord;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0 || i64(args[3], &ord) < 0) return NULL;
-    PyObject *more = args[2];
-    if (!PyList_Check(more) && more != Py_None) return PyErr_Format(PyExc_TypeError, "more_keys: a list or None");
-    long reason = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
+/* The objects' own invalidation. */
+static int do_invalidate(State *s, uint32_t table, uint64_t first, PyObject *more, int64_t ord, int reason) {
     EACH_KEY(first, more, {
         Obj *o = find(s, table, key);
         if (o != NULL) {
@@ -338,25 +316,18 @@ static PyObject *State_invalidate(State *s, PyObject *const *args, Py_ssize_t na
             o->inv_reason = (uint8_t)reason;
         }
     });
-    Py_RETURN_NONE;
+    return 0;
 }
 
-/* bulk(instance, tier, tenant, adapter, ord, reason): the latest bulk invalidation of one scope
- * ("" / NONE, id 0: any). */
-static PyObject *State_bulk(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(6, "bulk");
-    uint32_t inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    long tier = PyLong_AsLong(args[1]);
-    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[2]);
-    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[3]);
-    int64_t ord;
-    if (i64(args[4], &ord) < 0) return NULL;
-    long reason = PyLong_AsLong(args[5]);
-    if (PyErr_Occurred()) return NULL;
+/* The latest bulk invalidation of one scope of an instance ("" / NONE, id 0: any). */
+static int do_bulk(State *s, uint32_t inst, int tier, uint32_t tenant, uint32_t adapter, int64_t ord, int reason) {
     if (inst >= s->nbulk) {
         uint32_t n = inst + 16;
         Scopes *nb = PyMem_RawRealloc(s->bulk, (size_t)n * sizeof(Scopes));
-        if (!nb) return PyErr_NoMemory();
+        if (!nb) {
+            PyErr_NoMemory();
+            return -1;
+        }
         memset(nb + s->nbulk, 0, (size_t)(n - s->nbulk) * sizeof(Scopes));
         s->bulk = nb;
         s->nbulk = n;
@@ -367,37 +338,355 @@ static PyObject *State_bulk(State *s, PyObject *const *args, Py_ssize_t nargs) {
         if (x->tier == tier && x->tenant == tenant && x->adapter == adapter) {
             x->ord = ord;
             x->reason = (uint8_t)reason;
-            Py_RETURN_NONE;
+            return 0;
         }
     }
     if (sc->n == sc->cap) {
         uint32_t ncap = sc->cap ? sc->cap * 2 : 4;
         Scope *ns = PyMem_RawRealloc(sc->s, (size_t)ncap * sizeof(Scope));
-        if (!ns) return PyErr_NoMemory();
+        if (!ns) {
+            PyErr_NoMemory();
+            return -1;
+        }
         sc->s = ns;
         sc->cap = ncap;
     }
     sc->s[sc->n++] = (Scope){ord, tenant, adapter, (uint8_t)tier, (uint8_t)reason};
+    return 0;
+}
+
+static int do_identity(State *s, uint32_t id, const uint32_t f[6], uint64_t epoch) {
+    if (id >= s->nident) {
+        uint32_t n = id + 64;
+        Ident *ni = PyMem_RawRealloc(s->idents, (size_t)n * sizeof(Ident));
+        if (!ni) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(ni + s->nident, 0, (size_t)(n - s->nident) * sizeof(Ident));
+        s->idents = ni;
+        s->nident = n;
+    }
+    memcpy(s->idents[id].f, f, sizeof(uint32_t) * 6);
+    s->idents[id].epoch = epoch;
+    return 0;
+}
+
+static inline int check_more(PyObject *more) {
+    if (!PyList_Check(more) && more != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "more_keys: a list or None");
+        return -1;
+    }
+    return 0;
+}
+
+static inline int check_tier(long tier) {
+    if (tier < 0 || tier >= NTIERS) {
+        PyErr_Format(PyExc_ValueError, "tier %ld", tier);
+        return -1;
+    }
+    return 0;
+}
+
+/* write(table, block_key, more_keys, tier, committed, nbytes, checksum, ord, identity, tenant,
+ *       adapter, lease, commit): see do_write. */
+static PyObject *State_write(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(13, "write");
+    uint64_t first, nbytes, checksum;
+    int64_t ord, lease;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0 || check_more(args[2]) < 0) return NULL;
+    long tier = PyLong_AsLong(args[3]);
+    int committed = PyObject_IsTrue(args[4]);
+    if (u64(args[5], &nbytes) < 0 || u64(args[6], &checksum) < 0 || i64(args[7], &ord) < 0) return NULL;
+    uint32_t identity = (uint32_t)PyLong_AsUnsignedLong(args[8]);
+    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[9]);
+    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[10]);
+    if (i64(args[11], &lease) < 0) return NULL;
+    int commit = PyObject_IsTrue(args[12]);
+    if (PyErr_Occurred() || check_tier(tier) < 0) return NULL;
+    if (do_write(s, table, first, args[2], (int)tier, committed, nbytes, checksum, ord, identity, tenant, adapter,
+                 lease, commit) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* evict(table, block_key, more_keys, tier) */
+static PyObject *State_evict(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(4, "evict");
+    uint64_t first;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0 || check_more(args[2]) < 0) return NULL;
+    long tier = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred() || check_tier(tier) < 0) return NULL;
+    if (do_evict(s, table, first, args[2], (int)tier) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* invalidate(table, block_key, more_keys, ord, reason) */
+static PyObject *State_invalidate(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(5, "invalidate");
+    uint64_t first;
+    int64_t ord;
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (u64(args[1], &first) < 0 || i64(args[3], &ord) < 0 || check_more(args[2]) < 0) return NULL;
+    long reason = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (do_invalidate(s, table, first, args[2], ord, (int)reason) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* bulk(instance, tier, tenant, adapter, ord, reason) */
+static PyObject *State_bulk(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(6, "bulk");
+    uint32_t inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    long tier = PyLong_AsLong(args[1]);
+    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[2]);
+    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[3]);
+    int64_t ord;
+    if (i64(args[4], &ord) < 0) return NULL;
+    long reason = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (do_bulk(s, inst, (int)tier, tenant, adapter, ord, (int)reason) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 /* identity(id, model, revision, adapter, transform, kv_dtype, layout, epoch): ids of strings. */
 static PyObject *State_identity(State *s, PyObject *const *args, Py_ssize_t nargs) {
     NEED(8, "identity");
-    uint32_t id = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    Ident x;
-    for (int i = 0; i < 6; i++) x.f[i] = (uint32_t)PyLong_AsUnsignedLong(args[1 + i]);
-    if (u64(args[7], &x.epoch) < 0) return NULL;
-    if (PyErr_Occurred()) return NULL;
-    if (id >= s->nident) {
-        uint32_t n = id + 64;
-        Ident *ni = PyMem_RawRealloc(s->idents, (size_t)n * sizeof(Ident));
-        if (!ni) return PyErr_NoMemory();
-        memset(ni + s->nident, 0, (size_t)(n - s->nident) * sizeof(Ident));
-        s->idents = ni;
-        s->nident = n;
+    uint32_t id = (uint32_t)PyLong_AsUnsignedLong(args[0]), f[6];
+    uint64_t epoch;
+    for (int i = 0; i < 6; i++) f[i] = (uint32_t)PyLong_AsUnsignedLong(args[1 + i]);
+    if (u64(args[7], &epoch) < 0 || PyErr_Occurred()) return NULL;
+    if (do_identity(s, id, f, epoch) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* -- one event, read straight from its attributes ------------------------------------------- */
+
+/* Event attribute names, and the wrapper's interning tables (bound once, see State_bind). */
+static PyObject *A_kind, *A_instance, *A_group_id, *A_block_key, *A_more_keys, *A_tier, *A_dst_tier, *A_nbytes,
+    *A_checksum, *A_lease, *A_reason, *A_tenant, *A_adapter, *A_identity[7];
+
+static PyObject *attr(PyObject *o, PyObject *name) { return PyObject_GetAttr(o, name); }
+
+/* The id of `value` in (dict, list), added at the end when new. -1 on error. */
+static long intern_in(PyObject *dict, PyObject *list, PyObject *value) {
+    PyObject *found = PyDict_GetItemWithError(dict, value);
+    if (found != NULL) return PyLong_AsLong(found);
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t id = PyList_GET_SIZE(list);
+    PyObject *boxed = PyLong_FromSsize_t(id);
+    if (boxed == NULL) return -1;
+    int bad = PyDict_SetItem(dict, value, boxed) < 0 || PyList_Append(list, value) < 0;
+    Py_DECREF(boxed);
+    return bad ? -1 : (long)id;
+}
+
+/* A code from one of the bound enum maps; -1 (no error set) when absent. */
+static long code_of(PyObject *map, PyObject *member) {
+    PyObject *found = PyDict_GetItemWithError(map, member);
+    return found != NULL ? PyLong_AsLong(found) : -1;
+}
+
+/* The identity id of the event's IDENTITY_FIELDS tuple, registered with its strings when new. */
+static long identity_of(State *s, PyObject *event) {
+    PyObject *fields[7];
+    for (int i = 0; i < 7; i++) {
+        fields[i] = attr(event, A_identity[i]);
+        if (fields[i] == NULL) {
+            for (int j = 0; j < i; j++) Py_DECREF(fields[j]);
+            return -1;
+        }
     }
-    s->idents[id] = x;
+    PyObject *key = PyTuple_New(7);
+    if (key == NULL) {
+        for (int j = 0; j < 7; j++) Py_DECREF(fields[j]);
+        return -1;
+    }
+    for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(key, i, fields[i]); /* steals */
+    long id = -1;
+    PyObject *found = PyDict_GetItemWithError(s->identities, key);
+    if (found != NULL) {
+        id = PyLong_AsLong(found);
+    } else if (!PyErr_Occurred()) {
+        uint32_t f[6];
+        uint64_t epoch = 0;
+        int ok = 1;
+        for (int i = 0; i < 6 && ok; i++) {
+            long sid = intern_in(s->strings, s->string_list, PyTuple_GET_ITEM(key, i));
+            ok = sid >= 0;
+            f[i] = (uint32_t)sid;
+        }
+        if (ok && u64(PyTuple_GET_ITEM(key, 6), &epoch) == 0) {
+            id = intern_in(s->identities, s->identity_list, key);
+            if (id >= 0 && do_identity(s, (uint32_t)id, f, epoch) < 0) id = -1;
+        }
+    }
+    Py_DECREF(key);
+    return id;
+}
+
+/* apply(event, ord): CacheState.apply, the event's attributes read here. */
+static PyObject *State_apply(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(2, "apply");
+    if (s->kinds == NULL) return PyErr_Format(PyExc_RuntimeError, "apply before bind");
+    PyObject *event = args[0], *kind = NULL, *instance = NULL, *group = NULL, *more = NULL, *v = NULL;
+    PyObject *result = NULL;
+    int64_t ord;
+    if (i64(args[1], &ord) < 0) return NULL;
+    if (s->born != NULL && (PyList_SetSlice(s->born, 0, PY_SSIZE_T_MAX, NULL) < 0 ||
+                            PyList_SetSlice(s->died, 0, PY_SSIZE_T_MAX, NULL) < 0))
+        return NULL;
+    if ((kind = attr(event, A_kind)) == NULL) return NULL;
+    long code = code_of(s->kinds, kind);
+    Py_DECREF(kind);
+    if (code < 0) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE; /* requests, usage samples and probes change no state */
+    }
+    if ((instance = attr(event, A_instance)) == NULL) return NULL;
+    /* changes[instance] += 1 */
+    PyObject *count = PyDict_GetItemWithError(s->changes, instance);
+    if (count == NULL && PyErr_Occurred()) goto done;
+    PyObject *next = PyLong_FromLongLong(count ? PyLong_AsLongLong(count) + 1 : 1);
+    if (next == NULL || PyDict_SetItem(s->changes, instance, next) < 0) {
+        Py_XDECREF(next);
+        goto done;
+    }
+    Py_DECREF(next);
+    uint64_t first;
+    if ((v = attr(event, A_block_key)) == NULL || u64(v, &first) < 0) goto done;
+    Py_CLEAR(v);
+    if ((group = attr(event, A_group_id)) == NULL) goto done;
+    if ((more = attr(event, A_more_keys)) == NULL) goto done;
+    if (!PyList_Check(more)) {
+        PyErr_SetString(PyExc_TypeError, "more_keys: a list");
+        goto done;
+    }
+    PyObject *keys = PyList_GET_SIZE(more) ? more : Py_None;
+    PyObject *scope = PyTuple_Pack(2, instance, group);
+    if (scope == NULL) goto done;
+    if (code == K_INVALIDATE || code == K_EVICT) {
+        long tier = -1, reason = 0;
+        if (code == K_INVALIDATE || first == 0) {
+            if ((v = attr(event, A_reason)) == NULL || (reason = code_of(s->reasons, v)) < 0) goto bad_code;
+            Py_CLEAR(v);
+        }
+        if (code == K_EVICT || first == 0) {
+            if ((v = attr(event, A_tier)) == NULL || (tier = code_of(s->tiers, v)) < 0) goto bad_code;
+            Py_CLEAR(v);
+        }
+        if (code == K_INVALIDATE && first == 0) { /* a bulk invalidation of a scope */
+            long inst = intern_in(s->instances, s->instance_list, instance), tenant, adapter;
+            if (inst < 0) goto scope_done;
+            if ((v = attr(event, A_tenant)) == NULL || (tenant = intern_in(s->strings, s->string_list, v)) < 0)
+                goto scope_done;
+            Py_CLEAR(v);
+            if ((v = attr(event, A_adapter)) == NULL || (adapter = intern_in(s->strings, s->string_list, v)) < 0)
+                goto scope_done;
+            Py_CLEAR(v);
+            if (do_bulk(s, (uint32_t)inst, (int)tier, (uint32_t)tenant, (uint32_t)adapter, ord, (int)reason) == 0)
+                result = Py_None;
+            goto scope_done;
+        }
+        PyObject *table = PyDict_GetItemWithError(s->tables, scope);
+        if (table == NULL) {
+            if (!PyErr_Occurred()) result = Py_None; /* nothing of the scope is held */
+            goto scope_done;
+        }
+        uint32_t tid = (uint32_t)PyLong_AsUnsignedLong(table);
+        int rc = code == K_EVICT ? do_evict(s, tid, first, keys, (int)tier)
+                                 : do_invalidate(s, tid, first, keys, ord, (int)reason);
+        if (rc == 0) result = Py_None;
+        goto scope_done;
+    }
+    {
+        int transfer = code == K_OFFLOAD || code == K_LOAD, commit = code == K_COMMIT;
+        long tier;
+        if ((v = attr(event, transfer ? A_dst_tier : A_tier)) == NULL || (tier = code_of(s->tiers, v)) < 0)
+            goto bad_code;
+        Py_CLEAR(v);
+        uint64_t nbytes, checksum;
+        int64_t lease = 0;
+        if ((v = attr(event, A_nbytes)) == NULL || u64(v, &nbytes) < 0) goto scope_done;
+        Py_CLEAR(v);
+        if ((v = attr(event, A_checksum)) == NULL || u64(v, &checksum) < 0) goto scope_done;
+        Py_CLEAR(v);
+        if (commit || transfer) {
+            if ((v = attr(event, A_lease)) == NULL || i64(v, &lease) < 0) goto scope_done;
+            Py_CLEAR(v);
+        }
+        if (lease && PySet_Add(s->leased, instance) < 0) goto scope_done;
+        PyObject *held = PyDict_GetItemWithError(s->tenants, instance); /* borrowed */
+        if (held == NULL) {
+            if (PyErr_Occurred() || (v = PySet_New(NULL)) == NULL) goto scope_done;
+            if (PyDict_SetItem(s->tenants, instance, v) < 0) goto scope_done;
+            held = v;
+        }
+        long identity = 0, tenant = 0, adapter = 0;
+        PyObject *tenant_str = NULL;
+        if (commit) {
+            if ((tenant_str = attr(event, A_tenant)) == NULL) goto scope_done;
+            if (PySet_Add(held, tenant_str) < 0 || (tenant = intern_in(s->strings, s->string_list, tenant_str)) < 0) {
+                Py_DECREF(tenant_str);
+                goto scope_done;
+            }
+            Py_DECREF(tenant_str);
+            if ((identity = identity_of(s, event)) < 0) goto scope_done;
+            adapter = s->idents[identity].f[2];
+        } else {
+            PyObject *empty = PyUnicode_FromStringAndSize("", 0);
+            int bad = empty == NULL || PySet_Add(held, empty) < 0;
+            Py_XDECREF(empty);
+            if (bad) goto scope_done;
+        }
+        Py_CLEAR(v);
+        if (intern_in(s->instances, s->instance_list, instance) < 0) goto scope_done;
+        long tid = intern_in(s->tables, s->table_list, scope);
+        if (tid < 0) goto scope_done;
+        if (do_write(s, (uint32_t)tid, first, keys, (int)tier, code != K_CREATE, nbytes, checksum, ord,
+                     (uint32_t)identity, (uint32_t)tenant, (uint32_t)adapter, lease, commit) == 0)
+            result = Py_None;
+        goto scope_done;
+    }
+bad_code:
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an enum value the compiled state does not know");
+scope_done:
+    Py_DECREF(scope);
+done:
+    Py_XDECREF(v);
+    Py_XDECREF(instance);
+    Py_XDECREF(group);
+    Py_XDECREF(more);
+    if (result != NULL && s->born != NULL) return PyTuple_Pack(2, s->born, s->died);
+    Py_XINCREF(result);
+    return result;
+}
+
+/* track(): from now on, apply returns (born keys, forgotten keys) of each event (the fleet
+ * view's index is kept by the wrapper). */
+static PyObject *State_track(State *s, PyObject *unused) {
+    if (s->born == NULL && ((s->born = PyList_New(0)) == NULL || (s->died = PyList_New(0)) == NULL)) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* bind(kinds, tiers, reasons, strings, string_list, tables, table_list, instances, instance_list,
+ *      identities, identity_list, changes, leased, tenants): the wrapper's maps, shared. */
+static PyObject *State_bind(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(14, "bind");
+    PyObject **slots[14] = {&s->kinds, &s->tiers, &s->reasons, &s->strings, &s->string_list, &s->tables,
+                            &s->table_list, &s->instances, &s->instance_list, &s->identities, &s->identity_list,
+                            &s->changes, &s->leased, &s->tenants};
+    for (int i = 0; i < 14; i++) {
+        int list = i == 4 || i == 6 || i == 8 || i == 10, set = i == 12;
+        if (list ? !PyList_Check(args[i]) : set ? !PySet_Check(args[i]) : !PyDict_Check(args[i]))
+            return PyErr_Format(PyExc_TypeError, "bind: argument %d has the wrong type", i);
+    }
+    for (int i = 0; i < 14; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*slots[i], args[i]);
+    }
     Py_RETURN_NONE;
 }
 
@@ -809,6 +1098,22 @@ static void State_dealloc(State *s) {
     PyMem_RawFree(s->shared);
     PyMem_RawFree(s->checks);
     PyMem_RawFree(s->sums);
+    Py_XDECREF(s->kinds);
+    Py_XDECREF(s->tiers);
+    Py_XDECREF(s->reasons);
+    Py_XDECREF(s->strings);
+    Py_XDECREF(s->string_list);
+    Py_XDECREF(s->tables);
+    Py_XDECREF(s->table_list);
+    Py_XDECREF(s->instances);
+    Py_XDECREF(s->instance_list);
+    Py_XDECREF(s->identities);
+    Py_XDECREF(s->identity_list);
+    Py_XDECREF(s->changes);
+    Py_XDECREF(s->leased);
+    Py_XDECREF(s->tenants);
+    Py_XDECREF(s->born);
+    Py_XDECREF(s->died);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -833,10 +1138,13 @@ static PyMethodDef State_methods[] = {
     {"invalidate", (PyCFunction)(void (*)(void))State_invalidate, METH_FASTCALL, NULL},
     {"bulk", (PyCFunction)(void (*)(void))State_bulk, METH_FASTCALL, NULL},
     {"identity", (PyCFunction)(void (*)(void))State_identity, METH_FASTCALL, NULL},
+    {"apply", (PyCFunction)(void (*)(void))State_apply, METH_FASTCALL, NULL},
+    {"bind", (PyCFunction)(void (*)(void))State_bind, METH_FASTCALL, NULL},
     {"evaluate", (PyCFunction)(void (*)(void))State_evaluate, METH_FASTCALL, NULL},
     {"tenant_of", (PyCFunction)(void (*)(void))State_tenant_of, METH_FASTCALL, NULL},
     {"load", (PyCFunction)(void (*)(void))State_load, METH_FASTCALL, NULL},
     {"count", (PyCFunction)State_count, METH_NOARGS, NULL},
+    {"track", (PyCFunction)State_track, METH_NOARGS, NULL},
     {"export", (PyCFunction)State_export, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -856,6 +1164,19 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, 
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&StateType) < 0) return NULL;
+    static const char *identity[7] = {"model", "model_revision", "adapter", "transform", "kv_dtype", "layout", "epoch"};
+    if (!(A_kind = PyUnicode_InternFromString("kind")) || !(A_instance = PyUnicode_InternFromString("instance")) ||
+        !(A_group_id = PyUnicode_InternFromString("group_id")) ||
+        !(A_block_key = PyUnicode_InternFromString("block_key")) ||
+        !(A_more_keys = PyUnicode_InternFromString("more_keys")) || !(A_tier = PyUnicode_InternFromString("tier")) ||
+        !(A_dst_tier = PyUnicode_InternFromString("dst_tier")) || !(A_nbytes = PyUnicode_InternFromString("nbytes")) ||
+        !(A_checksum = PyUnicode_InternFromString("checksum")) ||
+        !(A_lease = PyUnicode_InternFromString("lease_expiry_ns")) ||
+        !(A_reason = PyUnicode_InternFromString("reason")) || !(A_tenant = PyUnicode_InternFromString("tenant")) ||
+        !(A_adapter = PyUnicode_InternFromString("adapter")))
+        return NULL;
+    for (int i = 0; i < 7; i++)
+        if (!(A_identity[i] = PyUnicode_InternFromString(identity[i]))) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&StateType);

@@ -23,6 +23,7 @@ from operator import or_
 import msgspec
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, hit_cap
+from kvtrace.analysis.native_state import NativeState
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
@@ -46,7 +47,7 @@ def alone(lookup: Event, own: Evaluation) -> FleetView:
                      sum(own.restore_bytes.values()))
 
 
-def candidates(state: CacheState, recipe: Recipe, lookup: Event, cap: int) -> list[tuple[int, str]]:
+def candidates(state: CacheState | NativeState, recipe: Recipe, lookup: Event, cap: int) -> list[tuple[int, str]]:
     """The other instances holding any of the lookup's blocks, each with a bound no hit of its
     can pass (the boundary just after the last block it holds in any group, at most `cap`),
     longest bound first, then by name."""
@@ -82,7 +83,7 @@ def candidates(state: CacheState, recipe: Recipe, lookup: Event, cap: int) -> li
     return sorted((c for c in found if c[0] > 0), key=lambda c: (-c[0], c[1]))
 
 
-def judge(state: CacheState, recipe: Recipe, lookup: Event, own: Evaluation, policy: Policy) -> FleetView:
+def judge(state: CacheState | NativeState, recipe: Recipe, lookup: Event, own: Evaluation, policy: Policy) -> FleetView:
     """The lookup's fleet view, from its own evaluation and those of the instances that could
     beat it. Ties go to the lookup's own instance, then to the first instance by name, so every
     path names the same one."""
@@ -102,7 +103,8 @@ def judge(state: CacheState, recipe: Recipe, lookup: Event, own: Evaluation, pol
             break
         if not (wins(top, name, seen, seen_at) or wins(top, name, best, best_at)):
             continue
-        ev = evaluate(state, recipe, lookup, policy, instance=name)
+        ev = state.evaluate(recipe, lookup, policy, instance=name) if isinstance(state, NativeState) \
+            else evaluate(state, recipe, lookup, policy, instance=name)
         if wins(ev.logical, name, seen, seen_at):
             seen, seen_at = ev.logical, name
             seen_reason = ev.reason if ev.recoverable < ev.logical else GapReason.NONE

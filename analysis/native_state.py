@@ -3,8 +3,9 @@
 The rules are `analysis.state`'s and `analysis.evaluate`'s, unchanged: this class keeps the
 same facts in flat C arrays instead of a Struct per object, so a commit run or a lookup costs a
 probe per block instead of a dict get, a Struct and attribute reads per block. The
-reconstructor uses it when the extension was built and the fleet view is off (the fleet index
-stays in Python: `CacheState(fleet=True)`); `KVTRACE_NATIVE=0` turns it off. Every stream the
+reconstructor uses it where the extension was built; `KVTRACE_NATIVE=0` turns it off. The fleet
+view's index (which instances hold a block key) stays in Python, kept from the births and deaths
+the core reports: it changes only when an object is born or dies. Every stream the
 tests draw gives the same rows through both (tests/test_native_state.py).
 
 Strings stay on this side: instances, (instance, group) tables, tenants, adapters and identity
@@ -15,7 +16,7 @@ codes the core returns.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, hit_cap
@@ -46,10 +47,8 @@ _REASONS = tuple(Reason)  # NONE first: code 0 is "no invalidation"
 _REASON_CODE = {r: i for i, r in enumerate(_REASONS)}
 _COMPONENT = {ComponentKind.SLIDING_WINDOW: 1, ComponentKind.MAMBA: 2, ComponentKind.UNCOMPRESSED_TAIL: 3,
               ComponentKind.INDEXER: 4}  # the others cover [0, p): code 0
-_KIND_WRITE, _KIND_EVICT, _KIND_INVALIDATE = 0, 1, 2
-_KINDS = {EventKind.CREATE: _KIND_WRITE, EventKind.COMMIT: _KIND_WRITE, EventKind.OFFLOAD: _KIND_WRITE,
-          EventKind.LOAD: _KIND_WRITE, EventKind.EVICT: _KIND_EVICT, EventKind.INVALIDATE: _KIND_INVALIDATE}
-_TRANSFERS = frozenset({EventKind.OFFLOAD, EventKind.LOAD})
+_KINDS = {EventKind.CREATE: 0, EventKind.COMMIT: 1, EventKind.OFFLOAD: 2, EventKind.LOAD: 3,
+          EventKind.INVALIDATE: 4, EventKind.EVICT: 5}  # `_native.c`'s K_ codes
 assert set(_KINDS) == OBJECT_KINDS
 
 
@@ -60,7 +59,7 @@ def available() -> bool:
 
 @dataclass(slots=True)
 class NativeState:
-    """A `CacheState` without the fleet index, its objects held by the compiled core."""
+    """A `CacheState` whose objects the compiled core holds (the fleet index, when kept, stays here)."""
 
     shared_tenants: frozenset[str] = frozenset()
     # As in CacheState: state events per instance, instances whose objects named a lease,
@@ -69,6 +68,12 @@ class NativeState:
     leased: set[str] = field(default_factory=set)
     tenants: dict[str, set[str]] = field(default_factory=dict)
     fleet: bool = False
+    # The fleet index, as CacheState keeps it (see there and `analysis.fleet`): kept here, from
+    # the births and deaths the core reports, when `fleet`.
+    slots: dict[str, int] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+    models: dict[str, str] = field(default_factory=dict)
+    holders: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
     _core: object = None
     _strings: dict[str, int] = field(default_factory=lambda: {"": 0})
     _string_list: list[str] = field(default_factory=lambda: [""])
@@ -79,12 +84,51 @@ class NativeState:
     _tables: dict[tuple[str, int], int] = field(default_factory=dict)
     _table_list: list[tuple[str, int]] = field(default_factory=list)
     _specs: dict[int, tuple[Recipe, tuple, int]] = field(default_factory=dict)
+    apply: Callable[[Event, int], None] = field(init=False)
 
     def __post_init__(self) -> None:
         if _native is None:
             raise RuntimeError("kvtrace's compiled state is not built here")
         shared = tuple(self._string(t) for t in sorted(self.shared_tenants))
-        self._core = _native.State(_REASON_CODE[Reason.ROLLBACK], shared)
+        core = self._core = _native.State(_REASON_CODE[Reason.ROLLBACK], shared)
+        # The same tables on both sides: ids the core gives out, this side reads, and back.
+        core.bind(_KINDS, _TIER_CODE, _REASON_CODE, self._strings, self._string_list, self._tables, self._table_list,
+                  self._instances, self._instance_list, self._identities, self._identity_list, self.changes,
+                  self.leased, self.tenants)
+        if self.fleet:
+            core.track()
+            self.apply = self._apply_indexed
+        else:
+            self.apply = core.apply
+
+    def _apply_indexed(self, event: Event, ord: int) -> None:
+        """apply, and the fleet index kept: an object born sets its instance's bit under its
+        block key, one forgotten clears it (CacheState.apply's rule, from the core's report)."""
+        changed = self._core.apply(event, ord)  # type: ignore[attr-defined]
+        if changed is None:
+            return
+        born, died = changed
+        if not born and not died:
+            return
+        hold, bit = self._index(event.instance, event.model, event.group_id)
+        for key in born:
+            hold[key] = hold.get(key, 0) | bit
+        for key in died:
+            if left := hold.pop(key, 0) & ~bit:
+                hold[key] = left
+
+    def _index(self, instance: str, model: str, group_id: int) -> tuple[dict[int, int], int]:
+        """CacheState._index: the index's table for the instance's blocks of `group_id`, and its bit."""
+        slot = self.slots.get(instance)
+        if slot is None:
+            slot = self.slots[instance] = len(self.names)
+            self.names.append(instance)
+            self.models[instance] = model
+        scope = (self.models[instance], group_id)
+        hold = self.holders.get(scope)
+        if hold is None:
+            hold = self.holders[scope] = {}
+        return hold, 1 << slot
 
     # -- interning -------------------------------------------------------------------------------
     def _string(self, value: str) -> int:
@@ -117,49 +161,8 @@ class NativeState:
         return found
 
     # -- CacheState's interface ------------------------------------------------------------------
-    def apply(self, event: Event, ord: int) -> None:
-        kind = _KINDS.get(event.kind)
-        if kind is None:  # requests, usage samples and probes change no state
-            return
-        instance = event.instance
-        changes = self.changes
-        changes[instance] = changes.get(instance, 0) + 1
-        more = event.more_keys or None
-        core = self._core
-        if kind == _KIND_INVALIDATE:
-            if event.block_key == 0:
-                core.bulk(self._instance(instance), _TIER_CODE[event.tier], self._string(event.tenant),  # type: ignore[attr-defined]
-                          self._string(event.adapter), ord, _REASON_CODE[event.reason])
-                return
-            table = self._tables.get((instance, event.group_id))
-            if table is not None:
-                core.invalidate(table, event.block_key, more, ord, _REASON_CODE[event.reason])  # type: ignore[attr-defined]
-            return
-        if kind == _KIND_EVICT:
-            table = self._tables.get((instance, event.group_id))
-            if table is not None:
-                core.evict(table, event.block_key, more, _TIER_CODE[event.tier])  # type: ignore[attr-defined]
-            return
-        ekind = event.kind
-        transfer = ekind in _TRANSFERS
-        commit = ekind is EventKind.COMMIT
-        lease = event.lease_expiry_ns if commit or transfer else 0
-        if lease:
-            self.leased.add(instance)
-        tenants = self.tenants.get(instance)
-        if tenants is None:
-            tenants = self.tenants[instance] = set()
-        if commit:
-            tenants.add(event.tenant)
-            identity = self._identity(identity_of(event))
-            tenant, adapter = self._string(event.tenant), self._string(event.adapter)
-        else:
-            tenants.add("")
-            identity = tenant = adapter = 0
-        self._instance(instance)
-        core.write(self._table((instance, event.group_id)), event.block_key, more,  # type: ignore[attr-defined]
-                   _TIER_CODE[event.dst_tier if transfer else event.tier], ekind is not EventKind.CREATE,
-                   event.nbytes, event.checksum, ord, identity, tenant, adapter, lease, commit)
+    # apply(event, ord): `CacheState.apply`, the event's attributes read by the core itself (a
+    # Python method here cost more than the work it passes on); bound in __post_init__.
 
     def changes_of(self, instance: str) -> int:
         return self.changes.get(instance, 0)
@@ -176,15 +179,17 @@ class NativeState:
         return self._core.count()  # type: ignore[attr-defined]
 
     def evaluate(self, recipe: Recipe, lookup: Event, policy: Policy = Policy(), explain_up_to: int = 0,
-                 ts_ns: int | None = None) -> Evaluation:
-        """`analysis.evaluate.evaluate` on this state, the lookup taken at `ts_ns` when given."""
+                 ts_ns: int | None = None, instance: str | None = None) -> Evaluation:
+        """`analysis.evaluate.evaluate` on this state, the lookup taken at `ts_ns` when given, on
+        `instance` when given (what another instance of the fleet held for it)."""
         cached = self._specs.get(id(recipe))
         if cached is None or cached[0] is not recipe:
             groups = tuple((g.group_id, _COMPONENT.get(g.component, 0), g.block_size, g.window, g.ratio,
                             _GAP_CODE[MISSING_REASON[g.component]]) for g in recipe.groups)
             cached = self._specs[id(recipe)] = (recipe, groups, recipe.alignment)
         _, groups, step = cached
-        instance = lookup.instance
+        if instance is None:
+            instance = lookup.instance
         tables = self._tables
         out = self._core.evaluate(  # type: ignore[attr-defined]
             self._instances.get(instance, 0xFFFFFFFF), tuple(tables.get((instance, g[0]), -1) for g in groups),
@@ -217,7 +222,9 @@ class NativeState:
     def to_cache_state(self) -> CacheState:
         """The same facts as a `CacheState`, the form snapshots store."""
         state = CacheState(changes=dict(self.changes), leased=set(self.leased),
-                           tenants={k: set(v) for k, v in self.tenants.items()})
+                           tenants={k: set(v) for k, v in self.tenants.items()}, fleet=self.fleet,
+                           slots=dict(self.slots), names=list(self.names), models=dict(self.models),
+                           holders={k: dict(v) for k, v in self.holders.items()})
         objects, scopes = self._core.export()  # type: ignore[attr-defined]
         strings, identities = self._string_list, self._identity_list
         for table, key, copies, has_commit, identity, tenant, _, checksum, nbytes, lease, inv_ord, inv in objects:
@@ -232,7 +239,9 @@ class NativeState:
 
     @classmethod
     def from_cache_state(cls, state: CacheState, shared_tenants: frozenset[str] = frozenset()) -> NativeState:
-        out = cls(shared_tenants, dict(state.changes), set(state.leased), {k: set(v) for k, v in state.tenants.items()})
+        out = cls(shared_tenants, dict(state.changes), set(state.leased), {k: set(v) for k, v in state.tenants.items()},
+                  state.fleet, dict(state.slots), list(state.names), dict(state.models),
+                  {k: dict(v) for k, v in state.holders.items()})
         core = out._core
         for (instance, group), table in state.tables.items():
             out._instance(instance)

@@ -163,8 +163,7 @@ class Reconstructor:
         state = self.state
         own = state.evaluate(recipe, event, self.policy) if isinstance(state, NativeState) \
             else evaluate(state, recipe, event, self.policy)
-        fleet = judge(state, recipe, event, own, self.policy) if isinstance(state, CacheState) and state.fleet \
-            else None
+        fleet = judge(state, recipe, event, own, self.policy) if self.policy.fleet else None
         self._pending[key] = _Pending(event, recipe, own, self.state.changes_of(event.instance), fleet)
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
@@ -271,10 +270,10 @@ class Reconstructor:
 
 
 def _new_state(policy: Policy) -> CacheState | NativeState:
-    """The compiled state where it is built, except for the fleet view, whose index is Python's."""
-    if policy.fleet or not available():
+    """The compiled state where it is built (analysis.native_state), else the Python one."""
+    if not available():
         return CacheState(fleet=policy.fleet)
-    return NativeState(policy.shared_tenants)
+    return NativeState(policy.shared_tenants, fleet=policy.fleet)
 
 
 def reconstruct(

@@ -10,7 +10,10 @@ Measured:
   streaming   Reconstructor over the Parquet file, batch by batch, in a child process, on 25 %,
               50 % and 100 % of the events: events/s of the reconstructor alone and with the
               Parquet-to-Event decoding, and the child's peak RSS. Memory bounded by live objects
-              shows as a flat peak while the trace grows 4x.
+              shows as a flat peak while the trace grows 4x. Each share runs twice, alternating:
+              with the compiled cache state (analysis/_native.c, the default) and with the Python
+              one (KVTRACE_NATIVE=0); their rows must be equal (a digest of every row), and the
+              ratio of their feeding times is printed.
   clickhouse  clickhouse_results() on the stored table, against a plain full scan of the same
               table (count, sum and distinct count over FINAL) timed alternately in this run.
   duckdb      duckdb_results() on the Parquet file, against the same full scan in DuckDB.
@@ -21,6 +24,7 @@ Measured:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -32,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -96,24 +101,31 @@ def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
     rec = Reconstructor(BUILTIN[recipe_name])
     seen = results = max_objects = 0
     decode_s = feed_s = 0.0
+    digest = hashlib.sha256()
+    encode = msgspec.msgpack.Encoder().encode
     for batch in file.iter_batches(batch_size=65536):
         started = time.perf_counter()
         events = from_arrow(pa.Table.from_batches([batch]))[: limit - seen]
         fed = time.perf_counter()
+        done = []
         for event in events:
-            results += len(rec.feed(event))
+            done += rec.feed(event)
         feed_s += time.perf_counter() - fed
         decode_s += fed - started
+        results += len(done)
+        digest.update(encode(done))
         seen += len(events)
         max_objects = max(max_objects, rec.state.object_count())
         if seen >= limit:
             break
     started = time.perf_counter()
-    results += len(rec.finish())
+    done = rec.finish()
     feed_s += time.perf_counter() - started
+    results += len(done)
+    digest.update(encode(done))
     rss_mb = _peak_rss_mb()
     print(json.dumps(dict(events=seen, lookups=results, decode_s=decode_s, feed_s=feed_s, peak_rss_mb=rss_mb,
-                          max_objects=max_objects)))
+                          max_objects=max_objects, state=type(rec.state).__name__, digest=digest.hexdigest())))
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -165,18 +177,26 @@ def main() -> None:
 
 
 def stream(parquet: Path, recipe_name: str) -> None:
-    print("streaming reconstructor (child process per run)")
-    print(f"{'share':>6} {'events':>12} {'reconstruct ev/s':>17} {'with decode ev/s':>17} {'peak RSS MiB':>13}"
-          f" {'live objects (max)':>19}")
+    print("streaming reconstructor (child process per run), with the compiled state and the Python one")
+    print(f"{'share':>6} {'state':>8} {'events':>12} {'reconstruct ev/s':>17} {'with decode ev/s':>17}"
+          f" {'peak RSS MiB':>13} {'live objects (max)':>19}")
     for fraction in (0.25, 0.5, 1.0):
-        out = subprocess.run(
-            [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), recipe_name],
-            check=True, capture_output=True, text=True,
-        )
-        r = json.loads(out.stdout)
-        both = r["feed_s"] + r["decode_s"]
-        print(f"{fraction:>6.0%} {r['events']:>12,} {r['events'] / r['feed_s']:>17,.0f} {r['events'] / both:>17,.0f}"
-              f" {r['peak_rss_mb']:>13,.0f} {r['max_objects']:>19,}")
+        runs = {}
+        for state in ("compiled", "python"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), recipe_name],
+                check=True, capture_output=True, text=True,
+                env={**os.environ, "KVTRACE_NATIVE": "1" if state == "compiled" else "0"},
+            )
+            r = runs[state] = json.loads(out.stdout)
+            assert r["state"] == ("NativeState" if state == "compiled" else "CacheState"), r["state"]
+            both = r["feed_s"] + r["decode_s"]
+            print(f"{fraction:>6.0%} {state:>8} {r['events']:>12,} {r['events'] / r['feed_s']:>17,.0f}"
+                  f" {r['events'] / both:>17,.0f} {r['peak_rss_mb']:>13,.0f} {r['max_objects']:>19,}")
+        same = runs["compiled"]["digest"] == runs["python"]["digest"]
+        print(f"{'':>6} compiled / python feeding time: {runs['compiled']['feed_s'] / runs['python']['feed_s']:.3f}x,"
+              f" rows {'equal' if same else 'DIFFER'}")
+        assert same, "the compiled state's rows differ from the Python state's"
 
 
 def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-untyped-def]

@@ -24,7 +24,7 @@ from kvtrace.schema.verdicts import GapReason, LookupResult
 
 BOOK = RecipeBook(RECIPES)
 BASE = 1_750_000_000 * 10**9
-POLICIES = [Policy(), Policy(shared_tenants=frozenset({"t0"})), Policy(keep_one_token=False)]
+POLICIES = [Policy(), Policy(shared_tenants=frozenset({"t2"})), Policy(keep_one_token=False), Policy(fleet=True)]
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -55,13 +55,14 @@ def test_compiled_and_python_states_give_the_same_rows(events: list[Event], poli
 @given(events=lifecycle_streams(), data=st.data())
 def test_the_compiled_state_round_trips_through_a_snapshot(events: list[Event], data: st.DataObject) -> None:
     cut = data.draw(st.integers(0, len(events)), label="cut")
+    policy = data.draw(st.sampled_from([Policy(), Policy(fleet=True)]), label="policy")
     with pytest.MonkeyPatch.context() as mp:
-        whole = _rows(events, Policy(), False, mp)
+        whole = _rows(events, policy, False, mp)
         # The plain state after the first part, both ways: the same objects and scopes.
         mp.setenv("KVTRACE_NATIVE", "0")
-        python = Reconstructor(BOOK)
+        python = Reconstructor(BOOK, policy)
         mp.setenv("KVTRACE_NATIVE", "1")
-        compiled = Reconstructor(BOOK)
+        compiled = Reconstructor(BOOK, policy)
         done: list[LookupResult] = []
         for event in events[:cut]:
             python.feed(event)
@@ -73,14 +74,16 @@ def test_the_compiled_state_round_trips_through_a_snapshot(events: list[Event], 
         assert exported.bulk == python.state.bulk
         assert (exported.changes, exported.leased, exported.tenants) == \
             (python.state.changes, python.state.leased, python.state.tenants)
+        assert (exported.fleet, exported.slots, exported.names, exported.models, exported.holders) == \
+            (python.state.fleet, python.state.slots, python.state.names, python.state.models, python.state.holders)
         if not cut:
             return
         # Resumed from the stored snapshot by either state, the rest gives the whole run's rows.
-        print_ = snapshot.fingerprint(BOOK, Policy())
+        print_ = snapshot.fingerprint(BOOK, policy)
         row = snapshot.take(compiled, events[cut - 1], print_)
         for native in (True, False):
             mp.setenv("KVTRACE_NATIVE", "1" if native else "0")
-            resumed = snapshot.resume(row, BOOK, Policy())
+            resumed = snapshot.resume(row, BOOK, policy)
             assert isinstance(resumed.state, NativeState) == native
             rest = list(resumed.run(events[cut:]))
             assert sorted(done + rest, key=_key) == sorted(whole, key=_key)
