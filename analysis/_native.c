@@ -467,6 +467,9 @@ static PyObject *State_identity(State *s, PyObject *const *args, Py_ssize_t narg
 /* Event attribute names, and the wrapper's interning tables (bound once, see State_bind). */
 static PyObject *A_kind, *A_instance, *A_group_id, *A_block_key, *A_more_keys, *A_tier, *A_dst_tier, *A_nbytes,
     *A_checksum, *A_lease, *A_reason, *A_tenant, *A_adapter, *A_identity[7];
+/* ... and of ObjectState, Copy and Commit (analysis/state.py), for load_objects */
+static PyObject *A_copies, *A_commit, *A_committed, *A_ord, *A_identity_field, *A_invalidated_reason, *A_lease_expiry,
+    *A_invalidated_ord;
 
 static PyObject *attr(PyObject *o, PyObject *name) { return PyObject_GetAttr(o, name); }
 
@@ -489,42 +492,129 @@ static long code_of(PyObject *map, PyObject *member) {
     return found != NULL ? PyLong_AsLong(found) : -1;
 }
 
-/* The identity id of the event's IDENTITY_FIELDS tuple, registered with its strings when new. */
-static long identity_of(State *s, PyObject *event) {
-    PyObject *fields[7];
-    for (int i = 0; i < 7; i++) {
-        fields[i] = attr(event, A_identity[i]);
-        if (fields[i] == NULL) {
-            for (int j = 0; j < i; j++) Py_DECREF(fields[j]);
-            return -1;
-        }
-    }
-    PyObject *key = PyTuple_New(7);
-    if (key == NULL) {
-        for (int j = 0; j < 7; j++) Py_DECREF(fields[j]);
+/* The id of an identity tuple (IDENTITY_FIELDS' values), registered with its strings when new. */
+static long identity_id(State *s, PyObject *key) {
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 7) {
+        PyErr_SetString(PyExc_TypeError, "an identity is a tuple of 7 values");
         return -1;
     }
-    for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(key, i, fields[i]); /* steals */
-    long id = -1;
     PyObject *found = PyDict_GetItemWithError(s->identities, key);
-    if (found != NULL) {
-        id = PyLong_AsLong(found);
-    } else if (!PyErr_Occurred()) {
-        uint32_t f[6];
-        uint64_t epoch = 0;
-        int ok = 1;
-        for (int i = 0; i < 6 && ok; i++) {
-            long sid = intern_in(s->strings, s->string_list, PyTuple_GET_ITEM(key, i));
-            ok = sid >= 0;
-            f[i] = (uint32_t)sid;
-        }
-        if (ok && u64(PyTuple_GET_ITEM(key, 6), &epoch) == 0) {
-            id = intern_in(s->identities, s->identity_list, key);
-            if (id >= 0 && do_identity(s, (uint32_t)id, f, epoch) < 0) id = -1;
-        }
+    if (found != NULL) return PyLong_AsLong(found);
+    if (PyErr_Occurred()) return -1;
+    uint32_t f[6];
+    uint64_t epoch = 0;
+    for (int i = 0; i < 6; i++) {
+        long sid = intern_in(s->strings, s->string_list, PyTuple_GET_ITEM(key, i));
+        if (sid < 0) return -1;
+        f[i] = (uint32_t)sid;
     }
+    if (u64(PyTuple_GET_ITEM(key, 6), &epoch) < 0) return -1;
+    long id = intern_in(s->identities, s->identity_list, key);
+    if (id >= 0 && do_identity(s, (uint32_t)id, f, epoch) < 0) return -1;
+    return id;
+}
+
+/* The identity id of the event's IDENTITY_FIELDS. */
+static long identity_of(State *s, PyObject *event) {
+    PyObject *key = PyTuple_New(7);
+    if (key == NULL) return -1;
+    for (int i = 0; i < 7; i++) {
+        PyObject *v = attr(event, A_identity[i]);
+        if (v == NULL) {
+            Py_DECREF(key);
+            return -1;
+        }
+        PyTuple_SET_ITEM(key, i, v); /* steals */
+    }
+    long id = identity_id(s, key);
     Py_DECREF(key);
     return id;
+}
+
+static int get_u64(PyObject *o, PyObject *name, uint64_t *out) {
+    PyObject *v = attr(o, name);
+    int rc = v == NULL ? -1 : u64(v, out);
+    Py_XDECREF(v);
+    return rc;
+}
+
+static int get_i64(PyObject *o, PyObject *name, int64_t *out) {
+    PyObject *v = attr(o, name);
+    int rc = v == NULL ? -1 : i64(v, out);
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* load_objects(table, {block_key: ObjectState}): a table of a `CacheState` (a resumed snapshot),
+ * read here object by object (as `load` takes one, without a Python call per object). */
+static PyObject *State_load_objects(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(2, "load_objects");
+    if (s->kinds == NULL) return PyErr_Format(PyExc_RuntimeError, "load_objects before bind");
+    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyDict_Check(args[1])) return PyErr_Format(PyExc_TypeError, "load_objects: a dict of objects");
+    Py_ssize_t pos = 0;
+    PyObject *k, *obj;
+    while (PyDict_Next(args[1], &pos, &k, &obj)) {
+        uint64_t key;
+        if (u64(k, &key) < 0) return NULL;
+        if (find(s, table, key) != NULL) return PyErr_Format(PyExc_ValueError, "object loaded twice");
+        Obj *o = born(s, table, key);
+        if (o == NULL) return PyErr_NoMemory();
+        PyObject *copies = attr(obj, A_copies);
+        if (copies == NULL) return NULL;
+        if (!PyDict_Check(copies)) {
+            Py_DECREF(copies);
+            return PyErr_Format(PyExc_TypeError, "an object's copies are a dict");
+        }
+        Py_ssize_t cpos = 0;
+        PyObject *tier, *copy;
+        while (PyDict_Next(copies, &cpos, &tier, &copy)) {
+            long t = code_of(s->tiers, tier);
+            uint64_t nb, ck;
+            int64_t ord;
+            PyObject *committed = attr(copy, A_committed);
+            int c = committed == NULL ? -1 : PyObject_IsTrue(committed);
+            Py_XDECREF(committed);
+            if (t < 0 || c < 0 || get_u64(copy, A_nbytes, &nb) < 0 || get_u64(copy, A_checksum, &ck) < 0 ||
+                get_i64(copy, A_ord, &ord) < 0) {
+                Py_DECREF(copies);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a copy's tier the compiled state does not know");
+                return NULL;
+            }
+            o->copies[t] = (Copy){nb, ck, ord, (uint64_t)(c != 0)};
+            o->mask |= (uint8_t)(1u << t);
+        }
+        Py_DECREF(copies);
+        PyObject *commit = attr(obj, A_commit);
+        if (commit == NULL) return NULL;
+        if (commit != Py_None) {
+            PyObject *identity = attr(commit, A_identity_field), *tenant = attr(commit, A_tenant);
+            long id = identity == NULL ? -1 : identity_id(s, identity);
+            long tid = tenant == NULL || id < 0 ? -1 : intern_in(s->strings, s->string_list, tenant);
+            Py_XDECREF(identity);
+            Py_XDECREF(tenant);
+            if (tid < 0 || get_u64(commit, A_checksum, &o->commit_checksum) < 0 ||
+                get_u64(commit, A_nbytes, &o->commit_nbytes) < 0) {
+                Py_DECREF(commit);
+                return NULL;
+            }
+            o->has_commit = 1;
+            o->identity = (uint32_t)id;
+            o->tenant = (uint32_t)tid;
+            o->adapter = s->idents[id].f[2];
+        }
+        Py_DECREF(commit);
+        PyObject *reason = attr(obj, A_invalidated_reason);
+        long r = reason == NULL ? -1 : code_of(s->reasons, reason);
+        Py_XDECREF(reason);
+        if (r < 0 || get_i64(obj, A_lease_expiry, &o->lease) < 0 || get_i64(obj, A_invalidated_ord, &o->inv_ord) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an invalidation reason the compiled state does not know");
+            return NULL;
+        }
+        o->inv_reason = (uint8_t)r;
+    }
+    Py_RETURN_NONE;
 }
 
 /* apply(event, ord): CacheState.apply, the event's attributes read here. */
@@ -1055,39 +1145,6 @@ fail:
     return NULL;
 }
 
-/* load(table, key, copies, has_commit, identity, tenant, adapter, commit_checksum, commit_nbytes,
- *      lease, inv_ord, inv_reason): one object as `export` gives it (a resumed snapshot). */
-static PyObject *State_load(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(12, "load");
-    uint64_t key;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &key) < 0) return NULL;
-    PyObject *copies = args[2];
-    if (!PyTuple_Check(copies)) return PyErr_Format(PyExc_TypeError, "copies: a tuple");
-    if (find(s, table, key) != NULL) return PyErr_Format(PyExc_ValueError, "object loaded twice");
-    Obj *o = born(s, table, key);
-    if (o == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(copies); i++) {
-        int t, committed;
-        unsigned long long nb, ck;
-        long long ord;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(copies, i), "iiKKL", &t, &committed, &nb, &ck, &ord)) return NULL;
-        if (t < 0 || t >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", t);
-        o->copies[t] = (Copy){nb, ck, ord, (uint64_t)(committed != 0)};
-        o->mask |= (uint8_t)(1u << t);
-    }
-    o->has_commit = (uint8_t)PyObject_IsTrue(args[3]);
-    o->identity = (uint32_t)PyLong_AsUnsignedLong(args[4]);
-    o->tenant = (uint32_t)PyLong_AsUnsignedLong(args[5]);
-    o->adapter = (uint32_t)PyLong_AsUnsignedLong(args[6]);
-    if (u64(args[7], &o->commit_checksum) < 0 || u64(args[8], &o->commit_nbytes) < 0 || i64(args[9], &o->lease) < 0 ||
-        i64(args[10], &o->inv_ord) < 0)
-        return NULL;
-    o->inv_reason = (uint8_t)PyLong_AsLong(args[11]);
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
-}
-
 static void State_dealloc(State *s) {
     PyMem_RawFree(s->tab);
     PyMem_RawFree(s->objs);
@@ -1142,9 +1199,9 @@ static PyMethodDef State_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))State_bind, METH_FASTCALL, NULL},
     {"evaluate", (PyCFunction)(void (*)(void))State_evaluate, METH_FASTCALL, NULL},
     {"tenant_of", (PyCFunction)(void (*)(void))State_tenant_of, METH_FASTCALL, NULL},
-    {"load", (PyCFunction)(void (*)(void))State_load, METH_FASTCALL, NULL},
     {"count", (PyCFunction)State_count, METH_NOARGS, NULL},
     {"track", (PyCFunction)State_track, METH_NOARGS, NULL},
+    {"load_objects", (PyCFunction)(void (*)(void))State_load_objects, METH_FASTCALL, NULL},
     {"export", (PyCFunction)State_export, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -1177,6 +1234,13 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     for (int i = 0; i < 7; i++)
         if (!(A_identity[i] = PyUnicode_InternFromString(identity[i]))) return NULL;
+    if (!(A_copies = PyUnicode_InternFromString("copies")) || !(A_commit = PyUnicode_InternFromString("commit")) ||
+        !(A_committed = PyUnicode_InternFromString("committed")) || !(A_ord = PyUnicode_InternFromString("ord")) ||
+        !(A_identity_field = PyUnicode_InternFromString("identity")) ||
+        !(A_invalidated_reason = PyUnicode_InternFromString("invalidated_reason")) ||
+        !(A_lease_expiry = PyUnicode_InternFromString("lease_expiry_ns")) ||
+        !(A_invalidated_ord = PyUnicode_InternFromString("invalidated_ord")))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&StateType);

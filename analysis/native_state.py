@@ -245,19 +245,7 @@ class NativeState:
         core = out._core
         for (instance, group), table in state.tables.items():
             out._instance(instance)
-            tid = out._table((instance, group))
-            for key, obj in table.items():
-                commit = obj.commit
-                copies = tuple((_TIER_BY_KEY[str(t)], int(c.committed), c.nbytes, c.checksum, c.ord)
-                               for t, c in obj.copies.items())
-                if commit is not None:
-                    ident, tenant = out._identity(tuple(commit.identity)), out._string(commit.tenant)
-                    adapter = out._string(str(commit.identity[2]))
-                    core.load(tid, key, copies, True, ident, tenant, adapter, commit.checksum, commit.nbytes,  # type: ignore[attr-defined]
-                              obj.lease_expiry_ns, obj.invalidated_ord, _REASON_CODE[obj.invalidated_reason])
-                else:
-                    core.load(tid, key, copies, False, 0, 0, 0, 0, 0, obj.lease_expiry_ns,  # type: ignore[attr-defined]
-                              obj.invalidated_ord, _REASON_CODE[obj.invalidated_reason])
+            core.load_objects(out._table((instance, group)), table)  # type: ignore[attr-defined]
         for instance, scopes in state.bulk.items():
             iid = out._instance(instance)
             for (tier, tenant, adapter), (ord, reason) in scopes.items():
