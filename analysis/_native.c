@@ -235,16 +235,16 @@ static inline int i64(PyObject *o, int64_t *out) {
         return NULL;                                                                     \
     }
 
-/* The keys of a fact: its block_key, then its run's more_keys (a list, or None); `body` runs
+/* The keys of a fact: its block_key, then its run's more_keys (a list or tuple, or None); `body` runs
  * for each with `key` set. Returns -1 from the enclosing function on a bad key. */
 #define EACH_KEY(first, more, body)                                             \
     do {                                                                        \
         uint64_t key = (first);                                                 \
         body;                                                                   \
         if ((more) != Py_None) {                                                \
-            Py_ssize_t _n = PyList_GET_SIZE(more);                              \
+            Py_ssize_t _n = PySequence_Fast_GET_SIZE(more);                     \
             for (Py_ssize_t _i = 0; _i < _n; _i++) {                            \
-                if (u64(PyList_GET_ITEM(more, _i), &key) < 0) return -1;        \
+                if (u64(PySequence_Fast_GET_ITEM(more, _i), &key) < 0) return -1; \
                 body;                                                           \
             }                                                                   \
         }                                                                       \
@@ -373,8 +373,8 @@ static int do_identity(State *s, uint32_t id, const uint32_t f[6], uint64_t epoc
 }
 
 static inline int check_more(PyObject *more) {
-    if (!PyList_Check(more) && more != Py_None) {
-        PyErr_SetString(PyExc_TypeError, "more_keys: a list or None");
+    if (!PyList_Check(more) && !PyTuple_Check(more) && more != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "more_keys: a list, a tuple or None");
         return -1;
     }
     return 0;
@@ -650,11 +650,12 @@ static PyObject *State_apply(State *s, PyObject *const *args, Py_ssize_t nargs) 
     Py_CLEAR(v);
     if ((group = attr(event, A_group_id)) == NULL) goto done;
     if ((more = attr(event, A_more_keys)) == NULL) goto done;
-    if (!PyList_Check(more)) {
-        PyErr_SetString(PyExc_TypeError, "more_keys: a list");
-        goto done;
+    if (!PyList_Check(more) && !PyTuple_Check(more)) { /* any sequence, as the Python state takes */
+        PyObject *fast = PySequence_Fast(more, "more_keys: a sequence");
+        Py_SETREF(more, fast);
+        if (more == NULL) goto done;
     }
-    PyObject *keys = PyList_GET_SIZE(more) ? more : Py_None;
+    PyObject *keys = PySequence_Fast_GET_SIZE(more) ? more : Py_None;
     PyObject *scope = PyTuple_Pack(2, instance, group);
     if (scope == NULL) goto done;
     if (code == K_INVALIDATE || code == K_EVICT) {
@@ -959,10 +960,12 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
     rq.tenant = (uint32_t)PyLong_AsUnsignedLong(args[7]);
     if (i64(args[8], &rq.ts) < 0 || i64(args[9], &explain) < 0) return NULL;
     if (PyErr_Occurred()) return NULL;
-    if (!PyTuple_Check(tables) || !PyList_Check(chains) || !PyTuple_Check(groups))
-        return PyErr_Format(PyExc_TypeError, "evaluate: tables and groups are tuples, chains a list");
+    if (!PyTuple_Check(tables) || !PyTuple_Check(groups))
+        return PyErr_Format(PyExc_TypeError, "evaluate: tables and groups are tuples");
+    if (!(PyList_Check(chains) || PyTuple_Check(chains)))
+        return PyErr_Format(PyExc_TypeError, "evaluate: the chains are a list or a tuple");
     if (rq.identity >= s->nident) return PyErr_Format(PyExc_ValueError, "identity %u not registered", rq.identity);
-    Py_ssize_t ng = PyTuple_GET_SIZE(groups), nchains = PyList_GET_SIZE(chains);
+    Py_ssize_t ng = PyTuple_GET_SIZE(groups), nchains = PySequence_Fast_GET_SIZE(chains);
     if (PyTuple_GET_SIZE(tables) != ng) return PyErr_Format(PyExc_ValueError, "evaluate: one table per group");
     View views[64];
     if (ng > 64) return PyErr_Format(PyExc_ValueError, "evaluate: at most 64 groups");
@@ -978,9 +981,10 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
         v->missing = (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(spec, 5));
         if (PyErr_Occurred()) return NULL;
         if (v->b <= 0 || (v->component == C_TAIL && v->ratio <= 0)) return PyErr_Format(PyExc_ValueError, "bad group");
-        PyObject *chain = v->group_id < nchains ? PyList_GET_ITEM(chains, v->group_id) : NULL;
-        if (chain != NULL && !PyList_Check(chain)) return PyErr_Format(PyExc_TypeError, "a chain is a list");
-        v->n = chain ? PyList_GET_SIZE(chain) : 0;
+        PyObject *chain = v->group_id < nchains ? PySequence_Fast_GET_ITEM(chains, v->group_id) : NULL;
+        if (chain != NULL && !(PyList_Check(chain) || PyTuple_Check(chain)))
+            return PyErr_Format(PyExc_TypeError, "a chain is a list or a tuple");
+        v->n = chain ? PySequence_Fast_GET_SIZE(chain) : 0;
         blocks += (size_t)v->n + 1;
     }
     if (ensure_scratch(s, blocks, (size_t)ng) < 0) return PyErr_NoMemory();
@@ -993,11 +997,11 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
         v->resident = v->usable + v->n + 1;
         off += (size_t)v->n + 1;
         long table = PyLong_AsLong(PyTuple_GET_ITEM(tables, g));
-        PyObject *chain = v->n ? PyList_GET_ITEM(chains, v->group_id) : NULL;
+        PyObject *chain = v->n ? PySequence_Fast_GET_ITEM(chains, v->group_id) : NULL;
         v->present[0] = v->usable[0] = v->resident[0] = 0;
         for (Py_ssize_t i = 0; i < v->n; i++) {
             uint64_t key;
-            if (u64(PyList_GET_ITEM(chain, i), &key) < 0) return NULL;
+            if (u64(PySequence_Fast_GET_ITEM(chain, i), &key) < 0) return NULL;
             const Obj *o = (table >= 0 && key != 0) ? find(s, (uint32_t)table, key) : NULL;
             Check *c = &v->checks[i];
             check(s, &rq, o, (int)v->component, v->missing, c);

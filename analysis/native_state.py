@@ -20,7 +20,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, hit_cap
-from kvtrace.analysis.state import IDENTITY_FIELDS, CacheState, Commit, Copy, ObjectKey, ObjectState, identity_of
+from kvtrace.analysis.state import (
+    IDENTITY_FIELDS,
+    CacheState,
+    Commit,
+    Copy,
+    ObjectKey,
+    ObjectState,
+    fleet_index,
+    identity_of,
+)
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import OBJECT_KINDS, ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.recipes import Recipe
@@ -110,25 +119,12 @@ class NativeState:
         born, died = changed
         if not born and not died:
             return
-        hold, bit = self._index(event.instance, event.model, event.group_id)
+        hold, bit = fleet_index(self, event.instance, event.model, event.group_id)
         for key in born:
             hold[key] = hold.get(key, 0) | bit
         for key in died:
             if left := hold.pop(key, 0) & ~bit:
                 hold[key] = left
-
-    def _index(self, instance: str, model: str, group_id: int) -> tuple[dict[int, int], int]:
-        """CacheState._index: the index's table for the instance's blocks of `group_id`, and its bit."""
-        slot = self.slots.get(instance)
-        if slot is None:
-            slot = self.slots[instance] = len(self.names)
-            self.names.append(instance)
-            self.models[instance] = model
-        scope = (self.models[instance], group_id)
-        hold = self.holders.get(scope)
-        if hold is None:
-            hold = self.holders[scope] = {}
-        return hold, 1 << slot
 
     # -- interning -------------------------------------------------------------------------------
     def _string(self, value: str) -> int:
@@ -191,10 +187,14 @@ class NativeState:
         if instance is None:
             instance = lookup.instance
         tables = self._tables
-        out = self._core.evaluate(  # type: ignore[attr-defined]
-            self._instances.get(instance, 0xFFFFFFFF), tuple(tables.get((instance, g[0]), -1) for g in groups),
-            lookup.group_block_keys, groups, step, hit_cap(lookup, policy), self._identity(identity_of(lookup)),
-            self._string(lookup.tenant), lookup.ts_ns if ts_ns is None else ts_ns, explain_up_to)
+        args = [self._instances.get(instance, 0xFFFFFFFF), tuple(tables.get((instance, g[0]), -1) for g in groups),
+                lookup.group_block_keys, groups, step, hit_cap(lookup, policy), self._identity(identity_of(lookup)),
+                self._string(lookup.tenant), lookup.ts_ns if ts_ns is None else ts_ns, explain_up_to]
+        try:
+            out = self._core.evaluate(*args)  # type: ignore[attr-defined]
+        except TypeError:  # the core reads lists and tuples of keys; any sequence serves here
+            args[2] = [list(chain) for chain in lookup.group_block_keys]
+            out = self._core.evaluate(*args)  # type: ignore[attr-defined]
         logical, recoverable, resident, reason, group, dkind, darg, darg2, group_logical, restore = out
         return Evaluation(
             logical=logical, recoverable=recoverable, resident=resident, reason=_GAPS[reason], reason_group=group,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Protocol
 
 import msgspec
 
@@ -188,18 +189,7 @@ class CacheState:
                     obj.invalidated_ord, obj.invalidated_reason = ord, reason
 
     def _index(self, instance: str, model: str, group_id: int) -> tuple[dict[int, int], int]:
-        """The fleet index's table for the instance's blocks of `group_id`, and the instance's bit.
-        An instance's blocks are indexed under the model of its first event that wrote one."""
-        slot = self.slots.get(instance)
-        if slot is None:
-            slot = self.slots[instance] = len(self.names)
-            self.names.append(instance)
-            self.models[instance] = model
-        scope = (self.models[instance], group_id)
-        hold = self.holders.get(scope)
-        if hold is None:
-            hold = self.holders[scope] = {}
-        return hold, 1 << slot
+        return fleet_index(self, instance, model, group_id)
 
     def invalidation(self, instance: str, obj: ObjectState, tier: Tier) -> tuple[int, Reason]:
         """The latest invalidation that applies to the object's copy on `tier`: (ord, reason)."""
@@ -236,3 +226,26 @@ class CacheState:
         for (instance, group), table in self.tables.items():
             for block_key, obj in table.items():
                 yield (instance, group, block_key), obj
+
+
+class _Indexed(Protocol):
+    slots: dict[str, int]
+    names: list[str]
+    models: dict[str, str]
+    holders: dict[tuple[str, int], dict[int, int]]
+
+
+def fleet_index(state: _Indexed, instance: str, model: str, group_id: int) -> tuple[dict[int, int], int]:
+    """The fleet index's table for the instance's blocks of `group_id`, and the instance's bit.
+    An instance's blocks are indexed under the model of its first event that wrote one (the
+    Python and the compiled state keep the index the same way)."""
+    slot = state.slots.get(instance)
+    if slot is None:
+        slot = state.slots[instance] = len(state.names)
+        state.names.append(instance)
+        state.models[instance] = model
+    scope = (state.models[instance], group_id)
+    hold = state.holders.get(scope)
+    if hold is None:
+        hold = state.holders[scope] = {}
+    return hold, 1 << slot

@@ -153,3 +153,21 @@ def test_a_lease_ends_at_its_expiry_time_and_key_zero_names_no_block(native: boo
     assert (rows["at"].logical_hit_tokens, rows["at"].recoverable_hit_tokens, rows["at"].reason) == \
         (4, 0, GapReason.LEASE_EXPIRED)
     assert rows["zero"].logical_hit_tokens == 0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "compiled"])
+def test_keys_in_tuples_or_any_sequence_are_read(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shims build events in process with whatever sequence their engine hands them (SGLang's
+    and LMCache's give tuples): a run's keys and a lookup's chains are read from any of them."""
+    base = dict(engine="sglang", instance="i", model="dense", component=ComponentKind.FULL_ATTENTION, source_id=1)
+    events = [
+        Event(kind=EventKind.COMMIT, ts_ns=BASE, seq=0, tier=Tier.DEVICE, block_key=1, more_keys=(2, 3), **base),
+        Event(kind=EventKind.EVICT, ts_ns=BASE + 1, seq=1, tier=Tier.DEVICE, block_key=3, more_keys=range(4, 5),
+              **base),
+        Event(kind=EventKind.LOOKUP, ts_ns=BASE + 2, seq=2, request_id="tuple", prompt_tokens=9,
+              group_block_keys=((1, 2, 3, 4),), **base),
+        Event(kind=EventKind.LOOKUP, ts_ns=BASE + 3, seq=3, request_id="range", prompt_tokens=9,
+              group_block_keys=[range(1, 5)], **base),
+    ]  # type: ignore[arg-type]
+    rows = {r.request_id: r for r in _rows(events, Policy(), native, monkeypatch)}
+    assert rows["tuple"].logical_hit_tokens == rows["range"].logical_hit_tokens == 4
