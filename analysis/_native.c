@@ -372,70 +372,6 @@ static int do_identity(State *s, uint32_t id, const uint32_t f[6], uint64_t epoc
     return 0;
 }
 
-static inline int check_more(PyObject *more) {
-    if (!PyList_Check(more) && !PyTuple_Check(more) && more != Py_None) {
-        PyErr_SetString(PyExc_TypeError, "more_keys: a list, a tuple or None");
-        return -1;
-    }
-    return 0;
-}
-
-static inline int check_tier(long tier) {
-    if (tier < 0 || tier >= NTIERS) {
-        PyErr_Format(PyExc_ValueError, "tier %ld", tier);
-        return -1;
-    }
-    return 0;
-}
-
-/* write(table, block_key, more_keys, tier, committed, nbytes, checksum, ord, identity, tenant,
- *       adapter, lease, commit): see do_write. */
-static PyObject *State_write(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(13, "write");
-    uint64_t first, nbytes, checksum;
-    int64_t ord, lease;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0 || check_more(args[2]) < 0) return NULL;
-    long tier = PyLong_AsLong(args[3]);
-    int committed = PyObject_IsTrue(args[4]);
-    if (u64(args[5], &nbytes) < 0 || u64(args[6], &checksum) < 0 || i64(args[7], &ord) < 0) return NULL;
-    uint32_t identity = (uint32_t)PyLong_AsUnsignedLong(args[8]);
-    uint32_t tenant = (uint32_t)PyLong_AsUnsignedLong(args[9]);
-    uint32_t adapter = (uint32_t)PyLong_AsUnsignedLong(args[10]);
-    if (i64(args[11], &lease) < 0) return NULL;
-    int commit = PyObject_IsTrue(args[12]);
-    if (PyErr_Occurred() || check_tier(tier) < 0) return NULL;
-    if (do_write(s, table, first, args[2], (int)tier, committed, nbytes, checksum, ord, identity, tenant, adapter,
-                 lease, commit) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-/* evict(table, block_key, more_keys, tier) */
-static PyObject *State_evict(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(4, "evict");
-    uint64_t first;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0 || check_more(args[2]) < 0) return NULL;
-    long tier = PyLong_AsLong(args[3]);
-    if (PyErr_Occurred() || check_tier(tier) < 0) return NULL;
-    if (do_evict(s, table, first, args[2], (int)tier) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* invalidate(table, block_key, more_keys, ord, reason) */
-static PyObject *State_invalidate(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(5, "invalidate");
-    uint64_t first;
-    int64_t ord;
-    uint32_t table = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    if (u64(args[1], &first) < 0 || i64(args[3], &ord) < 0 || check_more(args[2]) < 0) return NULL;
-    long reason = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    if (do_invalidate(s, table, first, args[2], ord, (int)reason) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
 /* bulk(instance, tier, tenant, adapter, ord, reason) */
 static PyObject *State_bulk(State *s, PyObject *const *args, Py_ssize_t nargs) {
     NEED(6, "bulk");
@@ -1194,9 +1130,6 @@ static int State_init(State *s, PyObject *args, PyObject *kw) {
 }
 
 static PyMethodDef State_methods[] = {
-    {"write", (PyCFunction)(void (*)(void))State_write, METH_FASTCALL, NULL},
-    {"evict", (PyCFunction)(void (*)(void))State_evict, METH_FASTCALL, NULL},
-    {"invalidate", (PyCFunction)(void (*)(void))State_invalidate, METH_FASTCALL, NULL},
     {"bulk", (PyCFunction)(void (*)(void))State_bulk, METH_FASTCALL, NULL},
     {"identity", (PyCFunction)(void (*)(void))State_identity, METH_FASTCALL, NULL},
     {"apply", (PyCFunction)(void (*)(void))State_apply, METH_FASTCALL, NULL},

@@ -22,8 +22,8 @@ from operator import or_
 
 import msgspec
 
-from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, hit_cap
-from kvtrace.analysis.native_state import NativeState
+from kvtrace.analysis.evaluate import Evaluation, Policy, hit_cap
+from kvtrace.analysis.native_state import NativeState, evaluate_on
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe
@@ -103,8 +103,7 @@ def judge(state: CacheState | NativeState, recipe: Recipe, lookup: Event, own: E
             break
         if not (wins(top, name, seen, seen_at) or wins(top, name, best, best_at)):
             continue
-        ev = state.evaluate(recipe, lookup, policy, instance=name) if isinstance(state, NativeState) \
-            else evaluate(state, recipe, lookup, policy, instance=name)
+        ev = evaluate_on(state, recipe, lookup, policy, instance=name)
         if wins(ev.logical, name, seen, seen_at):
             seen, seen_at = ev.logical, name
             seen_reason = ev.reason if ev.recoverable < ev.logical else GapReason.NONE

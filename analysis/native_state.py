@@ -19,7 +19,9 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvtrace.analysis.evaluate import Evaluation, Policy, hit_cap
+import msgspec
+
+from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, hit_cap
 from kvtrace.analysis.state import (
     IDENTITY_FIELDS,
     CacheState,
@@ -59,6 +61,26 @@ _COMPONENT = {ComponentKind.SLIDING_WINDOW: 1, ComponentKind.MAMBA: 2, Component
 _KINDS = {EventKind.CREATE: 0, EventKind.COMMIT: 1, EventKind.OFFLOAD: 2, EventKind.LOAD: 3,
           EventKind.INVALIDATE: 4, EventKind.EVICT: 5}  # `_native.c`'s K_ codes
 assert set(_KINDS) == OBJECT_KINDS
+
+
+def evaluate_on(state: CacheState | NativeState, recipe: Recipe, lookup: Event, policy: Policy,
+                explain_up_to: int = 0, ts_ns: int | None = None, instance: str | None = None) -> Evaluation:
+    """`analysis.evaluate.evaluate` on either state: the lookup taken at `ts_ns` when given, on
+    `instance` when given."""
+    if isinstance(state, NativeState):
+        return state.evaluate(recipe, lookup, policy, explain_up_to, ts_ns, instance)
+    if ts_ns is not None:
+        lookup = msgspec.structs.replace(lookup, ts_ns=ts_ns)
+    return evaluate(state, recipe, lookup, policy, explain_up_to, instance)
+
+
+def _intern(ids: dict, values: list, value: object) -> int:
+    """The id of `value` in (ids, values), added at the end when new (as the core's intern_in)."""
+    found = ids.get(value)
+    if found is None:
+        found = ids[value] = len(values)
+        values.append(value)
+    return found
 
 
 def available() -> bool:
@@ -128,33 +150,20 @@ class NativeState:
 
     # -- interning -------------------------------------------------------------------------------
     def _string(self, value: str) -> int:
-        found = self._strings.get(value)
-        if found is None:
-            found = self._strings[value] = len(self._string_list)
-            self._string_list.append(value)
-        return found
+        return _intern(self._strings, self._string_list, value)
 
     def _identity(self, identity: tuple) -> int:
         found = self._identities.get(identity)
         if found is None:
-            found = self._identities[identity] = len(self._identity_list)
-            self._identity_list.append(identity)
+            found = _intern(self._identities, self._identity_list, identity)
             self._core.identity(found, *map(self._string, identity[:6]), identity[6])  # type: ignore[attr-defined]
         return found
 
     def _instance(self, instance: str) -> int:
-        found = self._instances.get(instance)
-        if found is None:
-            found = self._instances[instance] = len(self._instance_list)
-            self._instance_list.append(instance)
-        return found
+        return _intern(self._instances, self._instance_list, instance)
 
     def _table(self, scope: tuple[str, int]) -> int:
-        found = self._tables.get(scope)
-        if found is None:
-            found = self._tables[scope] = len(self._table_list)
-            self._table_list.append(scope)
-        return found
+        return _intern(self._tables, self._table_list, scope)
 
     # -- CacheState's interface ------------------------------------------------------------------
     # apply(event, ord): `CacheState.apply`, the event's attributes read by the core itself (a

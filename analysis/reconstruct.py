@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate
+from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.fleet import FleetView, alone, judge
-from kvtrace.analysis.native_state import NativeState, available
+from kvtrace.analysis.native_state import NativeState, available, evaluate_on
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
@@ -160,10 +160,8 @@ class Reconstructor:
         if (previous := self._pending.pop(key, None)) is not None:
             out.append(self._result(previous, None))  # looked up again (preempted): close the first
         recipe = self.recipe_for(event.model, event.engine, event.source_id)
-        state = self.state
-        own = state.evaluate(recipe, event, self.policy) if isinstance(state, NativeState) \
-            else evaluate(state, recipe, event, self.policy)
-        fleet = judge(state, recipe, event, own, self.policy) if self.policy.fleet else None
+        own = evaluate_on(self.state, recipe, event, self.policy)
+        fleet = judge(self.state, recipe, event, own, self.policy) if self.policy.fleet else None
         self._pending[key] = _Pending(event, recipe, own, self.state.changes_of(event.instance), fleet)
         if len(self._pending) > self.max_pending:
             _, oldest = self._pending.popitem(last=False)
@@ -205,11 +203,7 @@ class Reconstructor:
             # its lookup.
             state, instance = self.state, lookup.instance
             if state.changes_of(instance) != pending.changes or instance in state.leased:
-                if isinstance(state, NativeState):
-                    at_use = state.evaluate(pending.recipe, lookup, self.policy, recoverable, adopt.ts_ns)
-                else:
-                    at_use = evaluate(state, pending.recipe, msgspec.structs.replace(lookup, ts_ns=adopt.ts_ns),
-                                      self.policy, explain_up_to=recoverable)
+                at_use = evaluate_on(state, pending.recipe, lookup, self.policy, recoverable, adopt.ts_ns)
                 if at_use.recoverable < recoverable:
                     recoverable = at_use.recoverable
                     resident = min(resident, at_use.resident)
