@@ -37,6 +37,11 @@ enum { S_INVALIDATED = 1, S_UNCOMMITTED, S_CORRUPT, S_OK };
 
 static const int TIER_RANK[NTIERS] = {4, 0, 1, 2, 3};
 
+/* The columns of load_columns, in its order, and each one's item size. */
+enum { COL_KIND, COL_TABLE, COL_INST, COL_TIER, COL_REASON, COL_IDENTITY, COL_TENANT, COL_KEY, COL_OFFSETS,
+       COL_VALUES, COL_NBYTES, COL_CHECKSUM, COL_LEASE, NCOLS };
+static const Py_ssize_t COL_SIZE[NCOLS] = {1, 4, 4, 1, 1, 4, 4, 8, 4, 8, 8, 8, 8};
+
 typedef struct {
     uint64_t nbytes, checksum;
     int64_t ord : 63; /* the stream position of the write (ords start at 1) */
@@ -99,6 +104,13 @@ typedef struct {
         *identities, *identity_list, *changes, *leased, *tenants;
     /* With the fleet view (track): the keys each apply gave birth to and forgot, for its index. */
     PyObject *born, *died;
+    /* The columns of the batch apply_rows reads (load_columns): buffers held until the next load. */
+    Py_buffer cb[NCOLS];
+    int ncb;
+    Py_ssize_t crows;
+    PyObject *cinst, *ctenant; /* the batch's instance and tenant strings, by the columns' indices */
+    int64_t *ccount;           /* object events per instance of the batch, not yet added to `changes` */
+    long *ctenant_id;          /* the tenants' string ids, -1 until used */
     /* evaluate's scratch, kept between calls */
     Check *checks;
     int32_t *sums;
@@ -235,13 +247,19 @@ static inline int i64(PyObject *o, int64_t *out) {
         return NULL;                                                                     \
     }
 
-/* The keys of a fact: its block_key, then its run's more_keys (a list or tuple, or None); `body` runs
- * for each with `key` set. Returns -1 from the enclosing function on a bad key. */
-#define EACH_KEY(first, more, body)                                             \
+/* The keys of a fact: its block_key, then its run's more keys: `more` (a list or tuple, or None)
+ * or, from columns, `arr[0:narr]`; `body` runs for each with `key` set. Returns -1 from the
+ * enclosing function on a bad key. */
+#define EACH_KEY(first, more, arr, narr, body)                                  \
     do {                                                                        \
         uint64_t key = (first);                                                 \
         body;                                                                   \
-        if ((more) != Py_None) {                                                \
+        if ((arr) != NULL) {                                                    \
+            for (Py_ssize_t _i = 0; _i < (narr); _i++) {                        \
+                key = (arr)[_i];                                                \
+                body;                                                           \
+            }                                                                   \
+        } else if ((more) != Py_None) {                                         \
             Py_ssize_t _n = PySequence_Fast_GET_SIZE(more);                     \
             for (Py_ssize_t _i = 0; _i < _n; _i++) {                            \
                 if (u64(PySequence_Fast_GET_ITEM(more, _i), &key) < 0) return -1; \
@@ -260,11 +278,12 @@ static int note(PyObject *list, uint64_t key) {
 /* A create, commit or transfer writing `tier`'s copy of each key. With `commit`, the object's
  * commit (identity, tenant, adapter, checksum, nbytes) and its lease (even none) are set;
  * otherwise only a lease it names. */
-static int do_write(State *s, uint32_t table, uint64_t first, PyObject *more, int tier, int committed,
+static int do_write(State *s, uint32_t table, uint64_t first, PyObject *more, const uint64_t *arr,
+                    Py_ssize_t narr, int tier, int committed,
                     uint64_t nbytes, uint64_t checksum, int64_t ord, uint32_t identity, uint32_t tenant,
                     uint32_t adapter, int64_t lease, int commit) {
     Copy copy = {nbytes, checksum, ord, (uint64_t)(committed != 0)};
-    EACH_KEY(first, more, {
+    EACH_KEY(first, more, arr, narr, {
         Obj *o = find(s, table, key);
         int fresh = o == NULL;
         if (fresh && (o = born(s, table, key)) == NULL) {
@@ -290,8 +309,9 @@ static int do_write(State *s, uint32_t table, uint64_t first, PyObject *more, in
 }
 
 /* Drop `tier`'s copy of each key; an object left with none is forgotten. */
-static int do_evict(State *s, uint32_t table, uint64_t first, PyObject *more, int tier) {
-    EACH_KEY(first, more, {
+static int do_evict(State *s, uint32_t table, uint64_t first, PyObject *more, const uint64_t *arr, Py_ssize_t narr,
+                    int tier) {
+    EACH_KEY(first, more, arr, narr, {
         Obj *o = find(s, table, key);
         if (o != NULL) {
             o->mask &= (uint8_t)~(1u << tier);
@@ -308,8 +328,9 @@ static int do_evict(State *s, uint32_t table, uint64_t first, PyObject *more, in
 }
 
 /* The objects' own invalidation. */
-static int do_invalidate(State *s, uint32_t table, uint64_t first, PyObject *more, int64_t ord, int reason) {
-    EACH_KEY(first, more, {
+static int do_invalidate(State *s, uint32_t table, uint64_t first, PyObject *more, const uint64_t *arr,
+                         Py_ssize_t narr, int64_t ord, int reason) {
+    EACH_KEY(first, more, arr, narr, {
         Obj *o = find(s, table, key);
         if (o != NULL) {
             o->inv_ord = ord;
@@ -623,8 +644,8 @@ static PyObject *State_apply(State *s, PyObject *const *args, Py_ssize_t nargs) 
             goto scope_done;
         }
         uint32_t tid = (uint32_t)PyLong_AsUnsignedLong(table);
-        int rc = code == K_EVICT ? do_evict(s, tid, first, keys, (int)tier)
-                                 : do_invalidate(s, tid, first, keys, ord, (int)reason);
+        int rc = code == K_EVICT ? do_evict(s, tid, first, keys, NULL, 0, (int)tier)
+                                 : do_invalidate(s, tid, first, keys, NULL, 0, ord, (int)reason);
         if (rc == 0) result = Py_None;
         goto scope_done;
     }
@@ -672,7 +693,7 @@ static PyObject *State_apply(State *s, PyObject *const *args, Py_ssize_t nargs) 
         if (intern_in(s->instances, s->instance_list, instance) < 0) goto scope_done;
         long tid = intern_in(s->tables, s->table_list, scope);
         if (tid < 0) goto scope_done;
-        if (do_write(s, (uint32_t)tid, first, keys, (int)tier, code != K_CREATE, nbytes, checksum, ord,
+        if (do_write(s, (uint32_t)tid, first, keys, NULL, 0, (int)tier, code != K_CREATE, nbytes, checksum, ord,
                      (uint32_t)identity, (uint32_t)tenant, (uint32_t)adapter, lease, commit) == 0)
             result = Py_None;
         goto scope_done;
@@ -689,6 +710,179 @@ done:
     if (result != NULL && s->born != NULL) return PyTuple_Pack(2, s->born, s->died);
     Py_XINCREF(result);
     return result;
+}
+
+/* -- a batch of object events, read from its columns ---------------------------------------- */
+
+static void release_columns(State *s) {
+    for (int i = 0; i < s->ncb; i++) PyBuffer_Release(&s->cb[i]);
+    s->ncb = 0;
+    s->crows = 0;
+    Py_CLEAR(s->cinst);
+    Py_CLEAR(s->ctenant);
+    PyMem_RawFree(s->ccount);
+    s->ccount = NULL;
+    PyMem_RawFree(s->ctenant_id);
+    s->ctenant_id = NULL;
+}
+
+/* load_columns(columns, instances, tenants) or load_columns(None): the batch apply_rows reads
+ * (see analysis.columns, which prepares it), held until the next call. `columns` is a tuple of
+ * NCOLS contiguous buffers, one value per row (COL_OFFSETS one more: the more keys of row i are
+ * values[offsets[i]:offsets[i + 1]]); `instances` and `tenants` are the strings their indices name. */
+static PyObject *State_load_columns(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(3, "load_columns");
+    release_columns(s);
+    if (args[0] == Py_None) Py_RETURN_NONE;
+    if (!PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NCOLS || !PyList_Check(args[1]) ||
+        !PyList_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "load_columns: a tuple of %d buffers and two lists", NCOLS);
+    for (int i = 0; i < NCOLS; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], i), &s->cb[i], PyBUF_C_CONTIGUOUS) < 0) {
+            release_columns(s);
+            return NULL;
+        }
+        s->ncb = i + 1;
+    }
+    Py_ssize_t n = s->cb[COL_KIND].len;
+    for (int i = 0; i < NCOLS; i++) {
+        Py_ssize_t want = i == COL_VALUES ? 0 : (n + (i == COL_OFFSETS)) * COL_SIZE[i];
+        if (s->cb[i].len < want || s->cb[i].len % COL_SIZE[i]) {
+            release_columns(s);
+            return PyErr_Format(PyExc_ValueError, "load_columns: column %d holds %zd bytes for %zd rows", i,
+                                s->cb[i].len, n);
+        }
+    }
+    Py_ssize_t ni = PyList_GET_SIZE(args[1]), nt = PyList_GET_SIZE(args[2]);
+    s->ccount = PyMem_RawCalloc((size_t)(ni ? ni : 1), sizeof(int64_t));
+    s->ctenant_id = PyMem_RawMalloc((size_t)(nt ? nt : 1) * sizeof(long));
+    if (!s->ccount || !s->ctenant_id) {
+        release_columns(s);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nt; i++) s->ctenant_id[i] = -1;
+    Py_INCREF(args[1]);
+    Py_INCREF(args[2]);
+    s->cinst = args[1];
+    s->ctenant = args[2];
+    s->crows = n;
+    Py_RETURN_NONE;
+}
+
+#define COL(t, c) ((const t *)s->cb[c].buf)
+
+/* apply_rows(start, stop, base_ord): CacheState.apply for each row of the loaded batch in
+ * [start, stop), row i at stream position base_ord + i + 1; every row must be an object event
+ * (the wrapper leaves bulk invalidations, requests and the rest to `apply`). Tables, identities
+ * and enum codes come resolved; the instance's books (changes, tenants, leases) are kept here. */
+static PyObject *State_apply_rows(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(3, "apply_rows");
+    Py_ssize_t start = PyLong_AsSsize_t(args[0]), stop = PyLong_AsSsize_t(args[1]);
+    int64_t base;
+    if ((start == -1 || stop == -1 || i64(args[2], &base) < 0) && PyErr_Occurred()) return NULL;
+    if (s->kinds == NULL || s->cinst == NULL) return PyErr_Format(PyExc_RuntimeError, "apply_rows before load_columns");
+    if (start < 0 || stop > s->crows || start > stop) return PyErr_Format(PyExc_IndexError, "apply_rows: rows out of range");
+    const int8_t *kind = COL(int8_t, COL_KIND), *tierc = COL(int8_t, COL_TIER), *reasonc = COL(int8_t, COL_REASON);
+    const int32_t *table = COL(int32_t, COL_TABLE), *inst = COL(int32_t, COL_INST), *ident = COL(int32_t, COL_IDENTITY),
+                  *tenant = COL(int32_t, COL_TENANT), *offsets = COL(int32_t, COL_OFFSETS);
+    const uint64_t *first = COL(uint64_t, COL_KEY), *values = COL(uint64_t, COL_VALUES),
+                   *nbytes = COL(uint64_t, COL_NBYTES), *checksum = COL(uint64_t, COL_CHECKSUM);
+    const int64_t *lease = COL(int64_t, COL_LEASE);
+    Py_ssize_t nvalues = s->cb[COL_VALUES].len / 8, ninst = PyList_GET_SIZE(s->cinst),
+               ntenant = PyList_GET_SIZE(s->ctenant);
+    PyObject *empty = NULL;
+    int failed = 0;
+    for (Py_ssize_t r = start; r < stop && !failed; r++) {
+        int code = kind[r], tier = tierc[r];
+        int32_t a = offsets[r], b = offsets[r + 1], i = inst[r];
+        if (code < K_CREATE || code > K_EVICT || tier < 0 || tier >= NTIERS || a < 0 || b < a || b > nvalues ||
+            i < 0 || i >= ninst) {
+            PyErr_Format(PyExc_ValueError, "apply_rows: row %zd is not a prepared object event", r);
+            failed = 1;
+            break;
+        }
+        s->ccount[i]++;
+        int64_t ord = base + r + 1;
+        const uint64_t *more = b > a ? values + a : NULL;
+        if (code == K_INVALIDATE || code == K_EVICT) {
+            if (table[r] < 0) continue; /* nothing of the scope is held */
+            failed = (code == K_EVICT ? do_evict(s, (uint32_t)table[r], first[r], Py_None, more, b - a, tier)
+                                      : do_invalidate(s, (uint32_t)table[r], first[r], Py_None, more, b - a, ord,
+                                                      reasonc[r])) < 0;
+            continue;
+        }
+        PyObject *name = PyList_GET_ITEM(s->cinst, i);
+        int transfer = code == K_OFFLOAD || code == K_LOAD, commit = code == K_COMMIT;
+        int64_t leased = commit || transfer ? lease[r] : 0;
+        if (leased && PySet_Add(s->leased, name) < 0) {
+            failed = 1;
+            break;
+        }
+        PyObject *held = PyDict_GetItemWithError(s->tenants, name); /* borrowed */
+        if (held == NULL) {
+            PyObject *fresh = PyErr_Occurred() ? NULL : PySet_New(NULL);
+            if (fresh == NULL || PyDict_SetItem(s->tenants, name, fresh) < 0) {
+                Py_XDECREF(fresh);
+                failed = 1;
+                break;
+            }
+            Py_DECREF(fresh);
+            held = PyDict_GetItem(s->tenants, name);
+        }
+        uint32_t identity = 0, tid = 0, adapter = 0;
+        if (commit) {
+            int32_t t = tenant[r];
+            if (t < 0 || t >= ntenant || ident[r] < 0 || (uint32_t)ident[r] >= s->nident) {
+                PyErr_Format(PyExc_ValueError, "apply_rows: row %zd names no tenant or identity", r);
+                failed = 1;
+                break;
+            }
+            PyObject *tname = PyList_GET_ITEM(s->ctenant, t);
+            if (s->ctenant_id[t] < 0 && (s->ctenant_id[t] = intern_in(s->strings, s->string_list, tname)) < 0) {
+                failed = 1;
+                break;
+            }
+            if (PySet_Add(held, tname) < 0) {
+                failed = 1;
+                break;
+            }
+            identity = (uint32_t)ident[r];
+            tid = (uint32_t)s->ctenant_id[t];
+            adapter = s->idents[identity].f[2];
+        } else {
+            if (empty == NULL && (empty = PyUnicode_FromStringAndSize("", 0)) == NULL) {
+                failed = 1;
+                break;
+            }
+            if (PySet_Add(held, empty) < 0) {
+                failed = 1;
+                break;
+            }
+        }
+        if (table[r] < 0) {
+            PyErr_Format(PyExc_ValueError, "apply_rows: row %zd writes to no table", r);
+            failed = 1;
+            break;
+        }
+        failed = do_write(s, (uint32_t)table[r], first[r], Py_None, more, b - a, tier, code != K_CREATE, nbytes[r],
+                          checksum[r], ord, identity, tid, adapter, leased, commit) < 0;
+    }
+    Py_XDECREF(empty);
+    /* changes[instance] += the batch's object events of it (also when a row failed: those before it were applied) */
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    if (failed) PyErr_Fetch(&et, &ev, &etb);
+    for (Py_ssize_t i = 0; i < ninst; i++) {
+        if (!s->ccount[i]) continue;
+        PyObject *name = PyList_GET_ITEM(s->cinst, i), *count = PyDict_GetItemWithError(s->changes, name);
+        PyObject *next = count == NULL && PyErr_Occurred() ? NULL
+                       : PyLong_FromLongLong((count ? PyLong_AsLongLong(count) : 0) + s->ccount[i]);
+        s->ccount[i] = 0;
+        if (next == NULL || PyDict_SetItem(s->changes, name, next) < 0) failed = 1;
+        Py_XDECREF(next);
+    }
+    if (et != NULL) PyErr_Restore(et, ev, etb);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* track(): from now on, apply returns (born keys, forgotten keys) of each event (the fleet
@@ -1086,6 +1280,7 @@ fail:
 }
 
 static void State_dealloc(State *s) {
+    release_columns(s);
     PyMem_RawFree(s->tab);
     PyMem_RawFree(s->objs);
     PyMem_RawFree(s->freel);
@@ -1133,6 +1328,8 @@ static PyMethodDef State_methods[] = {
     {"bulk", (PyCFunction)(void (*)(void))State_bulk, METH_FASTCALL, NULL},
     {"identity", (PyCFunction)(void (*)(void))State_identity, METH_FASTCALL, NULL},
     {"apply", (PyCFunction)(void (*)(void))State_apply, METH_FASTCALL, NULL},
+    {"load_columns", (PyCFunction)(void (*)(void))State_load_columns, METH_FASTCALL, NULL},
+    {"apply_rows", (PyCFunction)(void (*)(void))State_apply_rows, METH_FASTCALL, NULL},
     {"bind", (PyCFunction)(void (*)(void))State_bind, METH_FASTCALL, NULL},
     {"evaluate", (PyCFunction)(void (*)(void))State_evaluate, METH_FASTCALL, NULL},
     {"tenant_of", (PyCFunction)(void (*)(void))State_tenant_of, METH_FASTCALL, NULL},

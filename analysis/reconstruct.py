@@ -8,15 +8,20 @@ over a live stream.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from kvtrace.analysis.columnar import feed_batch
 from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.fleet import FleetView, alone, judge
 from kvtrace.analysis.native_state import NativeState, available, evaluate_on
 from kvtrace.analysis.state import CacheState
+from kvtrace.schema.arrow import conform, from_arrow
 from kvtrace.schema.events import Event, adopted_tokens
 from kvtrace.schema.kinds import EventKind, Tier
 from kvtrace.schema.recipes import Recipe, RecipeBook, recipe_from_json
@@ -141,13 +146,70 @@ class Reconstructor:
         self.state.apply(event, self.events_seen)
         return []
 
-    def _check_commit(self, event: Event) -> None:
-        """A commit's blocks must fit the recipe given for its model (see RecipeBook.check_commits)."""
-        scope = (event.engine, event.model)
+    def feed_table(self, table: pa.Table, feed: Callable[[Event], list[LookupResult]] | None = None,
+                   bail: Callable[[], bool] = lambda: False) -> list[LookupResult]:
+        """`feed` (default: this one's) each of a table's events, in its row order (stream order),
+        and return what it returned. Object rows are applied from the columns themselves where
+        the compiled state serves (analysis.columnar), and `feed` is called for the other rows;
+        once `bail()` is true, for every row. The rows are those of feeding every event."""
+        use = feed or self.feed
+        out: list[LookupResult] = []
+        if not isinstance(self.state, NativeState) or self.policy.fleet or bail():
+            for event in from_arrow(table):
+                out += use(event)
+            return out
+        for batch in conform(table).to_batches():
+            if not batch.num_rows:
+                continue
+            if not self._spans_fit(batch):  # a commit the given recipe may refuse: as events, in order
+                for event in from_arrow(pa.Table.from_batches([batch])):
+                    out += use(event)
+                continue
+            base = self.events_seen
+
+            def one(event: Event, row: int, base: int = base) -> list[LookupResult]:
+                self.events_seen = base + row  # each row's stream position, as feeding every event gives
+                return use(event)
+
+            got, done = feed_batch(self.state, batch, base, one, bail)
+            self.events_seen = base + done
+            out += got
+        return out
+
+    def _spans_fit(self, batch: pa.RecordBatch) -> bool:
+        """Do all the batch's commits fit the recipes given (no `check_commits` to run)?"""
+        if self.recipes.default is None and not self.recipes.scoped:
+            return True
+        rows = np.flatnonzero(pc.equal(batch.column("kind"), EventKind.COMMIT.value).to_numpy(zero_copy_only=False))
+        if not len(rows):
+            return True
+        commits = batch.take(pa.array(rows))
+        group = commits.column("group_id").to_numpy().astype(np.int64)
+        span = (commits.column("token_end").to_numpy().astype(np.int64) -
+                commits.column("token_start").to_numpy().astype(np.int64)) // \
+            (1 + pc.list_value_length(commits.column("more_keys")).to_numpy(zero_copy_only=False))
+        pairs = list(zip(commits.column("engine").to_pylist(), commits.column("model").to_pylist(), strict=True))
+        for scope in set(pairs):
+            limits = self._limits_of(scope)
+            if limits is None:
+                continue
+            mine = np.array([p == scope for p in pairs])
+            g = group[mine]
+            if (g >= len(limits)).any() or (span[mine] > np.array(limits)[np.minimum(g, len(limits) - 1)]).any():
+                return False
+        return True
+
+    def _limits_of(self, scope: tuple[str, str]) -> tuple[int, ...] | None:
+        """The block size of each group of the recipe given for (engine, model); None: none given."""
         limits = self._limits.get(scope, ())
         if limits == ():
-            given = self.recipes.given(event.model, event.engine)
+            given = self.recipes.given(scope[1], scope[0])
             limits = self._limits[scope] = None if given is None else tuple(g.block_size for g in given.groups)
+        return limits
+
+    def _check_commit(self, event: Event) -> None:
+        """A commit's blocks must fit the recipe given for its model (see RecipeBook.check_commits)."""
+        limits = self._limits_of((event.engine, event.model))
         if limits is None:
             return
         span = (event.token_end - event.token_start) // (1 + len(event.more_keys))

@@ -46,8 +46,7 @@ def stream_results(store: Store, recipes: RecipeBook | Recipe, policy: Policy = 
     rec = Reconstructor(recipes, policy)
     out = []
     for table in store.iter_event_batches():
-        for event in from_arrow(table):
-            out.extend(rec.feed(event))
+        out.extend(rec.feed_table(table))
     out.extend(rec.finish())
     return conform_results(results_frame(out))
 

@@ -10,10 +10,12 @@ Measured:
   streaming   Reconstructor over the Parquet file, batch by batch, in a child process, on 25 %,
               50 % and 100 % of the events: events/s of the reconstructor alone and with the
               Parquet-to-Event decoding, and the child's peak RSS. Memory bounded by live objects
-              shows as a flat peak while the trace grows 4x. Each share runs twice, alternating:
-              with the compiled cache state (analysis/_native.c, the default) and with the Python
-              one (KVTRACE_NATIVE=0); their rows must be equal (a digest of every row), and the
-              ratio of their feeding times is printed.
+              shows as a flat peak while the trace grows 4x. Each share runs three times: with the
+              compiled cache state (analysis/_native.c) fed event by event, the same fed whole
+              Arrow batches (`Reconstructor.feed_table`, what `kvtrace analyze` and the collector
+              run: object rows never become events; its decoding is inside its feeding time),
+              and the Python state (KVTRACE_NATIVE=0); their rows must be equal (a digest of every
+              row), and the ratios of their times are printed.
   clickhouse  clickhouse_results() on the stored table, against a plain full scan of the same
               table (count, sum and distinct count over FINAL) timed alternately in this run.
   duckdb      duckdb_results() on the Parquet file, against the same full scan in DuckDB.
@@ -90,7 +92,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
+def stream_child(parquet: str, fraction: float, recipe_name: str, tables: bool) -> None:
     """Runs in a fresh process so its peak RSS is the streaming path's alone."""
     from kvtrace.analysis.reconstruct import Reconstructor
     from kvtrace.schema.arrow import from_arrow
@@ -105,16 +107,21 @@ def stream_child(parquet: str, fraction: float, recipe_name: str) -> None:
     encode = msgspec.msgpack.Encoder().encode
     for batch in file.iter_batches(batch_size=65536):
         started = time.perf_counter()
-        events = from_arrow(pa.Table.from_batches([batch]))[: limit - seen]
-        fed = time.perf_counter()
-        done = []
-        for event in events:
-            done += rec.feed(event)
+        table = pa.Table.from_batches([batch]).slice(0, limit - seen)
+        if tables:  # decoding only the rows that become events, inside feed_table
+            fed = started
+            done = rec.feed_table(table)
+        else:
+            events = from_arrow(table)
+            fed = time.perf_counter()
+            done = []
+            for event in events:
+                done += rec.feed(event)
         feed_s += time.perf_counter() - fed
         decode_s += fed - started
         results += len(done)
         digest.update(encode(done))
-        seen += len(events)
+        seen += table.num_rows
         max_objects = max(max_objects, rec.state.object_count())
         if seen >= limit:
             break
@@ -142,10 +149,12 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--home", type=Path, default=Path(tempfile.gettempdir()) / "kvtrace-bench-analysis")
     ap.add_argument("--only", choices=["stream", "sql"], help="run one part only")
-    ap.add_argument("--stream-child", nargs=3, metavar=("PARQUET", "FRACTION", "RECIPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--stream-child", nargs=4, metavar=("PARQUET", "FRACTION", "RECIPE", "MODE"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stream_child:
-        stream_child(args.stream_child[0], float(args.stream_child[1]), args.stream_child[2])
+        stream_child(args.stream_child[0], float(args.stream_child[1]), args.stream_child[2],
+                     args.stream_child[3] == "tables")
         return
 
     os.environ["KVTRACE_HOME"] = str(args.home)
@@ -177,26 +186,30 @@ def main() -> None:
 
 
 def stream(parquet: Path, recipe_name: str) -> None:
-    print("streaming reconstructor (child process per run), with the compiled state and the Python one")
+    print("streaming reconstructor (child process per run): the compiled state fed events, the same fed")
+    print("Arrow batches (its decoding inside its feeding), and the Python state fed events")
     print(f"{'share':>6} {'state':>8} {'events':>12} {'reconstruct ev/s':>17} {'with decode ev/s':>17}"
           f" {'peak RSS MiB':>13} {'live objects (max)':>19}")
     for fraction in (0.25, 0.5, 1.0):
         runs = {}
-        for state in ("compiled", "python"):
+        for state in ("compiled", "tables", "python"):
             out = subprocess.run(
-                [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), recipe_name],
+                [sys.executable, __file__, "--stream-child", str(parquet), str(fraction), recipe_name,
+                 "tables" if state == "tables" else "events"],
                 check=True, capture_output=True, text=True,
-                env={**os.environ, "KVTRACE_NATIVE": "1" if state == "compiled" else "0"},
+                env={**os.environ, "KVTRACE_NATIVE": "0" if state == "python" else "1"},
             )
             r = runs[state] = json.loads(out.stdout)
-            assert r["state"] == ("NativeState" if state == "compiled" else "CacheState"), r["state"]
+            assert r["state"] == ("CacheState" if state == "python" else "NativeState"), r["state"]
             both = r["feed_s"] + r["decode_s"]
             print(f"{fraction:>6.0%} {state:>8} {r['events']:>12,} {r['events'] / r['feed_s']:>17,.0f}"
                   f" {r['events'] / both:>17,.0f} {r['peak_rss_mb']:>13,.0f} {r['max_objects']:>19,}")
-        same = runs["compiled"]["digest"] == runs["python"]["digest"]
-        print(f"{'':>6} compiled / python feeding time: {runs['compiled']['feed_s'] / runs['python']['feed_s']:.3f}x,"
-              f" rows {'equal' if same else 'DIFFER'}")
-        assert same, "the compiled state's rows differ from the Python state's"
+        same = runs["compiled"]["digest"] == runs["python"]["digest"] == runs["tables"]["digest"]
+        total = {k: r["feed_s"] + r["decode_s"] for k, r in runs.items()}
+        print(f"{'':>6} compiled / python feeding time: {runs['compiled']['feed_s'] / runs['python']['feed_s']:.3f}x;"
+              f" with decoding: tables / compiled events {total['tables'] / total['compiled']:.3f}x, tables / python"
+              f" {total['tables'] / total['python']:.3f}x; rows {'equal' if same else 'DIFFER'}")
+        assert same, "the three runs' rows differ"
 
 
 def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-untyped-def]

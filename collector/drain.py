@@ -25,7 +25,7 @@ import pyarrow as pa
 from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
-from kvtrace.schema.arrow import arrow_schema, conform, from_arrow, to_arrow
+from kvtrace.schema.arrow import arrow_schema, conform, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import Ending
@@ -52,6 +52,15 @@ def _tenant_of(raw: str) -> str:
     return str(row.get("tenant", "")) if isinstance(row, dict) else ""
 
 
+def _stored_table(lines: bytes, tables: list[pa.Table]) -> pa.Table:
+    """The events just stored, as one table (for live verdicts): the Arrow records' columns as
+    they came, and the JSON lines' events made columns."""
+    if lines.strip():
+        with no_gc():
+            tables = [*tables, to_arrow(_decode_events(lines))]
+    return pa.concat_tables(tables) if tables else arrow_schema().empty_table()
+
+
 def refuses_data(exc: BaseException) -> bool:
     """Whether an insert's error blames its rows (see DATA_ERRORS)."""
     found = _CODE.search(str(exc))
@@ -62,7 +71,7 @@ class Drain:
     """Runs in its own thread; `stop(drain=True)` empties the spool first (graceful shutdown)."""
 
     def __init__(self, spool: DurableSpool, store: Store, metrics: CollectorMetrics,
-                 on_stored: Callable[[list[Event]], None] | None = None,
+                 on_stored: Callable[[pa.Table], None] | None = None,
                  on_ended: Callable[[list[tuple[str, int]]], None] | None = None,
                  on_drained: Callable[[Counter[str]], None] | None = None,
                  chunk_bytes: int = 32 << 20, max_backoff_s: float = 30.0, idle_s: float = 0.05,
@@ -163,14 +172,14 @@ class Drain:
                 if not self.spool.pending_bytes:
                     self._oldest_ns = 0
             try:
-                if self.on_stored is not None and events:
+                if self.on_stored is not None and events is not None and events.num_rows:
                     self.on_stored(events)
                 if self.on_ended is not None and ended:
                     self.on_ended(ended)
             except Exception:  # noqa: BLE001 - live analysis must never stop ingest
                 log.exception("live reconstruction failed on a chunk; ingest continues")
 
-    def _store(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, int]]]:
+    def _store(self, chunk: Chunk) -> tuple[pa.Table | None, list[tuple[str, int]]]:
         records, tables, rejections = self._records(chunk)
         lines = b"".join(r.lines for r in records)
         columns = pa.concat_tables(tables or [arrow_schema().empty_table()])
@@ -196,11 +205,10 @@ class Drain:
         self.stored_events += n
         ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
         if self.on_stored is None or not (lines or columns.num_rows):
-            return [], ended
-        with no_gc():
-            return _decode_events(lines) + from_arrow(columns), ended
+            return None, ended
+        return _stored_table(lines, [columns]), ended
 
-    def _isolate(self, chunk: Chunk) -> tuple[list[Event], list[tuple[str, int]]]:
+    def _isolate(self, chunk: Chunk) -> tuple[pa.Table | None, list[tuple[str, int]]]:
         """Store a chunk the store keeps refusing, a record at a time, halving any insert it
         refuses until the refused rows stand alone; those are quarantined with the store's own
         reason. Every insert's de-duplication token is named by its place in the chunk, so a
@@ -261,10 +269,8 @@ class Drain:
                 self.metrics.stored.labels(tenant).inc(count)
         ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
         if self.on_stored is None or not stored:
-            return [], ended
-        with no_gc():
-            return _decode_events(b"\n".join(lines_kept)) + (from_arrow(pa.concat_tables(tables_kept))
-                                                              if tables_kept else []), ended
+            return None, ended
+        return _stored_table(b"\n".join(lines_kept), tables_kept), ended
 
     def _insert_lines(self, rows: list[bytes], token: str) -> None:
         self.store.insert_json_lines(EVENTS.name, b"\n".join(rows) + b"\n", dedup_token=token)

@@ -9,6 +9,10 @@ instance goes quiet, once that much wall time has passed). The buffer is also bo
 window, releases its oldest early (counted) instead of filling memory. An event later than what
 was already released is still used, and counted.
 
+The buffer holds the stored Arrow columns, not events: a release sorts them (Arrow's stable
+sort, so equal keys keep their arrival order) and hands the released rows to the
+reconstructor as a table, whose object rows never become Python objects (analysis.columnar).
+
 With the fleet view (`Policy(fleet=True)`), every instance is judged against the others at the
 moment of each lookup, so all instances share one reconstructor and one reorder buffer,
 released in one global order on the fleet's watermark: the newest event of its slowest instance
@@ -27,17 +31,20 @@ if nothing had happened. Verdict rows are keyed by the lookup's id, so a lookup 
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.schema.arrow import from_arrow, to_arrow
+from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind
@@ -49,18 +56,40 @@ log = logging.getLogger("kvtrace.collector.live")
 _MAX_ROWS = 10_000  # verification rows held while their inserts fail (probes are few: rate-limited)
 
 
-def _key(event: Event) -> tuple[int, int, int]:
-    return (event.ts_ns, event.source_id, event.seq)
+def _last_key(table: pa.Table) -> tuple[int, int, int]:
+    i = table.num_rows - 1
+    return (table["ts_ns"][i].as_py(), table["source_id"][i].as_py(), table["seq"][i].as_py())
+
+
+_ORDER = [("ts_ns", "ascending"), ("source_id", "ascending"), ("seq", "ascending")]
+
+
+def _first_key(table: pa.Table) -> tuple[int, int, int]:
+    """The smallest (ts_ns, source_id, seq) of a table's rows."""
+    row = table.take(pc.sort_indices(table, sort_keys=_ORDER)[:1])
+    return (row["ts_ns"][0].as_py(), row["source_id"][0].as_py(), row["seq"][0].as_py())
+
+
+def _count_before(table: pa.Table, key: tuple[int, int, int]) -> int:
+    """Rows of a sorted table whose (ts_ns, source_id, seq) is below `key`: a prefix."""
+    ts = table["ts_ns"].to_numpy()
+    at = int(np.searchsorted(ts, key[0], side="left"))
+    end = int(np.searchsorted(ts, key[0], side="right"))
+    if end > at:  # ties on ts: compare the rest of the key
+        src, seq = table["source_id"].to_numpy()[at:end], table["seq"].to_numpy()[at:end]
+        at += int(np.count_nonzero((src < key[1]) | ((src == key[1]) & (seq < key[2]))))
+    return at
 
 
 @dataclass(slots=True)
 class _Instance:
     reconstructor: Reconstructor
-    heap: list[tuple[tuple[int, int, int], int, Event]] = field(default_factory=list)
+    held: pa.Table | None = None  # sorted: rows released by none yet
+    incoming: list[pa.Table] = field(default_factory=list)  # arrived since the last release, unsorted
+    count: int = 0  # rows in held and incoming
     newest: dict[str, int] = field(default_factory=dict)  # instance -> its newest event's ts_ns
     released: tuple[int, int, int] = (0, 0, 0)
     last_seen_s: float = 0.0
-    counter: int = 0
     probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
 
@@ -99,33 +128,43 @@ class LiveReconstruction:
     def _slot(self, instance: str) -> str:
         return "" if self.policy.fleet else instance
 
-    def feed(self, events: list[Event]) -> int:
-        """Take stored events; write the verdicts that became final. Returns rows written."""
+    def feed(self, events: list[Event] | pa.Table) -> int:
+        """Take stored events (a table in the stored schema, or events); write the verdicts that
+        became final. Returns rows written."""
+        table = to_arrow(events) if isinstance(events, list) else conform(events)
         with self._lock:
             now = time.monotonic()
             results: list[LookupResult] = []
-            by_slot: dict[str, list[Event]] = {}
-            if self.policy.fleet:
-                if events:
-                    by_slot[""] = events
-            else:
-                for event in events:
-                    by_slot.setdefault(event.instance, []).append(event)
-            for name in {e.instance for e in events} if self.policy.fleet else by_slot:
-                self._seen[name] = now
-            for slot, batch in by_slot.items():
-                inst = self._instances.get(slot)
-                if inst is None:
-                    inst = self._instances[slot] = self._start(slot, min(batch, key=_key), results)
-                for event in batch:
-                    inst.counter += 1
-                    heapq.heappush(inst.heap, (_key(event), inst.counter, event))
-                    if event.ts_ns > inst.newest.get(event.instance, 0):
-                        inst.newest[event.instance] = event.ts_ns
-                inst.last_seen_s = now
+            parts: dict[str, pa.Table] = {}
+            if table.num_rows:
+                names = table["instance"].unique().to_pylist()
+                for name in names:
+                    self._seen[name] = now
+                if self.policy.fleet:
+                    parts = {"": table}
+                elif len(names) == 1:
+                    parts = {names[0]: table}
+                else:
+                    parts = {name: table.filter(pc.equal(table["instance"], name)) for name in names}
+                for slot, part in parts.items():
+                    inst = self._instances.get(slot)
+                    if inst is None:
+                        inst = self._instances[slot] = self._start(slot, _first_key(part), results)
+                    inst.incoming.append(part)
+                    inst.count += part.num_rows
+                    newest = part.group_by("instance").aggregate([("ts_ns", "max")]) if self.policy.fleet else \
+                        pa.table({"instance": [slot], "ts_ns_max": [pc.max(part["ts_ns"]).as_py()]})
+                    for name, ts in zip(newest["instance"].to_pylist(), newest["ts_ns_max"].to_pylist(), strict=True):
+                        if ts > inst.newest.get(name, 0):
+                            inst.newest[name] = ts
+                    inst.last_seen_s = now
             for inst in self._instances.values():
                 self._release(inst, self._watermark(inst, now), results)
                 self._close_ended(inst, results)
+            if parts:  # quiet from now: the time spent judging this batch is not silence
+                done = time.monotonic()
+                for slot in parts:
+                    self._instances[slot].last_seen_s = done
             self.metrics.live_instances.set(len(self._seen))
             return self._write(results)
 
@@ -152,7 +191,11 @@ class LiveReconstruction:
             return self._write(results)
 
     def _close_ended(self, inst: _Instance, results: list[LookupResult]) -> None:
-        held = {(e.instance, e.source_id) for _, _, e in inst.heap} if inst.ended else set()
+        held: set[tuple[str, int]] = set()
+        if inst.ended:
+            for table in ([inst.held] if inst.held is not None else []) + inst.incoming:
+                pairs = table.group_by(["instance", "source_id"]).aggregate([])
+                held.update(zip(pairs["instance"].to_pylist(), pairs["source_id"].to_pylist(), strict=True))
         for name, source in [s for s in inst.ended if s not in held]:
             inst.ended.discard((name, source))
             done = inst.reconstructor.close_source(name, source)
@@ -182,45 +225,75 @@ class LiveReconstruction:
             self.metrics.live_instances.set(len(self._seen))
             return self._write(results)
 
-    def _start(self, slot: str, first: Event, results: list[LookupResult]) -> _Instance:
+    def _start(self, slot: str, first: tuple[int, int, int], results: list[LookupResult]) -> _Instance:
         """A reconstructor for an instance (the fleet's, for slot ""), rebuilt from its stored
-        events before `first`."""
+        events before `first` (its first event's key)."""
         inst = _Instance(Reconstructor(self.recipes, self.policy))
         if not self.rebuild:
             return inst
-        since = first.ts_ns - self.rebuild_window_ns
+        since = first[0] - self.rebuild_window_ns
         mine = "instance = {i:String} AND " if slot else ""
         # The engine's own recipe is in its attach event, however long ago it attached.
         attached = mine + "kind = 'attach' AND ts_ns < {since:Int64}"
         scope = {"i": slot} if slot else {}
         for table in self.store.iter_event_batches(attached, {**scope, "since": since}):
-            for event in from_arrow(table):
-                self._use(inst, event, results)
+            self._feed(inst, table, results)
         where = (mine + "ts_ns >= {since:Int64} AND "
                  "(ts_ns, source_id, seq) < ({t:Int64}, {s:UInt64}, {q:UInt64})")
-        params = {**scope, "since": since, "t": first.ts_ns, "s": first.source_id, "q": first.seq}
+        params = {**scope, "since": since, "t": first[0], "s": first[1], "q": first[2]}
         for table in self.store.iter_event_batches(where, params):
-            for event in from_arrow(table):
-                self._use(inst, event, results)
-                self.rebuilt_events += 1
+            self._feed(inst, table, results)
+            self.rebuilt_events += table.num_rows
         if self.rebuilt_events:
             log.info("%s: rebuilt live state from %d stored events", f"instance {slot}" if slot else "the fleet",
                      self.rebuilt_events)
         return inst
 
     def _release(self, inst: _Instance, watermark: int | None, results: list[LookupResult]) -> None:
-        heap = inst.heap
-        while heap and (watermark is None or heap[0][0][0] <= watermark or len(heap) > self.max_held):
-            if watermark is not None and heap[0][0][0] > watermark:
-                self.released_early += 1
-                self.metrics.live_released_early.inc()
-            key, _, event = heapq.heappop(heap)
-            if key < inst.released:
-                self.late_events += 1
-                self.metrics.live_skipped.labels("late").inc()
+        """Feed the held rows up to the watermark (all, when None) in stream order, and the
+        oldest beyond `max_held` early."""
+        if not inst.incoming:
+            if inst.held is None or watermark is not None and inst.count <= self.max_held and \
+                    inst.held["ts_ns"][0].as_py() > watermark:
+                return
+            table = inst.held
+        else:
+            fresh = pa.concat_tables(inst.incoming).sort_by(_ORDER) if len(inst.incoming) > 1 or \
+                inst.incoming[0].num_rows > 1 else inst.incoming[0]
+            if inst.held is None:
+                table = fresh
+            elif _count_before(fresh, _last_key(inst.held)) == 0:  # in order after what is held: no re-sort
+                table = pa.concat_tables([inst.held, fresh])
             else:
-                inst.released = key
+                table = pa.concat_tables([inst.held, fresh]).sort_by(_ORDER)  # stable: arrival order on ties
+            inst.incoming = []
+        table = table.combine_chunks()
+        n = table.num_rows
+        cut = n if watermark is None else int(np.searchsorted(table["ts_ns"].to_numpy(), watermark, side="right"))
+        if watermark is not None and n - cut > self.max_held:
+            early = n - cut - self.max_held
+            self.released_early += early
+            self.metrics.live_released_early.inc(early)
+            cut += early
+        out = table.slice(0, cut)
+        inst.held = table.slice(cut) if cut < n else None
+        inst.count = n - cut
+        if not cut:
+            return
+        late = _count_before(out, inst.released)
+        if late:
+            self.late_events += late
+            self.metrics.live_skipped.labels("late").inc(late)
+        if late < cut:
+            inst.released = _last_key(out)
+        self._feed(inst, out, results)
+
+    def _feed(self, inst: _Instance, table: pa.Table, results: list[LookupResult]) -> None:
+        def use(event: Event) -> list[LookupResult]:
             self._use(inst, event, results)
+            return []
+
+        inst.reconstructor.feed_table(table, use, bail=lambda: bool(self.refused))
 
     def _use(self, inst: _Instance, event: Event, results: list[LookupResult]) -> None:
         if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict

@@ -10,6 +10,7 @@ exercise the (ts_ns, source_id, seq) order.
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -190,3 +191,36 @@ def first_stream(predicate: Callable[[list[Event]], bool], max_ops: int = 30, tr
         warnings.simplefilter("ignore", HypothesisWarning)  # its repr of a large stream
         return find(lifecycle_streams(max_ops=max_ops), predicate,
                     settings=settings(database=None, max_examples=tries, phases=[Phase.generate], derandomize=True))
+
+
+def long_stream(seed: int = 7, requests: int = 6000) -> list[Event]:
+    """Tens of thousands of objects born, moved to host and disk, evicted, invalidated (rollback,
+    bulk reset), checksum- and tenant-mismatched over a small key space: every gap reason in
+    hundreds of rows (the dense recipe, one instance)."""
+    rng = random.Random(seed)
+    events: list[Event] = []
+    base = dict(engine="vllm", instance="i", model="dense", component=ComponentKind.FULL_ATTENTION, source_id=1)
+    prefixes = [[rng.getrandbits(64) or 1 for _ in range(12)] for _ in range(40)]
+    for r in range(requests):
+        keys = rng.choice(prefixes)[: rng.randint(1, 12)]
+        def add(r: int = r, **kw: object) -> None:
+            events.append(Event(ts_ns=BASE_NS + len(events), seq=len(events), request_id=f"r{r}", **{**base, **kw}))  # type: ignore[arg-type]
+
+        add(kind=EventKind.LOOKUP, prompt_tokens=len(keys) * 2 + 1, group_block_keys=[keys])
+        add(kind=EventKind.ADOPT, reused_tiers=[Tier.DEVICE], reused_tokens=[rng.randint(0, len(keys)) * 2])
+        add(kind=EventKind.COMMIT, tier=Tier.DEVICE, block_key=keys[0], more_keys=keys[1:], nbytes=64,
+            tenant="t0" if rng.random() < 0.03 else "", checksum=rng.choice([0, 5]))
+        step = rng.random()
+        if step < 0.3:
+            add(kind=EventKind.OFFLOAD, src_tier=Tier.DEVICE, dst_tier=rng.choice([Tier.HOST, Tier.DISK]),
+                block_key=keys[0], more_keys=keys[1:], nbytes=64, checksum=rng.choice([0, 5, 6]))
+            add(kind=EventKind.EVICT, tier=Tier.DEVICE, block_key=keys[-1], more_keys=keys[:-1],
+                reason=Reason.CAPACITY)
+        elif step < 0.6:
+            add(kind=EventKind.EVICT, tier=rng.choice([Tier.DEVICE, Tier.HOST]), block_key=keys[-1],
+                reason=Reason.CAPACITY)
+        elif step < 0.65:
+            add(kind=EventKind.INVALIDATE, block_key=keys[0], reason=Reason.ROLLBACK)
+        elif step < 0.67:
+            add(kind=EventKind.INVALIDATE, block_key=0, tier=Tier.HOST, reason=Reason.RESET)
+    return events

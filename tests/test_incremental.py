@@ -206,7 +206,7 @@ def test_a_full_reorder_buffer_releases_its_oldest_early(store: Store) -> None:
     live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=10**18, rebuild=False, max_held=50)
     for a in range(0, len(events), 64):
         live.feed(events[a : a + 64])
-        assert all(len(inst.heap) <= 50 for inst in live._instances.values())
+        assert all(inst.count <= 50 for inst in live._instances.values())
     assert live.released_early >= len(events) - 2 * 50 and live.late_events == 0
     live.tick(force=True)
     got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)

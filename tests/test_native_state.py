@@ -5,12 +5,11 @@ of the whole run)."""
 from __future__ import annotations
 
 import collections
-import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lifecycle import RECIPES, lifecycle_streams
+from lifecycle import RECIPES, lifecycle_streams, long_stream
 
 from kvtrace.analysis import snapshot
 from kvtrace.analysis.evaluate import Policy
@@ -18,7 +17,7 @@ from kvtrace.analysis.native_state import NativeState, available
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import RecipeBook
 from kvtrace.schema.verdicts import GapReason, LookupResult
 
@@ -96,32 +95,7 @@ def _key(r: LookupResult) -> tuple[int, int, int]:
 def test_a_long_stream_gives_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tens of thousands of objects born, moved, invalidated and forgotten over a small key space:
     the compiled table grows, deletes and reuses its slots, and every lookup's row still agrees."""
-    rng = random.Random(7)
-    events: list[Event] = []
-    base = dict(engine="vllm", instance="i", model="dense", component=ComponentKind.FULL_ATTENTION, source_id=1)
-    prefixes = [[rng.getrandbits(64) or 1 for _ in range(12)] for _ in range(40)]
-    for r in range(6000):
-        keys = rng.choice(prefixes)[: rng.randint(1, 12)]
-        def add(r: int = r, **kw: object) -> None:
-            events.append(Event(ts_ns=BASE + len(events), seq=len(events), request_id=f"r{r}", **{**base, **kw}))  # type: ignore[arg-type]
-
-        add(kind=EventKind.LOOKUP, prompt_tokens=len(keys) * 2 + 1, group_block_keys=[keys])
-        add(kind=EventKind.ADOPT, reused_tiers=[Tier.DEVICE], reused_tokens=[rng.randint(0, len(keys)) * 2])
-        add(kind=EventKind.COMMIT, tier=Tier.DEVICE, block_key=keys[0], more_keys=keys[1:], nbytes=64,
-            tenant="t0" if rng.random() < 0.03 else "", checksum=rng.choice([0, 5]))
-        step = rng.random()
-        if step < 0.3:
-            add(kind=EventKind.OFFLOAD, src_tier=Tier.DEVICE, dst_tier=rng.choice([Tier.HOST, Tier.DISK]),
-                block_key=keys[0], more_keys=keys[1:], nbytes=64, checksum=rng.choice([0, 5, 6]))
-            add(kind=EventKind.EVICT, tier=Tier.DEVICE, block_key=keys[-1], more_keys=keys[:-1],
-                reason=Reason.CAPACITY)
-        elif step < 0.6:
-            add(kind=EventKind.EVICT, tier=rng.choice([Tier.DEVICE, Tier.HOST]), block_key=keys[-1],
-                reason=Reason.CAPACITY)
-        elif step < 0.65:
-            add(kind=EventKind.INVALIDATE, block_key=keys[0], reason=Reason.ROLLBACK)
-        elif step < 0.67:
-            add(kind=EventKind.INVALIDATE, block_key=0, tier=Tier.HOST, reason=Reason.RESET)
+    events = long_stream()
     python = _rows(events, Policy(), False, monkeypatch)
     compiled = _rows(events, Policy(), True, monkeypatch)
     assert compiled == python
