@@ -21,15 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import polars as pl
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.analysis.snapshot import SnapshotError, fingerprint, resume, take
+from kvtrace.analysis.snapshot import Position, SnapshotError, fingerprint, resume, take
 from kvtrace.analysis.sql import conform_results
-from kvtrace.schema.arrow import from_arrow
-from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.records import StateSnapshot
 from kvtrace.schema.verdicts import LookupResult
@@ -88,37 +87,50 @@ def range_results(
     saved: list[StateSnapshot] = []
     next_mark = _next_mark(start, every_ns) if start else 0  # from the first event's time, when no snapshot
     out: list[LookupResult] = []
-    last: Event | None = None
+    last: Position | None = None
     read = 0
     passed = False
+    done = False
     for table in store.iter_event_batches(where, params):
-        done = False
-        for event in from_arrow(table):
-            ts = event.ts_ns
-            if ts >= next_mark:  # a periodic snapshot, for runs that start later
-                if save and last is not None and last.ts_ns < settled and ts < until_ns:
+        # Fed in runs of rows (Reconstructor.feed_table), cut where an event needs a look first:
+        # a snapshot mark, `until`, and past it every _CHECK_EVERY events read.
+        ts = table["ts_ns"].to_numpy()
+        n, i, looked = table.num_rows, 0, -1  # looked: the row whose looks were taken
+        while i < n:
+            first = i + 1 if looked == i else i
+            j = min(n, first + int(np.searchsorted(ts[first:], next_mark, side="left")))
+            if not passed:
+                j = min(j, first + int(np.searchsorted(ts[first:], until_ns, side="left")))
+            else:
+                j = min(j, first + (-(read + first - i)) % _CHECK_EVERY)
+            if j > i:
+                out.extend(r for r in rec.feed_table(table.slice(i, j - i)) if since_ns <= r.ts_ns < until_ns)
+                read += j - i
+                last = Position(int(ts[j - 1]), int(table["source_id"][j - 1].as_py()),
+                                int(table["seq"][j - 1].as_py()))
+                i = j
+                continue
+            looked, at = i, int(ts[i])
+            if at >= next_mark:  # a periodic snapshot, for runs that start later
+                if save and last is not None and last.ts_ns < settled and at < until_ns:
                     saved.append(take(rec, last, print_))
                     if len(saved) > MAX_HELD:  # stored when the read ends: keep every other, evenly spread
                         del saved[-2::-2]  # the oldest and the newest stay
-                next_mark = _next_mark(ts, every_ns)
-            if not passed and ts >= until_ns:
+                next_mark = _next_mark(at, every_ns)
+            if not passed and at >= until_ns:
                 passed = True
                 if save and last is not None and until_ns <= settled:
                     saved.append(take(rec, last, print_))
                 if not rec.pending_since(since_ns, until_ns):
                     done = True
-                    break
             elif passed and read % _CHECK_EVERY == 0 and not rec.pending_since(since_ns, until_ns):
                 done = True
+            if done:
                 break
-            out.extend(r for r in rec.feed(event) if since_ns <= r.ts_ns < until_ns)
-            last = event
-            read += 1
         if done:
             break
-    else:
-        if not passed and save and last is not None and until_ns <= settled:
-            saved.append(take(rec, last, print_))  # the stream ended before `until`: the state there
+    if not done and not passed and save and last is not None and until_ns <= settled:
+        saved.append(take(rec, last, print_))  # the stream ended before `until`: the state there
     out.extend(r for r in rec.finish() if since_ns <= r.ts_ns < until_ns)
     for snap in saved:
         store.insert_snapshot(snap)

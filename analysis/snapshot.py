@@ -16,6 +16,7 @@ import base64
 import hashlib
 import time
 import zlib
+from typing import NamedTuple
 
 import msgspec
 
@@ -46,7 +47,15 @@ def fingerprint(recipes: RecipeBook | Recipe | None, policy: Policy) -> str:
     return hashlib.sha256(_ENCODER.encode([given, default, rules])).hexdigest()[:16]
 
 
-def take(rec: Reconstructor, last: Event, print_: str) -> StateSnapshot:
+class Position(NamedTuple):
+    """An event's place in the stream (what a snapshot is keyed by)."""
+
+    ts_ns: int
+    source_id: int
+    seq: int
+
+
+def take(rec: Reconstructor, last: Event | Position, print_: str) -> StateSnapshot:
     """The reconstructor's state after `last`, the last event it was fed, as a row."""
     captured = rec.capture()
     payload = FORMAT + zlib.compress(_ENCODER.encode(captured), 3)
