@@ -13,7 +13,7 @@ reproduce this state without replaying it (see `analysis.sql`):
   after the copy was written: a copy written later holds fresh state;
 - a copy whose checksum differs from the committed one is corrupt, the others are not;
 - an object that loses its last copy is forgotten, and its history with it (so memory is
-  bounded by live objects); the SQL paths number these lives ("generations") to match.
+  bounded by live objects); the SQL paths mark where each life began to match.
 
 `ord` is the event's position in the stream, which totally orders events.
 """

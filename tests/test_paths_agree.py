@@ -20,6 +20,7 @@ from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 from kvtrace.schema.recipes import RecipeBook, UnknownModel
+from kvtrace.schema.verdicts import GapReason
 from kvtrace.store.client import Store
 from kvtrace.store.export import export_events
 
@@ -165,3 +166,27 @@ def _two_blocks_each(model: str, prompt_tokens: int) -> list[Event]:
         events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 1, source_id=src, seq=1, engine=engine, instance=engine,
                             model=model, request_id="r", prompt_tokens=prompt_tokens, group_block_keys=[keys]))
     return events
+
+
+def test_a_commit_from_an_object_s_earlier_life_counts_in_no_path(store: Store, tmp_path: Path) -> None:
+    """An object that lost its last copy is forgotten with its history: a copy loaded back
+    later (no commit since) is uncommitted, whatever was committed before. The SQL paths know
+    where each object's current life began; the leased commit of the earlier life counts neither."""
+    t0 = 1_750_000_000 * 10**9
+    keys = [101, 102]
+    common = dict(source_id=1, engine="vllm", instance="i0", model="dense", component=ComponentKind.FULL_ATTENTION)
+    events = [
+        Event(kind=EventKind.COMMIT, ts_ns=t0, seq=1, block_key=keys[0], more_keys=keys[1:], tier=Tier.DEVICE,
+              nbytes=64, tenant="t1", lease_expiry_ns=t0 + 10**12, **common),
+        Event(kind=EventKind.EVICT, ts_ns=t0 + 1, seq=2, block_key=keys[1], tier=Tier.DEVICE, **common),
+        Event(kind=EventKind.LOAD, ts_ns=t0 + 2, seq=3, block_key=keys[1], src_tier=Tier.DISK, dst_tier=Tier.DEVICE,
+              nbytes=64, **common),
+        Event(kind=EventKind.LOOKUP, ts_ns=t0 + 3, seq=4, request_id="r", prompt_tokens=5, tenant="t1",
+              group_block_keys=[keys], **{k: v for k, v in common.items() if k != "component"}),
+    ]
+    frames = three_paths(store, tmp_path, events)
+    assert_same(frames)
+    row = frames[0].row(0, named=True)
+    bs = DENSE.groups[0].block_size
+    assert (row["logical_hit_tokens"], row["recoverable_hit_tokens"]) == (2 * bs, bs)
+    assert (row["reason"], row["reason_detail"]) == (GapReason.UNCOMMITTED.value, "no commit seen")
