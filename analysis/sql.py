@@ -148,7 +148,7 @@ class _Plan:
         return f"{self.prefix}_{name}"
 
 
-def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
+def _steps_events(d: Dialect, t: _Plan, source: str) -> tuple[list[tuple[str, str]], str]:
     ids = ", ".join(_IDENTITY_STR)
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
@@ -177,7 +177,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         f"  SELECT ord, instance, group_id, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
         "   CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
-        f"  FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict')))"
+        f"  FROM {_object_events(d, t)}))"
     )
     writes = _writes_with_arrays(d, t, ids) if d.clickhouse else _state_with_windows(writes, obj)
     requests = (
@@ -204,15 +204,24 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> list[tuple[str, str]]:
         f" FROM {d.table(t.rq)})"
         " WHERE kind = 'lookup'"
     )
-    steps = [(t.ev, ev), (t.w, writes), (t.rq, requests), (t.lk, lookups)]
+    steps = [(t.ev, ev), (t.rq, requests), (t.lk, lookups)]
     if d.clickhouse:  # the commits' distinct tenants and identities, by the number the state carries
         named = ", ".join((*_IDENTITY_STR, "epoch"))
         steps.append((t.ids, f"SELECT DISTINCT {_IDH} AS idh, tenant, {named} FROM {d.table(t.ev)}"
                              " WHERE kind = 'commit'"))
-    return steps
+    return steps, writes
 
 
 _Parts = list[tuple[str, str, list[tuple[str, str, str]]]]
+
+
+def _object_events(d: Dialect, t: _Plan) -> str:
+    """The object events the state is computed from: those of objects a point reads, before
+    its last point there (`ob`). A block only its own request's lookup named (before it was
+    written), and every event after an object's last point, cannot change a verdict."""
+    return (f"(SELECT e.* FROM {d.table(t.ev)} e JOIN (SELECT instance AS m_i, group_id AS m_g, block_key AS m_k, upto"
+            f" FROM {d.table(t.ob)}) m ON m.m_i = e.instance AND m.m_g = e.group_id AND m.m_k = e.block_key"
+            " WHERE e.kind IN ('create', 'commit', 'offload', 'load', 'evict') AND e.ord < m.upto)")
 
 
 def _state_parts(c: Callable[[str], str] = str, ident: bool = False, codes: bool = False) -> _Parts:
@@ -310,7 +319,7 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
         f"     toUInt8(indexOf([{', '.join(repr(t.value) for t in TIER_ORDER)}],"
         "      CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END)) AS wt,"
         "     toInt64(kind != 'evict') AS present"
-        f"    FROM {d.table(t.ev)} WHERE kind IN ('create', 'commit', 'offload', 'load', 'evict'))"
+        f"    FROM {_object_events(d, t)})"
         "   GROUP BY instance, group_id, block_key)))"
         f" ARRAY JOIN a_ord AS ord, lives AS life, {', '.join(f'a_{name} AS {name}' for name in names)}"
     )
@@ -321,7 +330,7 @@ _PG_COLUMNS = ("lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(f"r_{
 """The columns of a point (one lookup, adopt or fleet judgement, per cache group), in order."""
 
 
-def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
+def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tuple[str, str]]:
     keep = "1" if policy.keep_one_token else "0"
     if policy.keep_one_token and policy.stores:
         stores = ", ".join("'" + name.replace("'", "''") + "'" for name in sorted(policy.stores))
@@ -412,7 +421,10 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     )
     # The state lookup is read once (by pc), so it is a subquery, not a table: each table of a
     # block's rows costs a materialization of every column (as much as a join in DuckDB).
-    return [*fleet, (t.pb, pb), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+    # The objects the points read, each with its last point: the state is computed for them alone.
+    ob = (f"SELECT instance, g AS group_id, key AS block_key, max(at_ord) AS upto FROM {d.table(t.pb)}"
+          " GROUP BY instance, g, key")
+    return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
 
 
 _WRITE_KINDS = "('create', 'commit', 'offload', 'load')"
@@ -849,7 +861,8 @@ def _run(
         return out
 
     try:
-        for name, select in _steps_events(d, t, source):
+        first, writes = _steps_events(d, t, source)
+        for name, select in first:
             step(name, select)
         recipes = timed_call("(attach recipes)", lambda: _published(d, source, recipes, read))
         timed_call("(check commits)", lambda: _check_commits(d, source, recipes, read))
@@ -866,7 +879,7 @@ def _run(
             if rows:
                 execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
         fleet = _steps_fleet_view(d, t) if policy.fleet else []
-        for name, select in (*_steps_blocks(d, t, policy), *_steps_boundaries(d, t), *fleet):
+        for name, select in (*_steps_blocks(d, t, policy, writes), *_steps_boundaries(d, t), *fleet):
             step(name, select)
         return conform_results(timed_read("(final)", _final(d, t, policy.fleet)))
     finally:
