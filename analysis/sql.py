@@ -411,17 +411,22 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         f"max(CASE WHEN bi.tier IN ('', '{tier.value}') THEN bi.ord ELSE 0 END) AS bulk_{tier.value[:3]}"
         for tier in TIER_ORDER
     )
+    # Only the points of instances that had one are read (most have none).
+    bulk = f"{d.table(t.ev)} WHERE kind = 'invalidate' AND block_key = 0"
     bk = (
         f"SELECT p.lid AS lid, p.phase AS phase, p.g AS g, p.i AS i, {bulk_cols}"
-        f" FROM {d.table(t.pc)} p JOIN (SELECT instance AS bi_i, ord, tier, tenant AS bi_tenant, adapter AS bi_adapter"
-        f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key = 0) bi ON bi.bi_i = p.instance"
+        f" FROM (SELECT lid, phase, g, i, instance, at_ord, c_tenant, c_adp FROM {d.table(t.pc)}"
+        f"  WHERE instance IN (SELECT instance FROM {bulk})) p"
+        f" JOIN (SELECT instance AS bi_i, ord, tier, tenant AS bi_tenant, adapter AS bi_adapter FROM {bulk}) bi"
+        " ON bi.bi_i = p.instance"
         " WHERE bi.ord < p.at_ord AND (bi.bi_tenant = '' OR bi.bi_tenant = p.c_tenant)"
         " AND (bi.bi_adapter = '' OR bi.bi_adapter = p.c_adp)"
         " GROUP BY p.lid, p.phase, p.g, p.i"
     )
     # The state lookup is read once (by pc), so it is a subquery, not a table: each table of a
     # block's rows costs a materialization of every column (as much as a join in DuckDB).
-    # The objects the points read, each with its last point: the state is computed for them alone.
+    # The objects the points read come first, each with its last point: the state is computed
+    # for them alone.
     ob = (f"SELECT instance, g AS group_id, key AS block_key, max(at_ord) AS upto FROM {d.table(t.pb)}"
           " GROUP BY instance, g, key")
     return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
