@@ -353,7 +353,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     pg = " UNION ALL ".join(points)
     cols = "lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(
         f"r_{f}" for f in (*_IDENTITY_STR, "epoch")
-    ) + ", g, comp, b, win, ratio, len"
+    ) + ", g, comp, b, win, ratio, len, cap"
     pb = d.explode_chain(cols, d.table(t.pg))
     fleet = _steps_fleet_points(d, t, pg, cols) if policy.fleet else [(t.pg, pg)]
 
@@ -411,17 +411,19 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         f"max(CASE WHEN bi.tier IN ('', '{tier.value}') THEN bi.ord ELSE 0 END) AS bulk_{tier.value[:3]}"
         for tier in TIER_ORDER
     )
-    # Only the points of instances that had one are read (most have none).
+    # They depend on the block only through its point and its commit's tenant and adapter: found
+    # once per distinct (instance, point, tenant, adapter), a few per point, not per block; only
+    # instances that had one are read.
     bulk = f"{d.table(t.ev)} WHERE kind = 'invalidate' AND block_key = 0"
     bk = (
-        f"SELECT p.lid AS lid, p.phase AS phase, p.g AS g, p.i AS i, {bulk_cols}"
-        f" FROM (SELECT lid, phase, g, i, instance, at_ord, c_tenant, c_adp FROM {d.table(t.pc)}"
+        f"SELECT p.instance AS instance, p.at_ord AS at_ord, p.c_tenant AS c_tenant, p.c_adp AS c_adp, {bulk_cols}"
+        f" FROM (SELECT DISTINCT instance, at_ord, c_tenant, c_adp FROM {d.table(t.pc)}"
         f"  WHERE instance IN (SELECT instance FROM {bulk})) p"
         f" JOIN (SELECT instance AS bi_i, ord, tier, tenant AS bi_tenant, adapter AS bi_adapter FROM {bulk}) bi"
         " ON bi.bi_i = p.instance"
         " WHERE bi.ord < p.at_ord AND (bi.bi_tenant = '' OR bi.bi_tenant = p.c_tenant)"
         " AND (bi.bi_adapter = '' OR bi.bi_adapter = p.c_adp)"
-        " GROUP BY p.lid, p.phase, p.g, p.i"
+        " GROUP BY p.instance, p.at_ord, p.c_tenant, p.c_adp"
     )
     # The state lookup is read once (by pc), so it is a subquery, not a table: each table of a
     # block's rows costs a materialization of every column (as much as a join in DuckDB).
@@ -483,7 +485,7 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     ps = (
         f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
         f" FROM {d.table(t.pc)} p LEFT JOIN {d.table(t.bk)} bk"
-        " ON bk.lid = p.lid AND bk.phase = p.phase AND bk.g = p.g AND bk.i = p.i"
+        " ON bk.instance = p.instance AND bk.at_ord = p.at_ord AND bk.c_tenant = p.c_tenant AND bk.c_adp = p.c_adp"
     )
     shared = (
         f"p.c_tenant NOT IN ({', '.join(d.quote(s) for s in sorted(policy.shared_tenants))})"
@@ -534,7 +536,7 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         "CASE WHEN st_hos = 4 THEN hos_nb WHEN st_dis = 4 THEN dis_nb ELSE rem_nb END"
     )
     bst = (
-        "SELECT lid, phase, g, i, comp, b, win, ratio, len, tenant, c_tenant, present, usable,"
+        "SELECT lid, phase, g, i, comp, b, win, ratio, len, cap, tenant, c_tenant, present, usable,"
         " CASE WHEN usable = 1 AND st_dev = 4 THEN 1 ELSE 0 END AS resident, code, detail,"
         f" {restore_tier} AS restore_tier,"
         f" CASE WHEN {restore_nb} <> 0 THEN {restore_nb} ELSE c_nb END AS restore_nb FROM ("
@@ -563,16 +565,13 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
 
 def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
     # Each group's own hash hit: the longest boundary (a multiple of its block size, at most the
-    # cap) whose needed blocks are all present, valid or not, and that needs at least one.
+    # cap) whose needed blocks are all present, valid or not, and that needs at least one. The
+    # boundary after block i is (i + 1) * b, so each block's row answers for one boundary.
+    p = "(i + 1) * b"
     hits = (
-        "SELECT c.lid AS lid, c.phase AS phase, c.g AS g, max(c.p) AS glog FROM ("
-        f"  SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j,"
-        f"   {_start(d, 'cp.p')} AS st FROM {d.table(t.pg)} g JOIN ("
-        f"    SELECT lid, phase, g, {d.series('b', d.idiv('cap', 'b') + ' * b + 1', 'b')} AS p FROM {d.table(t.pg)}) cp"
-        "   ON cp.lid = g.lid AND cp.phase = g.phase AND cp.g = g.g) c"
-        f" LEFT JOIN {d.table(t.pw)} w ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
-        " WHERE c.st < c.j AND c.j <= c.len AND coalesce(w.lq, -1) < c.st"
-        " GROUP BY c.lid, c.phase, c.g"
+        f"SELECT lid, phase, g, max({p}) AS glog FROM ("
+        f" SELECT lid, phase, g, i, b, cap, lq, {_start(d, p)} AS st FROM {d.table(t.pw)})"
+        f" WHERE {p} <= cap AND st < i + 1 AND lq < st GROUP BY lid, phase, g"
     )
     gs = (
         "SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.comp AS comp, g.b AS b, g.win AS win, g.ratio AS ratio,"
