@@ -602,12 +602,12 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         "SELECT c.lid AS lid, c.phase AS phase, c.p AS p,"
         " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lb, -1) < c.st) THEN 1 ELSE 0 END) AS ok,"
         " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lr, -1) < c.st) THEN 1 ELSE 0 END) AS rok,"
-        " any_value(c.ngroups) AS ngroups FROM ("
+        f" any_value(c.ngroups) AS ngroups FROM {d.table(t.pw)} w RIGHT JOIN ("
         f"  SELECT g.*, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j, {_start(d, 'cp.p')} AS st"
         f" FROM {d.table(t.gs)} g JOIN ("
         f"   SELECT lid, phase, {d.series('align', f'{top} + 1', 'align')} AS p FROM {d.table(t.pp)}) cp"
         "   ON cp.lid = g.lid AND cp.phase = g.phase) c"
-        f" LEFT JOIN {d.table(t.pw)} w ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
+        " ON w.lid = c.lid AND w.phase = c.phase AND w.g = c.g AND w.i = c.j - 1"
         " GROUP BY c.lid, c.phase, c.p"
     )
     if d.clickhouse:
@@ -622,23 +622,25 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         f" FROM {d.table(t.cd)} GROUP BY lid, phase) r ON r.lid = p.lid AND r.phase = p.phase"
     )
     # Why the wanted boundary fails (the aligned logical hit; at adopt, what was recoverable at
-    # lookup): the first group, in recipe order, with an unusable block there.
+    # lookup): the first group, in recipe order, with an unusable block there. The few rows
+    # looked up in the blocks' table are the join's right side (its hash table), not the table.
     fail = (
         "SELECT x.lid AS lid, x.phase AS phase, x.g AS g,"
         " CASE WHEN x.fi < x.len THEN bb.code ELSE x.missing END AS code,"
         f" CASE WHEN x.fi < x.len THEN bb.detail ELSE {d.quote(_BEYOND)} END AS detail,"
-        " row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM ("
-        "  SELECT q.*, CASE WHEN q.st >= q.j THEN -1"
+        f" row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM {d.table(t.pw)} bb RIGHT JOIN ("
+        "  SELECT q.lid AS lid, q.phase AS phase, q.g AS g, q.len AS len, q.missing AS missing, q.j AS j, q.st AS st,"
+        "   CASE WHEN q.st >= q.j THEN -1"
         "   WHEN q.st < q.len AND coalesce(s.nb, q.len) < least(q.j, q.len) THEN s.nb"
-        "   WHEN q.j > q.len THEN q.len ELSE -1 END AS fi FROM ("
+        f"   WHEN q.j > q.len THEN q.len ELSE -1 END AS fi FROM {d.table(t.pw)} s RIGHT JOIN ("
         f"   SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, {_MISSING_CASE} AS missing,"
         f"    {d.idiv('r.q', 'g.b')} AS j, {_start(d, 'r.q')} AS st"
         f"   FROM {d.table(t.gs)} g JOIN (SELECT r.lid AS lid, r.phase AS phase,"
         "     CASE WHEN r.phase = 1 THEN r0.rec ELSE r.top END AS q"
         f"     FROM {d.table(t.rb)} r JOIN {d.table(t.rb)} r0 ON r0.lid = r.lid AND r0.phase = 0) r"
         "    ON r.lid = g.lid AND r.phase = g.phase WHERE r.q > 0) q"
-        f"  LEFT JOIN {d.table(t.pw)} s ON s.lid = q.lid AND s.phase = q.phase AND s.g = q.g AND s.i = q.st) x"
-        f" LEFT JOIN {d.table(t.pw)} bb ON bb.lid = x.lid AND bb.phase = x.phase AND bb.g = x.g AND bb.i = x.fi"
+        "  ON s.lid = q.lid AND s.phase = q.phase AND s.g = q.g AND s.i = q.st) x"
+        " ON bb.lid = x.lid AND bb.phase = x.phase AND bb.g = x.g AND bb.i = x.fi"
         " WHERE x.fi >= 0"
     )
     # Bytes to restore at the recoverable boundary (at the lookup, on each instance judged), per
