@@ -190,7 +190,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str) -> tuple[list[tuple[str, st
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
         f"  FROM {_object_events(d, t)}))"
     )
-    writes = _writes_with_arrays(d, t, ids) if d.clickhouse else _state_with_windows(writes, obj)
+    writes = _writes_with_arrays(d, t) if d.clickhouse else _state_with_windows(writes, obj)
     requests = (
         "SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
         " r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
@@ -235,30 +235,31 @@ def _object_events(d: Dialect, t: _Plan) -> str:
             " WHERE e.kind IN ('create', 'commit', 'offload', 'load', 'evict') AND e.ord < m.upto)")
 
 
-def _state_parts(c: Callable[[str], str] = str, ident: bool = False, codes: bool = False) -> _Parts:
+def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts:
     """What the state after each object event carries, as (category, condition, columns): the
     last write on each tier, the last commit and the last lease, each column as (name, source
     column, value when there is none). One as-of join to these rows then replaces one per
     category (seven, each hashing the whole write table) at every evaluation point. `c` spells
-    a column in the conditions; with `ident`, the commit's tenant and identity ride as one
-    number (`idh`, see `_IDH`), read back at the points from the few distinct ones.
+    a column in the conditions. `numeric` is ClickHouse's form: kinds and tiers as codes
+    (`_KIND_CODES`, `TIER_ORDER`) and the commit's tenant and identity as one number (`idh`, see
+    `_IDH`), read back at the points from the few distinct ones.
 
     Each category keeps its event's `ord`: with the object's `life` (where its current life
     began, see `_steps_events`), that says whether the commit and the lease belong to it."""
     def is_kind(*kinds: str) -> str:
-        if codes:
+        if numeric:
             return f"{c('kind')} IN ({', '.join(str(_KIND_CODES.index(k) + 1) for k in kinds)})"
         return f"{c('kind')} IN ({', '.join(repr(k) for k in kinds)})"
 
     lease = f"{is_kind('commit')} OR ({is_kind('offload', 'load')} AND {c('lease_expiry_ns')} <> 0)"
     parts = [
-        (tier.value[:3], f"{c('wtier')} = {i}" if codes else f"{c('wtier')} = '{tier.value}'",
+        (tier.value[:3], f"{c('wtier')} = {i}" if numeric else f"{c('wtier')} = '{tier.value}'",
          [(f"{tier.value[:3]}_{n}", col, none) for n, col, none in
-          (("ord", "ord", "0"), ("kind", "kind", "0" if codes else "''"), ("nb", "nbytes", "0"),
+          (("ord", "ord", "0"), ("kind", "kind", "0" if numeric else "''"), ("nb", "nbytes", "0"),
            ("ck", "checksum", "0"))])
         for i, tier in enumerate(TIER_ORDER, 1)
     ]
-    identity = ([("c_id", "idh", "0")] if ident else
+    identity = ([("c_id", "idh", "0")] if numeric else
                 [("c_tenant0", "tenant", "''"),
                  *((f"c_{f}", f, "0" if f == "epoch" else "''") for f in (*_IDENTITY_STR, "epoch"))])
     parts.append(("c", is_kind("commit"),
@@ -288,11 +289,11 @@ def _state_with_windows(writes: str, obj: str) -> str:
             f" SELECT instance, group_id, block_key, ord, life, {', '.join(carried)} FROM ({writes}))")
 
 
-def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
+def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
     """The same rows as the window form, for ClickHouse: one GROUP BY per object and array
     functions instead of window sorts, which ClickHouse runs on one thread (about half of the
-    whole analysis on 10M events before this). The arrays hold numbers and two short labels
-    only: the commit's strings ride as `idh`, which made this statement ~2x faster."""
+    whole analysis on 10M events before this). The arrays hold numbers only (`numeric` in
+    `_state_parts`), which made this statement ~2x faster than with the strings."""
     fields = ["ord", "kc", "idh", "nbytes", "checksum", "lease_expiry_ns", "wt", "present"]
     n = {name: i + 1 for i, name in enumerate(fields)}
     n["kind"], n["wtier"] = n["kc"], n["wt"]  # as numbers: see _KIND_CODES
@@ -311,7 +312,7 @@ def _writes_with_arrays(d: Dialect, t: _Plan, ids: str) -> str:
     # Per category, a mask of its events; each state column is that category's value where the
     # mask is set, carried forward over the rest by arrayFill. No array is indexed by another:
     # a lambda that captures one, or an ARRAY JOIN that keeps one, copies it for every element.
-    parts = _state_parts(lambda col: f"e.{n[col]}", ident=True, codes=True)
+    parts = _state_parts(lambda col: f"e.{n[col]}", numeric=True)
     masks = ", ".join(f"arrayMap(e -> toUInt8({cond}), evs) AS m_{cat}" for cat, cond, _ in parts)
     values = ", ".join(
         f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, e.{n[col]}, {none}), evs, m_{cat}), m_{cat})"
@@ -371,13 +372,13 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # The object's state just before each point: its last event before it (one as-of join),
     # which carries the last write on each tier, commit and lease, and where the object's
     # current life began; then the last invalidation of the object itself.
-    ident = d.clickhouse  # the commit's tenant and identity ride as one number (`_IDH`)
-    state = [(name, none) for _, _, columns in _state_parts(ident=ident, codes=ident) for name, _, none in columns]
+    numeric = d.clickhouse  # kinds as codes, the commit's tenant and identity as one number (`_IDH`)
+    state = [(name, none) for _, _, columns in _state_parts(numeric=numeric) for name, _, none in columns]
     state.append(("life", "0"))
     commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
     kinds = "['', " + ", ".join(d.quote(k) for k in _KIND_CODES) + "]"
     picked = [f"s.{name} AS {name}" if name in commit_ids else
-              f"{kinds}[coalesce(s.{name}, 0) + 1] AS {name}" if ident and name.endswith("_kind") else
+              f"{kinds}[coalesce(s.{name}, 0) + 1] AS {name}" if numeric and name.endswith("_kind") else
               f"coalesce(s.{name}, {none}) AS {name}"
               for name, none in state if name != "c_id"]
     columns = ", ".join(name for name, _ in state)
