@@ -563,20 +563,42 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         f"   LEFT JOIN (SELECT ord AS ir_ord, reason FROM {d.table(t.ev)} WHERE kind = 'invalidate') ir"
         "   ON ir.ir_ord = p.inv_ord))"
     )
-    grp = "PARTITION BY lid, phase, g ORDER BY i"
-    pw = (
-        "SELECT *,"
-        f" max(CASE WHEN usable = 1 THEN -1 ELSE i END)"
-        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lb,"
-        f" max(CASE WHEN resident = 1 THEN -1 ELSE i END)"
-        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lr,"
-        f" min(CASE WHEN usable = 1 THEN len ELSE i END)"
-        f" OVER ({grp} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS nb,"
-        f" max(CASE WHEN present = 1 THEN -1 ELSE i END)"
-        f" OVER ({grp} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS lq"
-        f" FROM ({bst})"
+    # The running "last bad block" indices per point and group, in a narrow table of their own:
+    # a window (or an array) carrying the blocks' wide rows costs a copy of every column.
+    return [(t.bs, bst), (t.pw, _running(d, t))]  # ps is read once: a subquery of bs
+
+
+_RUNNING = (("lb", "usable", "max"), ("lr", "resident", "max"), ("lq", "present", "max"), ("nb", "usable", "min"))
+"""Per block i of a point's group: the last block at or before i that is not usable (`lb`), not
+resident (`lr`), not present (`lq`), -1 for none; and the first at or after i not usable
+(`nb`), the chain's length for none."""
+
+
+def _running(d: Dialect, t: _Plan) -> str:
+    """`_RUNNING` over each (point, group)'s blocks in index order. DuckDB runs the windows in
+    parallel; ClickHouse runs windows on one thread, so there each group's flags become arrays,
+    filled forward (`arrayFill`) or backward (`arrayReverseFill`) from the bad blocks' indices."""
+    keys = "lid, phase, g, comp, b, win, ratio, cap, len"
+    if not d.clickhouse:
+        grp = "PARTITION BY lid, phase, g ORDER BY i"
+        before, after = "UNBOUNDED PRECEDING AND CURRENT ROW", "CURRENT ROW AND UNBOUNDED FOLLOWING"
+        cols = ", ".join(
+            f"{agg}(CASE WHEN {flag} = 1 THEN {'-1' if agg == 'max' else 'len'} ELSE i END)"
+            f" OVER ({grp} ROWS BETWEEN {before if agg == 'max' else after}) AS {name}"
+            for name, flag, agg in _RUNNING)
+        return f"SELECT {keys}, i, {cols} FROM {d.table(t.bs)}"
+    order = ["usable", "resident", "present"]
+    arrays = ", ".join(
+        f"{'arrayFill' if agg == 'max' else 'arrayReverseFill'}(x -> x >= 0,"
+        f" arrayMap(x -> if(x.{order.index(flag) + 2} = 1, -1, x.1), a)) AS a_{name}"
+        for name, flag, agg in _RUNNING)
+    return (
+        f"SELECT {keys}, i, lb, lr, lq, if(nb0 < 0, len, nb0) AS nb FROM ("
+        f" SELECT {keys}, arrayMap(x -> x.1, a) AS a_i, {arrays} FROM ("
+        f"  SELECT {keys}, arraySort(groupArray((i, {', '.join(order)}))) AS a"
+        f"  FROM {d.table(t.bs)} GROUP BY {keys}))"
+        " ARRAY JOIN a_i AS i, a_lb AS lb, a_lr AS lr, a_lq AS lq, a_nb AS nb0"
     )
-    return [(t.pw, pw)]  # ps and bs are read once each: subqueries of pw
 
 
 def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
@@ -633,7 +655,7 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
         "SELECT x.lid AS lid, x.phase AS phase, x.g AS g,"
         " CASE WHEN x.fi < x.len THEN bb.code ELSE x.missing END AS code,"
         f" CASE WHEN x.fi < x.len THEN bb.detail ELSE {d.quote(_BEYOND)} END AS detail,"
-        f" row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM {d.table(t.pw)} bb RIGHT JOIN ("
+        f" row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM {d.table(t.bs)} bb RIGHT JOIN ("
         "  SELECT q.lid AS lid, q.phase AS phase, q.g AS g, q.len AS len, q.missing AS missing, q.j AS j, q.st AS st,"
         "   CASE WHEN q.st >= q.j THEN -1"
         "   WHEN q.st < q.len AND coalesce(s.nb, q.len) < least(q.j, q.len) THEN s.nb"
@@ -656,7 +678,7 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
             f" sum(CASE WHEN w.resident = 0 AND w.restore_tier = '{tier}' THEN w.restore_nb ELSE 0 END) AS r_{tier}"
             for tier in ("host", "disk", "remote")
         )
-        + f" FROM {d.table(t.pw)} w JOIN (SELECT g.lid AS lid, g.phase AS phase, g.g AS g,"
+        + f" FROM {d.table(t.bs)} w JOIN (SELECT g.lid AS lid, g.phase AS phase, g.g AS g,"
         f"  {d.idiv('r.rec', 'g.b')} AS j, {_start(d, 'r.rec')} AS st"
         f"  FROM {d.table(t.gs)} g JOIN {d.table(t.rb)} r ON r.lid = g.lid AND r.phase = g.phase"
         "  WHERE g.phase <> 1 AND r.rec > 0) n ON n.lid = w.lid AND n.phase = w.phase AND n.g = w.g"
@@ -665,7 +687,7 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
     # Did the adopted prefix include state committed under another tenant namespace?
     cross = (
         "SELECT w.lid AS lid, max(CASE WHEN w.present = 1 AND w.c_tenant <> w.tenant THEN 1 ELSE 0 END) AS cross"
-        f" FROM {d.table(t.pw)} w JOIN (SELECT lid, g, {d.idiv('pa', 'b')} AS j, {_start(d, 'pa')} AS st FROM ("
+        f" FROM {d.table(t.bs)} w JOIN (SELECT lid, g, {d.idiv('pa', 'b')} AS j, {_start(d, 'pa')} AS st FROM ("
         f"  SELECT g.*, {d.idiv('g.adopted', 'g.b')} * g.b AS pa FROM {d.table(t.gs)} g WHERE g.phase = 1)"
         "  WHERE pa > 0) n ON n.lid = w.lid AND n.g = w.g"
         " WHERE w.phase = 1 AND w.i >= n.st AND w.i < n.j GROUP BY w.lid"
