@@ -15,8 +15,8 @@ written as "the last event of some kind before this point", which is an as-of jo
    evaluation point at the lookup and one at the adopt;
 3. explode each point into the request's blocks per cache group, and as-of join every block
    to its object's state at its last event before the point (one join, not one per tier and
-   kind: the point count times the event count is what a fleet-scale run pays for), its last
-   invalidation, plus the bulk invalidations that match it;
+   kind: the point count times the event count is what a fleet-scale run pays for; the
+   object's own invalidations are events of it too), plus the bulk invalidations that match it;
 4. classify each block (missing, unusable for a reason, usable, resident), then scan the
    candidate boundaries of each point with running "last bad block" indices, which makes every
    group's completeness rule one comparison: the needed blocks [start, p/b) are all usable iff
@@ -201,11 +201,11 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False) -> 
         for tier in TIER_ORDER
     ]
     writes = (
-        "SELECT *, coalesce(max(CASE WHEN copies = 0 THEN ord END) OVER "
+        "SELECT *, coalesce(max(CASE WHEN copies = 0 AND kind <> 'invalidate' THEN ord END) OVER "
         f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS life FROM ("
         f" SELECT *, {' + '.join(last)} AS copies FROM ("
         f"  SELECT ord, ig, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
-        "   CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END AS wtier,"
+        f"   {_WRITTEN_TIER} AS wtier,"
         "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
         f"  FROM {_object_events(d, t)}))"
     )
@@ -251,12 +251,14 @@ def _object_events(d: Dialect, t: _Plan) -> str:
     written), and every event after an object's last point, cannot change a verdict."""
     return (f"(SELECT e.* FROM {d.table(t.ev)} e JOIN (SELECT ig AS m_ig, block_key AS m_k, upto"
             f" FROM {d.table(t.ob)}) m ON m.m_ig = e.ig AND m.m_k = e.block_key"
-            " WHERE e.kind IN ('create', 'commit', 'offload', 'load', 'evict') AND e.ord < m.upto)")
+            " WHERE (e.kind IN ('create', 'commit', 'offload', 'load', 'evict')"
+            " OR (e.kind = 'invalidate' AND e.block_key <> 0)) AND e.ord < m.upto)")
 
 
 def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts:
     """What the state after each object event carries, as (category, condition, columns): the
-    last write on each tier, the last commit and the last lease, each column as (name, source
+    last write on each tier, the last commit, the last lease and the object's own last
+    invalidation, each column as (name, source
     column, value when there is none). One as-of join to these rows then replaces one per
     category (seven, each hashing the whole write table) at every evaluation point. `c` spells
     a column in the conditions. `numeric` is ClickHouse's form: kinds and tiers as codes
@@ -284,11 +286,16 @@ def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts
     parts.append(("c", is_kind("commit"),
                   [("c_ord", "ord", "0"), *identity, ("c_ck0", "checksum", "0"), ("c_nb0", "nbytes", "0")]))
     parts.append(("le", lease, [("le_ord", "ord", "0"), ("le_ns0", "lease_expiry_ns", "0")]))
+    parts.append(("o", is_kind("invalidate"), [("o_ord", "ord", "0")]))  # the object's own, on every tier
     return parts
 
 
-_KIND_CODES = ("create", "commit", "offload", "load", "evict")
-"""Object event kinds as numbers 1-5 in ClickHouse's per-object arrays (tiers: 1-4, `TIER_ORDER`)."""
+_KIND_CODES = ("create", "commit", "offload", "load", "evict", "invalidate")
+"""Object event kinds as numbers 1-6 in ClickHouse's per-object arrays (tiers: 1-4, `TIER_ORDER`)."""
+
+_WRITTEN_TIER = "CASE WHEN kind IN ('offload', 'load') THEN dst_tier WHEN kind = 'invalidate' THEN '' ELSE tier END"
+"""The tier an object event leaves a copy on (or removes it from: evict); none for an invalidation,
+which applies to every tier's copy written before it."""
 
 _IDH = "cityHash64(tenant, " + ", ".join((*_IDENTITY_STR, "epoch")) + ")"
 """A commit's tenant and identity as one number: the state carries it instead of eight strings
@@ -327,7 +334,8 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
     # Where the object's current life began, as seen by each event: the last event before it
     # that left the object with no copy (0: none), carried forward, shifted by one.
     life = ("arrayPushFront(arrayPopBack(arrayFill(x -> x > 0,"
-            f" arrayMap((e, c) -> if(c = 0, e.{n['ord']}, 0), evs, {copies}))), 0)")
+            f" arrayMap((e, c) -> if(c = 0 AND e.{n['kind']} != {_KIND_CODES.index('invalidate') + 1},"
+            f" e.{n['ord']}, 0), evs, {copies}))), 0)")
     # Per category, a mask of its events; each state column is that category's value where the
     # mask is set, carried forward over the rest by arrayFill. No array is indexed by another:
     # a lambda that captures one, or an ARRAY JOIN that keeps one, copies it for every element.
@@ -348,7 +356,7 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
         f"     toUInt8(indexOf([{', '.join(repr(k) for k in _KIND_CODES)}], kind)) AS kc,"
         f"     if(kind = 'commit', {_IDH}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
         f"     toUInt8(indexOf([{', '.join(repr(t.value) for t in TIER_ORDER)}],"
-        "      CASE WHEN kind IN ('offload', 'load') THEN dst_tier ELSE tier END)) AS wt,"
+        f"      {_WRITTEN_TIER})) AS wt,"
         "     toInt64(kind != 'evict') AS present"
         f"    FROM {_object_events(d, t)})"
         "   GROUP BY ig, block_key)))"
@@ -398,7 +406,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
 
     # The object's state just before each point: its last event before it (one as-of join),
     # which carries the last write on each tier, commit and lease, and where the object's
-    # current life began; then the last invalidation of the object itself.
+    # current life began, and the object's own last invalidation.
     numeric = d.clickhouse  # kinds as codes, the commit's tenant and identity as one number (`_IDH`)
     state = [(name, none) for _, _, columns in _state_parts(numeric=numeric) for name, _, none in columns]
     state.append(("life", "0"))
@@ -427,12 +435,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
             f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
         )
-    po = (
-        f"SELECT p.*, {', '.join(picked)}, coalesce(o.o_ord, 0) AS o_ord FROM {found}"
-        " ASOF LEFT JOIN (SELECT ig AS o_ig, block_key AS o_k, ord AS o_ord"
-        f" FROM {d.table(t.ev)} WHERE kind = 'invalidate' AND block_key <> 0) o"
-        " ON o.o_ig = p.ig AND o.o_k = p.key AND p.at_ord > o.o_ord"
-    )
+    po = f"SELECT p.*, {', '.join(picked)} FROM {found}"
     # The commit's facts and the lease, when they belong to the object's current life: after
     # the last event before the point's state that left the object with no copy.
     live = "c_ord > life"
