@@ -167,7 +167,6 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False) -> 
     ids = ", ".join(_IDENTITY_STR)
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
-    # An event naming a run of blocks (more_keys) becomes one row per block, all with its ord.
     cols = f"kind, ts_ns, source_id, seq, instance, tenant, {ids}, epoch, group_id, tier, src_tier, dst_tier, " \
         "nbytes, checksum, lease_expiry_ns, reason"
     number = "CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord"
@@ -186,11 +185,12 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False) -> 
             f" FROM {source} e JOIN (SELECT source_id AS o_src, seq AS o_seq, {number} FROM {source}) o"
             " ON o.o_src = e.source_id AND o.o_seq = e.seq"
         )
-    # Each event also names its object's instance and group as one number (`ig`, see `_IG`).
+    # Each event also names its object's instance and group as one number (`ig`, see `_ig`). A
+    # run of blocks stays one row here (see `_per_block`).
     picked = ", ".join("CAST(n.group_id AS BIGINT) AS group_id" if c == "group_id" else f"n.{c} AS {c}"
                        for c in (c.strip() for c in cols.split(",")))
     ev = (f"SELECT n.ord AS ord, {picked}, {_ig(d, t, 'n.instance', 'n.group_id')} AS ig,"
-          f" {d.explode_list('n.block_key', 'n.more_keys')} AS block_key FROM ({numbered}) n")
+          f" n.block_key AS block_key, n.more_keys AS more_keys FROM ({numbered}) n")
     # Copies held after each write: per tier, the last write there (encoded as ord * 2 + present
     # so one running max finds it), summed over tiers; all in one window, one sort. The life is
     # the last event before this one that left the object with no copy.
@@ -245,14 +245,30 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False) -> 
 _Parts = list[tuple[str, str, list[tuple[str, str, str]]]]
 
 
+def _per_block(d: Dialect, t: _Plan, columns: str, where: str) -> str:
+    """The events `where` selects, one row per block: an event naming a run of blocks
+    (`more_keys`) gives one row for each, all with its `ord`. Only runs are exploded: exploding
+    every event copied every column of 10M rows (0.5 s) to split the few runs."""
+    ev, n = d.table(t.ev), d.list_len("more_keys")
+    return (f"(SELECT {columns}, block_key FROM {ev} WHERE ({where}) AND {n} = 0 UNION ALL"
+            f" SELECT {columns}, {d.explode_list('block_key', 'more_keys')} AS block_key FROM {ev}"
+            f" WHERE ({where}) AND {n} > 0)")
+
+
+_EV_COLUMNS = ("ord, kind, ts_ns, source_id, seq, instance, tenant, " + ", ".join(_IDENTITY_STR)
+               + ", epoch, group_id, tier, src_tier, dst_tier, nbytes, checksum, lease_expiry_ns, reason, ig")
+"""The columns of `ev` besides the blocks (see `_steps_events`)."""
+
+
 def _object_events(d: Dialect, t: _Plan) -> str:
     """The object events the state is computed from: those of objects a point reads, before
     its last point there (`ob`). A block only its own request's lookup named (before it was
-    written), and every event after an object's last point, cannot change a verdict."""
-    return (f"(SELECT e.* FROM {d.table(t.ev)} e JOIN (SELECT ig AS m_ig, block_key AS m_k, upto"
-            f" FROM {d.table(t.ob)}) m ON m.m_ig = e.ig AND m.m_k = e.block_key"
-            " WHERE (e.kind IN ('create', 'commit', 'offload', 'load', 'evict')"
-            " OR (e.kind = 'invalidate' AND e.block_key <> 0)) AND e.ord < m.upto)")
+    written), and every event after an object's last point, cannot change a verdict. An
+    invalidation naming no block is a bulk one (`bk`), as the streaming state reads it."""
+    kinds = ("kind IN ('create', 'commit', 'offload', 'load', 'evict')"
+             " OR (kind = 'invalidate' AND block_key <> 0)")
+    return (f"(SELECT e.* FROM {_per_block(d, t, _EV_COLUMNS, kinds)} e JOIN (SELECT ig AS m_ig, block_key AS m_k,"
+            f" upto FROM {d.table(t.ob)}) m ON m.m_ig = e.ig AND m.m_k = e.block_key WHERE e.ord < m.upto)")
 
 
 def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts:
@@ -494,7 +510,7 @@ def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[
         "SELECT DISTINCT p.lid AS lid, e.instance AS instance FROM ("
         f" SELECT b.*, coalesce(oi.model, b.scope) AS want FROM ({blocks}) b"
         f" LEFT JOIN {d.table(t.fi)} oi ON oi.instance = b.instance AND oi.first_ord < b.at_ord WHERE b.key <> 0) p"
-        f" JOIN (SELECT instance, group_id, block_key, ord FROM {d.table(t.ev)} WHERE kind IN {_WRITE_KINDS}) e"
+        f" JOIN {_per_block(d, t, 'instance, group_id, ord', f'kind IN {_WRITE_KINDS}')} e"
         " ON e.group_id = p.g AND e.block_key = p.key"
         f" JOIN {d.table(t.fi)} ci ON ci.instance = e.instance"
         " WHERE e.ord < p.at_ord AND e.instance <> p.instance AND ci.model = p.want"
