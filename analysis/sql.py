@@ -431,16 +431,21 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     picked = [f"s.{name} AS {name}" if name in commit_ids else
               f"{kinds}[coalesce(s.{name}, 0) + 1] AS {name}" if numeric and name.endswith("_kind") else
               f"coalesce(s.{name}, {none}) AS {name}"
-              for name, none in state if name != "c_id"]
+              for name, none in state]
     columns = ", ".join(name for name, _ in state)
     keys = "s.s_ig = p.ig AND s.s_k = p.key"
-    if d.clickhouse:  # a hash as-of join: the state rides along; then the commit's strings
-        named = ", ".join(f"{f} AS c_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    point = "p.*"
+    if d.clickhouse:
+        # A hash as-of join: the state rides along; then the commit's tenant and adapter (the
+        # bulk invalidations' scope). Its identity stays a hash, judged per point in `im`, and
+        # the lookup's identity is left behind with it.
         found = (f"{d.table(t.pb)} p ASOF LEFT JOIN (SELECT ig AS s_ig, block_key AS s_k,"
                  f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord"
-                 f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, {named} FROM {d.table(t.ids)}) i"
+                 f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, adapter AS c_adapter FROM {d.table(t.ids)}) i"
                  " ON i.i_id = s.c_id")
-        picked += ["coalesce(i.c_tenant0, '') AS c_tenant0", *(f"i.{name} AS {name}" for name in sorted(commit_ids))]
+        picked += ["coalesce(i.c_tenant0, '') AS c_tenant0", "coalesce(i.c_adapter, '') AS c_adapter"]
+        kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, ig, key, i"
+        point = ", ".join(f"p.{c} AS {c}" for c in kept.split(", "))
     else:
         # DuckDB's as-of join sorts everything it carries: carrying the state made it 7x slower
         # than finding the state's row alone and fetching it by its rowid (one row each, even
@@ -451,7 +456,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
             f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
         )
-    po = f"SELECT p.*, {', '.join(picked)} FROM {found}"
+    po = f"SELECT {point}, {', '.join(picked)} FROM {found}"
     # The commit's facts and the lease, when they belong to the object's current life: after
     # the last event before the point's state that left the object with no copy.
     live = "c_ord > life"
@@ -488,7 +493,8 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # The objects the points read come first, each with its last point: the state is computed
     # for them alone.
     ob = f"SELECT ig, key AS block_key, max(at_ord) AS upto FROM {d.table(t.pb)} GROUP BY ig, key"
-    return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), (t.bk, bk), *_steps_status(d, t, policy)]
+    pairs = [(t.im, _identity_pairs(d, t))] if d.clickhouse else []
+    return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), *pairs, (t.bk, bk), *_steps_status(d, t, policy)]
 
 
 _WRITE_KINDS = "('create', 'commit', 'offload', 'load')"
@@ -526,6 +532,41 @@ def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[
     return [(t.pg0, pg), (t.fi, fi), (t.fc, fc), (t.pg, points)]
 
 
+def _identity_checks(have: str, want: str) -> list[tuple[str, str, str]]:
+    """Per identity field, in order: (field, "the commit's value differs from the lookup's",
+    both values as text), the commit's column spelled `have` + field, the lookup's `want` + field."""
+    checks = []
+    for f in IDENTITY_FIELDS:
+        h, w = f"{have}{f}", f"{want}{f}"
+        if f == "epoch":
+            shown = f"CAST({h} AS VARCHAR) || ' != ' || CAST({w} AS VARCHAR)"
+            checks.append((f, f"{h} <> 0 AND {w} <> 0 AND {h} <> {w}", shown))
+        elif f == "adapter":  # empty is the base model, a value like any other
+            checks.append((f, f"{h} <> {w}", f"{h} || ' != ' || {w}"))
+        else:
+            checks.append((f, f"{h} <> '' AND {w} <> '' AND {h} <> {w}", f"{h} || ' != ' || {w}"))
+    return checks
+
+
+def _identity_pairs(d: Dialect, t: _Plan) -> str:
+    """ClickHouse: the first identity field in which each point's live commits differ from the
+    point's lookup, once per distinct (commit identity, point), a few rows, rather than comparing
+    eight strings on every point-block (`pc` carries the commit's identity as its hash)."""
+    checks = _identity_checks("i.c_", "r.r_")
+    named = ", ".join(f"{f} AS c_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    wanted = ", ".join(f"r_{f}" for f in (*_IDENTITY_STR, "epoch"))
+    field = " ".join(f"WHEN {differs} THEN {d.quote(f)}" for f, differs, _ in checks)
+    detail = " ".join(f"WHEN {differs} THEN {d.quote(f + ': ')} || {shown}" for f, differs, shown in checks)
+    return (
+        "SELECT x.c_id AS c_id, x.lid AS lid, x.phase AS phase,"
+        f" CASE {field} ELSE '' END AS id_field, CASE {detail} ELSE '' END AS id_detail"
+        f" FROM (SELECT DISTINCT c_id, lid, phase FROM {d.table(t.pc)} WHERE c_ok = 1) x"
+        f" JOIN (SELECT idh, {named} FROM {d.table(t.ids)}) i ON i.idh = x.c_id"
+        f" JOIN (SELECT DISTINCT lid AS r_lid, phase AS r_phase, {wanted} FROM {d.table(t.pg)}) r"
+        " ON r.r_lid = x.lid AND r.r_phase = x.phase"
+    )
+
+
 def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
     status, inv_pick = [], []
     for tier in TIER_ORDER:
@@ -541,8 +582,14 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
                         f" THEN {inv} ELSE 0 END")
     ps = (
         f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
-        f" FROM {d.table(t.pc)} p LEFT JOIN {d.table(t.bk)} bk"
-        " ON bk.instance = p.instance AND bk.at_ord = p.at_ord AND bk.c_tenant = p.c_tenant AND bk.c_adp = p.c_adp"
+        + (", im.id_field AS id_field, im.id_detail AS id_detail" if d.clickhouse else "")
+        # (the joined tables' columns renamed: ClickHouse qualifies a `p.*` column named like one)
+        + f" FROM {d.table(t.pc)} p LEFT JOIN (SELECT instance AS k_i, at_ord AS k_at, c_tenant AS k_t, c_adp AS k_a,"
+        f" {', '.join(f'bulk_{tier.value[:3]}' for tier in TIER_ORDER)} FROM {d.table(t.bk)}) bk"
+        " ON bk.k_i = p.instance AND bk.k_at = p.at_ord AND bk.k_t = p.c_tenant AND bk.k_a = p.c_adp"
+        + (" LEFT JOIN (SELECT c_id AS m_id, lid AS m_lid, phase AS m_phase, id_field, id_detail"
+           f" FROM {d.table(t.im)}) im ON im.m_id = p.c_id AND im.m_lid = p.lid AND im.m_phase = p.phase"
+           if d.clickhouse else "")
     )
     shared = (
         f"p.c_tenant NOT IN ({', '.join(d.quote(s) for s in sorted(policy.shared_tenants))})"
@@ -565,24 +612,15 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         "WHEN p.c_ok = 0 THEN 'no commit seen'",
         f"WHEN p.c_tenant <> p.tenant AND {shared} THEN 'tenant: ' || p.c_tenant || ' != ' || p.tenant",
     ]
-    for f in IDENTITY_FIELDS:
-        have, want = f"p.c_{f}", f"p.r_{f}"
-        if f == "epoch":
-            differs = f"{have} <> 0 AND {want} <> 0 AND {have} <> {want}"
-            reason = (
-                f"CASE WHEN comp = '{ComponentKind.INDEXER.value}' THEN '{GapReason.INDEXER_OUT_OF_SYNC.value}'"
-                f" ELSE '{GapReason.IDENTITY_MISMATCH.value}' END"
-            )
-            shown = f"CAST({have} AS VARCHAR) || ' != ' || CAST({want} AS VARCHAR)"
-        elif f == "adapter":  # empty is the base model, a value like any other
-            differs = f"{have} <> {want}"
-            reason = f"'{GapReason.IDENTITY_MISMATCH.value}'"
-            shown = f"{have} || ' != ' || {want}"
-        else:
-            differs = f"{have} <> '' AND {want} <> '' AND {have} <> {want}"
-            reason = f"'{GapReason.IDENTITY_MISMATCH.value}'"
-            shown = f"{have} || ' != ' || {want}"
-        code.append(f"WHEN {differs} THEN {reason}")
+    epoch_reason = (f"CASE WHEN comp = '{ComponentKind.INDEXER.value}' THEN '{GapReason.INDEXER_OUT_OF_SYNC.value}'"
+                    f" ELSE '{GapReason.IDENTITY_MISMATCH.value}' END")
+    if d.clickhouse:  # judged once per (commit identity, point) in `im`
+        field = "coalesce(p.id_field, '')"
+        code += [f"WHEN {field} = 'epoch' THEN {epoch_reason}",
+                 f"WHEN {field} <> '' THEN '{GapReason.IDENTITY_MISMATCH.value}'"]
+        detail.append(f"WHEN {field} <> '' THEN p.id_detail")
+    for f, differs, shown in ([] if d.clickhouse else _identity_checks("p.c_", "p.r_")):
+        code.append(f"WHEN {differs} THEN {epoch_reason if f == 'epoch' else repr(GapReason.IDENTITY_MISMATCH.value)}")
         detail.append(f"WHEN {differs} THEN '{f}: ' || {shown}")
     code.append(f"WHEN p.lease <> 0 AND p.lease <= p.at_ts THEN '{GapReason.LEASE_EXPIRED.value}'")
     detail.append("WHEN 1 = 1 THEN ''")
