@@ -274,12 +274,12 @@ def _object_events(d: Dialect, t: _Plan) -> str:
 def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts:
     """What the state after each object event carries, as (category, condition, columns): the
     last write on each tier, the last commit, the last lease and the object's own last
-    invalidation, each column as (name, source
-    column, value when there is none). One as-of join to these rows then replaces one per
-    category (seven, each hashing the whole write table) at every evaluation point. `c` spells
-    a column in the conditions. `numeric` is ClickHouse's form: kinds and tiers as codes
-    (`_KIND_CODES`, `TIER_ORDER`) and the commit's tenant and identity as one number (`idh`, see
-    `_IDH`), read back at the points from the few distinct ones.
+    invalidation, each column as (name, source column, value when there is none). One as-of
+    join to these rows then replaces one per category (each hashing the whole write table) at
+    every evaluation point. `c` spells a column in the conditions. `numeric` is ClickHouse's
+    form: kinds and tiers as codes (`_KIND_CODES`, `TIER_ORDER`) and the commit's tenant and
+    identity as one number (`idh`, see `_IDH`), read back at the points from the few distinct
+    ones.
 
     Each category keeps its event's `ord`: with the object's `life` (where its current life
     began, see `_steps_events`), that says whether the commit and the lease belong to it."""
