@@ -143,6 +143,13 @@ _MISSING_CASE = "CASE comp " + " ".join(
 _BEYOND = "block beyond the request's key chain"
 
 
+_EVENT_COLUMNS = ("kind, ts_ns, source_id, seq, instance, tenant, " + ", ".join(_IDENTITY_STR)
+                  + ", epoch, group_id, tier, src_tier, dst_tier, nbytes, checksum, lease_expiry_ns, reason")
+"""The stored events' columns that `ev` carries: what the object state, the requests' pairing,
+the invalidations and the fleet view read (the request-side lists are fetched for lookups and
+adopts alone)."""
+
+
 def _start(d: Dialect, p: str) -> str:
     """First needed block index at boundary p (> 0) for the row's group: `GroupSpec.needed`."""
     return (
@@ -167,8 +174,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False) -> 
     ids = ", ".join(_IDENTITY_STR)
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
-    cols = f"kind, ts_ns, source_id, seq, instance, tenant, {ids}, epoch, group_id, tier, src_tier, dst_tier, " \
-        "nbytes, checksum, lease_expiry_ns, reason"
+    cols = _EVENT_COLUMNS
     number = "CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord"
     if d.clickhouse and in_order:
         # One instance's rows are read in stream order (the table's sort key starts with the
@@ -255,8 +261,7 @@ def _per_block(d: Dialect, t: _Plan, columns: str, where: str) -> str:
             f" WHERE ({where}) AND {n} > 0)")
 
 
-_EV_COLUMNS = ("ord, kind, ts_ns, source_id, seq, instance, tenant, " + ", ".join(_IDENTITY_STR)
-               + ", epoch, group_id, tier, src_tier, dst_tier, nbytes, checksum, lease_expiry_ns, reason, ig")
+_EV_COLUMNS = f"ord, {_EVENT_COLUMNS}, ig"
 """The columns of `ev` besides the blocks (see `_steps_events`)."""
 
 
