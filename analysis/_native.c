@@ -1233,10 +1233,13 @@ static PyObject *State_count(State *s, PyObject *unused) { return PyLong_FromSiz
 /* export() -> ([(table, key, ((tier, committed, nbytes, checksum, ord), ...), has_commit, identity,
  *               tenant, adapter, commit_checksum, commit_nbytes, lease, inv_ord, inv_reason)],
  *              [(instance, tier, tenant, adapter, ord, reason)]) */
-static PyObject *State_export(State *s, PyObject *unused) {
+/* export(with_objects=True): the objects as tuples (unless told not) and the bulk scopes. */
+static PyObject *State_export(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    int with_objects = nargs < 1 ? 1 : PyObject_IsTrue(args[0]);
+    if (with_objects < 0) return NULL;
     PyObject *objs = PyList_New(0), *scopes = PyList_New(0);
     if (!objs || !scopes) goto fail;
-    for (size_t j = 0; j < s->tcap; j++) {
+    for (size_t j = 0; with_objects && j < s->tcap; j++) {
         if (s->tab[j].idx == EMPTY) continue;
         const Obj *o = &s->objs[s->tab[j].idx];
         int n = 0;
@@ -1277,6 +1280,102 @@ fail:
     Py_XDECREF(objs);
     Py_XDECREF(scopes);
     return NULL;
+}
+
+/* The snapshot's form of the objects (analysis.packed.RECORD): one fixed record per object,
+ * little-endian, no padding, ids of the wrapper's interning lists. Why: building a Python
+ * object per live object and a msgpack map per copy cost ~1 s a side for 300k objects; this is
+ * a copy. The hosts this builds on are little-endian (the module refuses to load elsewhere). */
+#define REC_SIZE (56 + NTIERS * 25)
+
+static inline void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline void put32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static PyObject *State_pack(State *s, PyObject *unused) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(s->tcount * REC_SIZE));
+    if (!out) return NULL;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    memset(p, 0, s->tcount * REC_SIZE);
+    for (size_t j = 0; j < s->tcap; j++) {
+        if (s->tab[j].idx == EMPTY) continue;
+        const Obj *o = &s->objs[s->tab[j].idx];
+        put64(p, o->key);
+        put32(p + 8, o->table);
+        put32(p + 12, o->identity);
+        put32(p + 16, o->tenant);
+        p[20] = o->mask;
+        p[21] = o->has_commit;
+        p[22] = o->inv_reason;
+        put64(p + 24, o->commit_checksum);
+        put64(p + 32, o->commit_nbytes);
+        put64(p + 40, (uint64_t)o->lease);
+        put64(p + 48, (uint64_t)o->inv_ord);
+        for (int t = 0; t < NTIERS; t++) {
+            if (!(o->mask & (1u << t))) continue;
+            const Copy *c = &o->copies[t];
+            put64(p + 56 + 8 * t, c->nbytes);
+            put64(p + 56 + 8 * NTIERS + 8 * t, c->checksum);
+            put64(p + 56 + 16 * NTIERS + 8 * t, (uint64_t)(int64_t)c->ord);
+            p[56 + 24 * NTIERS + t] = (unsigned char)c->committed;
+        }
+        p += REC_SIZE;
+    }
+    return out;
+}
+
+/* unpack(records, ntables, nstrings): the objects of `pack`, their ids already this state's. */
+static PyObject *State_unpack(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(3, "unpack");
+    if (s->kinds == NULL) return PyErr_Format(PyExc_RuntimeError, "unpack before bind");
+    uint32_t ntables = (uint32_t)PyLong_AsUnsignedLong(args[1]), nstrings = (uint32_t)PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (view.len % REC_SIZE) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "packed objects: %zd bytes is not a whole number of records", view.len);
+    }
+    const unsigned char *p = (const unsigned char *)view.buf, *end = p + view.len;
+    for (; p < end; p += REC_SIZE) {
+        uint64_t key = get64(p);
+        uint32_t table = get32(p + 8), identity = get32(p + 12), tenant = get32(p + 16);
+        uint8_t mask = p[20], has_commit = p[21], reason = p[22];
+        if (table >= ntables || tenant >= nstrings || (has_commit && identity >= s->nident) || has_commit > 1 ||
+            mask >= (1u << NTIERS) || reason >= (uint8_t)PyDict_Size(s->reasons)) {
+            PyBuffer_Release(&view);
+            return PyErr_Format(PyExc_ValueError, "packed objects: a record names an id or code out of range");
+        }
+        if (find(s, table, key) != NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_Format(PyExc_ValueError, "packed objects: an object loaded twice");
+        }
+        Obj *o = born(s, table, key);
+        if (o == NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        o->mask = mask;
+        o->has_commit = has_commit;
+        o->inv_reason = reason;
+        if (has_commit) {
+            o->identity = identity;
+            o->tenant = tenant;
+            o->adapter = s->idents[identity].f[2];
+        }
+        o->commit_checksum = get64(p + 24);
+        o->commit_nbytes = get64(p + 32);
+        o->lease = (int64_t)get64(p + 40);
+        o->inv_ord = (int64_t)get64(p + 48);
+        for (int t = 0; t < NTIERS; t++) {
+            if (!(mask & (1u << t))) continue;
+            o->copies[t] = (Copy){get64(p + 56 + 8 * t), get64(p + 56 + 8 * NTIERS + 8 * t),
+                                  (int64_t)get64(p + 56 + 16 * NTIERS + 8 * t), (uint64_t)(p[56 + 24 * NTIERS + t] != 0)};
+        }
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
 }
 
 static void State_dealloc(State *s) {
@@ -1336,7 +1435,9 @@ static PyMethodDef State_methods[] = {
     {"count", (PyCFunction)State_count, METH_NOARGS, NULL},
     {"track", (PyCFunction)State_track, METH_NOARGS, NULL},
     {"load_objects", (PyCFunction)(void (*)(void))State_load_objects, METH_FASTCALL, NULL},
-    {"export", (PyCFunction)State_export, METH_NOARGS, NULL},
+    {"export", (PyCFunction)(void (*)(void))State_export, METH_FASTCALL, NULL},
+    {"pack", (PyCFunction)State_pack, METH_NOARGS, NULL},
+    {"unpack", (PyCFunction)(void (*)(void))State_unpack, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1354,6 +1455,9 @@ static PyTypeObject StateType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
+    const uint16_t endian = 1;
+    if (*(const uint8_t *)&endian != 1) /* `pack` writes the host's order, read as little-endian */
+        return PyErr_Format(PyExc_ImportError, "kvtrace's compiled state needs a little-endian host");
     if (PyType_Ready(&StateType) < 0) return NULL;
     static const char *identity[7] = {"model", "model_revision", "adapter", "transform", "kv_dtype", "layout", "epoch"};
     if (!(A_kind = PyUnicode_InternFromString("kind")) || !(A_instance = PyUnicode_InternFromString("instance")) ||

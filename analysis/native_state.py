@@ -20,8 +20,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from kvtrace.analysis.evaluate import Evaluation, Policy, evaluate, hit_cap
+from kvtrace.analysis.packed import REASONS as _REASONS
+from kvtrace.analysis.packed import TIERS as _TIERS
+from kvtrace.analysis.packed import PackedObjects, records
 from kvtrace.analysis.state import (
     IDENTITY_FIELDS,
     CacheState,
@@ -33,7 +37,7 @@ from kvtrace.analysis.state import (
     identity_of,
 )
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import OBJECT_KINDS, ComponentKind, EventKind, Reason, Tier
+from kvtrace.schema.kinds import OBJECT_KINDS, ComponentKind, EventKind, Reason
 from kvtrace.schema.recipes import Recipe
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason
 
@@ -51,10 +55,8 @@ _GAPS = (
     GapReason.SPECULATIVE_ROLLBACK,
 )
 _GAP_CODE = {g: i for i, g in enumerate(_GAPS)}
-_TIERS = (Tier.NONE, Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE)
 _TIER_CODE = {t: i for i, t in enumerate(_TIERS)}
 _TIER_BY_KEY = {t.value: i for i, t in enumerate(_TIERS)}  # CacheState's copies are keyed by value
-_REASONS = tuple(Reason)  # NONE first: code 0 is "no invalidation"
 _REASON_CODE = {r: i for i, r in enumerate(_REASONS)}
 _COMPONENT = {ComponentKind.SLIDING_WINDOW: 1, ComponentKind.MAMBA: 2, ComponentKind.UNCOMPRESSED_TAIL: 3,
               ComponentKind.INDEXER: 4}  # the others cover [0, p): code 0
@@ -228,15 +230,16 @@ class NativeState:
         return f"logical {a} is not a multiple of {b}"
 
     # -- to and from the plain state (snapshots) -------------------------------------------------
-    def to_cache_state(self) -> CacheState:
-        """The same facts as a `CacheState`, the form snapshots store."""
+    def to_cache_state(self, objects: bool = True) -> CacheState:
+        """The same facts as a `CacheState` (without the objects, when not `objects`: a snapshot
+        stores them packed, see `pack`)."""
         state = CacheState(changes=dict(self.changes), leased=set(self.leased),
                            tenants={k: set(v) for k, v in self.tenants.items()}, fleet=self.fleet,
                            slots=dict(self.slots), names=list(self.names), models=dict(self.models),
                            holders={k: dict(v) for k, v in self.holders.items()})
-        objects, scopes = self._core.export()  # type: ignore[attr-defined]
+        rows, scopes = self._core.export(objects)  # type: ignore[attr-defined]
         strings, identities = self._string_list, self._identity_list
-        for table, key, copies, has_commit, identity, tenant, _, checksum, nbytes, lease, inv_ord, inv in objects:
+        for table, key, copies, has_commit, identity, tenant, _, checksum, nbytes, lease, inv_ord, inv in rows:
             commit = Commit(identities[identity], strings[tenant], checksum, nbytes) if has_commit else None
             copied = {_TIERS[t].value: Copy(bool(c), nb, ck, o) for t, c, nb, ck, o in copies}
             obj = ObjectState(copied, commit, lease, inv_ord, _REASONS[inv])
@@ -245,6 +248,27 @@ class NativeState:
             state.bulk.setdefault(self._instance_list[instance], {})[
                 (_TIERS[tier], strings[tenant], strings[adapter])] = (ord, _REASONS[reason])
         return state
+
+    def pack(self) -> PackedObjects:
+        """The live objects as a snapshot stores them (`analysis.packed`)."""
+        return PackedObjects(list(self._table_list), list(self._string_list), list(self._identity_list),
+                             self._core.pack())  # type: ignore[attr-defined]
+
+    def unpack(self, packed: PackedObjects) -> None:
+        """Add a snapshot's objects, their ids renumbered to this state's."""
+        rows = records(packed).copy()
+        ids = []
+        for instance, group in packed.tables:
+            self._instance(instance)  # interned first, as a write does
+            ids.append(self._table((instance, group)))
+        tables = np.array(ids or [0], dtype=np.uint32)
+        strings = np.array([self._string(s) for s in packed.strings] or [0], dtype=np.uint32)
+        identities = np.array([self._identity(tuple(i)) for i in packed.identities] or [0], dtype=np.uint32)
+        rows["table"] = tables[rows["table"]]
+        rows["tenant"] = strings[rows["tenant"]]
+        committed = rows["has_commit"] == 1
+        rows["identity"] = np.where(committed, identities[np.where(committed, rows["identity"], 0)], 0)
+        self._core.unpack(rows.tobytes(), len(self._table_list), len(self._string_list))  # type: ignore[attr-defined]
 
     @classmethod
     def from_cache_state(cls, state: CacheState, shared_tenants: frozenset[str] = frozenset()) -> NativeState:

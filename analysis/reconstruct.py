@@ -7,6 +7,7 @@ over a live stream.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -86,13 +87,18 @@ class Reconstructor:
         self.unmatched_adopts = 0
         self.pending_overflow = 0
 
-    def capture(self) -> ReconstructorState:
-        """The state after the last event fed (shared, not copied: encode it before feeding on)."""
+    def capture(self, objects: bool = True) -> ReconstructorState:
+        """The state after the last event fed (shared, not copied: encode it before feeding on);
+        without the live objects when not `objects` (a snapshot stores them packed)."""
         instances = self.recipes.instances
+        if isinstance(self.state, NativeState):
+            state = self.state.to_cache_state(objects)
+        else:
+            state = self.state if objects else dataclasses.replace(self.state, tables={})
         return ReconstructorState(
             events_seen=self.events_seen, unmatched_adopts=self.unmatched_adopts,
             pending_overflow=self.pending_overflow,
-            state=self.state.to_cache_state() if isinstance(self.state, NativeState) else self.state,
+            state=state,
             pending=list(self._pending.values()),
             published=[PublishedRecipe(src, engine, model, instances.get((src, engine, model), ""), recipe)
                        for (src, engine, model), recipe in self.recipes.published.items()],

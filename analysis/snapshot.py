@@ -21,14 +21,28 @@ from typing import NamedTuple
 import msgspec
 
 from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.native_state import NativeState
+from kvtrace.analysis.packed import PackedObjects, pack, unpack_into
 from kvtrace.analysis.reconstruct import Reconstructor, ReconstructorState
 from kvtrace.schema.events import Event
 from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.records import StateSnapshot
 
+
+class _Packed(msgspec.Struct, array_like=True, gc=False):
+    """The stored form: the reconstructor's state without its objects, and the objects packed."""
+
+    rest: ReconstructorState
+    objects: PackedObjects
+
+
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(ReconstructorState)
-FORMAT = b"kvts2"  # leads the payload: a later layout changes it, and a reader refuses one it does not know
+_DECODER = msgspec.msgpack.Decoder(_Packed)
+_DECODER_V2 = msgspec.msgpack.Decoder(ReconstructorState)  # snapshots before the objects were packed
+# Leads the payload: a later layout changes it, and a reader refuses one it does not know. kvts3
+# packs the objects (analysis.packed); kvts2, every object a msgpack array, is still read.
+FORMAT = b"kvts3"
+_V2 = b"kvts2"
 
 
 class SnapshotError(ValueError):
@@ -57,11 +71,13 @@ class Position(NamedTuple):
 
 def take(rec: Reconstructor, last: Event | Position, print_: str) -> StateSnapshot:
     """The reconstructor's state after `last`, the last event it was fed, as a row."""
-    captured = rec.capture()
-    payload = FORMAT + zlib.compress(_ENCODER.encode(captured), 3)
+    state = rec.state
+    objects = state.pack() if isinstance(state, NativeState) else pack(state)
+    captured = rec.capture(objects=False)
+    payload = FORMAT + zlib.compress(_ENCODER.encode(_Packed(captured, objects)), 1)
     return StateSnapshot(
         ts_ns=last.ts_ns, source_id=last.source_id, seq=last.seq, events=rec.events_seen, fingerprint=print_,
-        created_ns=time.time_ns(), objects=captured.state.object_count(), pending=len(captured.pending),
+        created_ns=time.time_ns(), objects=state.object_count(), pending=len(captured.pending),
         state=base64.b64encode(payload).decode("ascii"),
     )
 
@@ -72,12 +88,19 @@ def resume(row: StateSnapshot, recipes: RecipeBook | Recipe | None, policy: Poli
         raise SnapshotError(f"snapshot at {row.ts_ns} was built with other recipes or policy ({row.fingerprint})")
     try:
         payload = base64.b64decode(row.state, validate=True)
+        if payload.startswith(_V2):
+            return Reconstructor.resume(_DECODER_V2.decode(zlib.decompress(payload[len(_V2):])), recipes, policy)
         if not payload.startswith(FORMAT):
             raise SnapshotError(f"snapshot at {row.ts_ns}: unknown format {payload[:5]!r} (this kvtrace reads "
-                                f"{FORMAT!r}); it is ignored and the history read instead")
-        captured = _DECODER.decode(zlib.decompress(payload[len(FORMAT):]))
+                                f"{FORMAT!r} and {_V2!r}); it is ignored and the history read instead")
+        stored = _DECODER.decode(zlib.decompress(payload[len(FORMAT):]))
+        rec = Reconstructor.resume(stored.rest, recipes, policy)
+        if isinstance(rec.state, NativeState):
+            rec.state.unpack(stored.objects)
+        else:
+            unpack_into(rec.state, stored.objects)
+        return rec
     except (ValueError, zlib.error, msgspec.DecodeError) as exc:
         if isinstance(exc, SnapshotError):
             raise
         raise SnapshotError(f"snapshot at {row.ts_ns} does not decode: {exc}") from None
-    return Reconstructor.resume(captured, recipes, policy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,15 +78,18 @@ def test_the_compiled_state_round_trips_through_a_snapshot(events: list[Event], 
             (python.state.fleet, python.state.slots, python.state.names, python.state.models, python.state.holders)
         if not cut:
             return
-        # Resumed from the stored snapshot by either state, the rest gives the whole run's rows.
+        # A snapshot taken by either state, resumed by either, the rest gives the whole run's rows
+        # (the objects travel packed: analysis.packed, written and read by both).
         print_ = snapshot.fingerprint(BOOK, policy)
-        row = snapshot.take(compiled, events[cut - 1], print_)
-        for native in (True, False):
-            mp.setenv("KVTRACE_NATIVE", "1" if native else "0")
-            resumed = snapshot.resume(row, BOOK, policy)
-            assert isinstance(resumed.state, NativeState) == native
-            rest = list(resumed.run(events[cut:]))
-            assert sorted(done + rest, key=_key) == sorted(whole, key=_key)
+        for taker in (compiled, python):
+            row = snapshot.take(taker, events[cut - 1], print_)
+            assert row.objects == compiled.state.object_count()
+            for native in (True, False):
+                mp.setenv("KVTRACE_NATIVE", "1" if native else "0")
+                resumed = snapshot.resume(row, BOOK, policy)
+                assert isinstance(resumed.state, NativeState) == native
+                rest = list(resumed.run(events[cut:]))
+                assert sorted(done + rest, key=_key) == sorted(whole, key=_key)
 
 
 def _key(r: LookupResult) -> tuple[int, int, int]:
@@ -145,3 +149,46 @@ def test_keys_in_tuples_or_any_sequence_are_read(native: bool, monkeypatch: pyte
     ]  # type: ignore[arg-type]
     rows = {r.request_id: r for r in _rows(events, Policy(), native, monkeypatch)}
     assert rows["tuple"].logical_hit_tokens == rows["range"].logical_hit_tokens == 4
+
+
+def test_a_snapshot_of_the_earlier_format_still_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots stored before the objects were packed (kvts2: every object a msgpack array)
+    are read as they were, by either state."""
+    import base64
+    import zlib
+
+    events = long_stream()
+    cut = len(events) // 2
+    whole = _rows(events, Policy(), True, monkeypatch)
+    first = Reconstructor(BOOK, Policy())
+    done = [r for e in events[:cut] for r in first.feed(e)]
+    row = snapshot.take(first, events[cut - 1], snapshot.fingerprint(BOOK, Policy()))
+    old = b"kvts2" + zlib.compress(msgspec.msgpack.encode(first.capture()))
+    row = msgspec.structs.replace(row, state=base64.b64encode(old).decode())
+    for native in (True, False):
+        monkeypatch.setenv("KVTRACE_NATIVE", "1" if native else "0")
+        rest = list(snapshot.resume(row, BOOK, Policy()).run(events[cut:]))
+        assert sorted(done + rest, key=_key) == sorted(whole, key=_key)
+
+
+def test_a_snapshot_whose_records_name_what_is_not_there_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged snapshot (a record's table id past the stored list) is refused with a reason,
+    by either state, never loaded half-way: the run then reads the history instead."""
+    import base64
+    import zlib
+
+    events = long_stream()[:2000]
+    rec = Reconstructor(BOOK, Policy())
+    for e in events:
+        rec.feed(e)
+    row = snapshot.take(rec, events[-1], snapshot.fingerprint(BOOK, Policy()))
+    payload = base64.b64decode(row.state)
+    stored = msgspec.msgpack.decode(zlib.decompress(payload[5:]))
+    assert stored[1][0] and stored[1][3]  # tables and records
+    stored[1][0] = []  # the tables the records name, gone
+    bad = payload[:5] + zlib.compress(msgspec.msgpack.encode(stored))
+    row = msgspec.structs.replace(row, state=base64.b64encode(bad).decode())
+    for native in (True, False):
+        monkeypatch.setenv("KVTRACE_NATIVE", "1" if native else "0")
+        with pytest.raises(snapshot.SnapshotError, match="out of range"):
+            snapshot.resume(row, BOOK, Policy())
