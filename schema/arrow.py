@@ -88,6 +88,8 @@ def conform(table: pa.Table, struct: type[msgspec.Struct] = Event) -> pa.Table:
     by an earlier schema version still load.
     """
     schema = arrow_schema(struct)
+    if table.schema.equals(schema):  # already canonical (the live path's tables, every batch): no casts
+        return table if table.schema.metadata == schema.metadata else table.replace_schema_metadata(schema.metadata)
     specs = {s.name: s for s in field_specs(struct)}
     arrays = []
     for f in schema:
