@@ -69,6 +69,9 @@ def add_collector_options(col: argparse.ArgumentParser) -> None:
                                 "attached; this overrides it, as for analyze (repeatable)")
     col.add_argument("--no-live", action="store_true",
                      help="store only: no live verdicts (then `kvtrace analyze --write-verdicts` fills them)")
+    col.add_argument("--live-in-process", action="store_true",
+                     help="judge live verdicts in the collector's own process, not in a process of their own (the "
+                          "default, which keeps judging off the request threads' interpreter)")
     col.add_argument("--fleet", action="store_true",
                      help="live verdicts with the fleet view: every instance judged in one order against the others "
                           "(seen and recoverable anywhere, routing regret); needs the whole fleet on this collector")
@@ -109,6 +112,7 @@ def collector_config(args: argparse.Namespace) -> CollectorConfig:
         tokens=TokenTable.from_env(path=args.tokens_file),
         recipes=None if args.no_live else RecipeBook.parse(args.recipe), policy=Policy(fleet=args.fleet),
         lateness_ns=args.lateness_ms * 10**6, live_max_held=args.live_max_held, public_metrics=args.public_metrics,
+        live_process=not args.live_in_process,
         time_window=TimeWindow(max_age_s=args.max_event_age_days * 86400 or float("inf"),
                                max_ahead_s=args.max_clock_ahead_s),
         kv_event_sources=(KvEventSource(args.zmq, args.zmq_replay, args.zmq_instance, args.zmq_model,

@@ -34,63 +34,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.analysis.evaluate import Policy
-from kvtrace.analysis.oracle import ProbeJudge
-from kvtrace.analysis.reconstruct import Reconstructor
+from kvtrace.collector.judge import Judged, JudgeLost, LocalJudges, ProcessJudges
 from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.collector.reorder import Key, ReorderBuffer, count_before, first_key, last_key
 from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
 from kvtrace.schema.events import Event
-from kvtrace.schema.kinds import EventKind
-from kvtrace.schema.recipes import Recipe, RecipeBook, RecipeMismatch, UnknownModel
-from kvtrace.schema.verdicts import LookupResult, Verification
+from kvtrace.schema.recipes import Recipe, RecipeBook
+from kvtrace.schema.verdicts import Verification
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector.live")
 _MAX_ROWS = 10_000  # verification rows held while their inserts fail (probes are few: rate-limited)
 
 
-def _last_key(table: pa.Table) -> tuple[int, int, int]:
-    i = table.num_rows - 1
-    return (table["ts_ns"][i].as_py(), table["source_id"][i].as_py(), table["seq"][i].as_py())
-
-
-_ORDER = [("ts_ns", "ascending"), ("source_id", "ascending"), ("seq", "ascending")]
-
-
-def _first_key(table: pa.Table) -> tuple[int, int, int]:
-    """The smallest (ts_ns, source_id, seq) of a table's rows."""
-    row = table.take(pc.sort_indices(table, sort_keys=_ORDER)[:1])
-    return (row["ts_ns"][0].as_py(), row["source_id"][0].as_py(), row["seq"][0].as_py())
-
-
-def _count_before(table: pa.Table, key: tuple[int, int, int]) -> int:
-    """Rows of a sorted table whose (ts_ns, source_id, seq) is below `key`: a prefix."""
-    ts = table["ts_ns"].to_numpy()
-    at = int(np.searchsorted(ts, key[0], side="left"))
-    end = int(np.searchsorted(ts, key[0], side="right"))
-    if end > at:  # ties on ts: compare the rest of the key
-        src, seq = table["source_id"].to_numpy()[at:end], table["seq"].to_numpy()[at:end]
-        at += int(np.count_nonzero((src < key[1]) | ((src == key[1]) & (seq < key[2]))))
-    return at
-
-
 @dataclass(slots=True)
 class _Instance:
-    reconstructor: Reconstructor
-    held: pa.Table | None = None  # sorted: rows released by none yet
-    incoming: list[pa.Table] = field(default_factory=list)  # arrived since the last release, unsorted
-    count: int = 0  # rows in held and incoming
+    buffer: ReorderBuffer = field(default_factory=ReorderBuffer)  # rows not yet released
     newest: dict[str, int] = field(default_factory=dict)  # instance -> its newest event's ts_ns
-    released: tuple[int, int, int] = (0, 0, 0)
+    released: tuple[int, int, int] = (0, 0, 0)  # the last row fed from the buffer
+    # The last row read back from the store when the state was (re)built: rows up to it that the
+    # buffer still held (stored before the read) were judged then, and are not fed again.
+    rebuilt_to: tuple[int, int, int] = (0, 0, 0)
+    first: tuple[int, int, int] | None = None  # its first row's key, until its judge slot is opened
     last_seen_s: float = 0.0
-    probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
 
 
@@ -98,9 +73,13 @@ class LiveReconstruction:
     def __init__(self, store: Store, recipes: RecipeBook | Recipe | None, metrics: CollectorMetrics,
                  policy: Policy = Policy(), lateness_ns: int = 2_000_000_000,
                  rebuild_window_ns: int = 3600 * 10**9, rebuild: bool = True, idle_s: float = 3600.0,
-                 max_held: int = 200_000) -> None:
+                 max_held: int = 200_000, own_process: bool = False) -> None:
         self.store = store
         self.recipes = RecipeBook.of(recipes)
+        # The reconstructors: in a process of their own (the collector's default, see
+        # collector.judge), or in this one.
+        self.judges: LocalJudges | ProcessJudges = (ProcessJudges if own_process else LocalJudges)(
+            self.recipes, policy)
         self.metrics = metrics
         self.policy = policy
         self.lateness_ns = lateness_ns
@@ -118,8 +97,8 @@ class LiveReconstruction:
         self.verifications_written = 0
         self.verifications_dropped = 0
         self._rows: list[Verification] = []
-        # Models whose given recipe their events contradicted: no verdicts for them (they would
-        # be made up), and the reason logged once.
+        # Models whose given recipe their events contradicted (the judges refuse them): no
+        # verdicts for them, and the reason logged once.
         self.refused: dict[tuple[str, str], str] = {}
 
     def instances(self) -> list[str]:
@@ -134,9 +113,9 @@ class LiveReconstruction:
         table = to_arrow(events) if isinstance(events, list) else conform(events)
         with self._lock:
             now = time.monotonic()
-            results: list[LookupResult] = []
+            verdicts: list[pa.Table] = []
             parts: dict[str, pa.Table] = {}
-            if table.num_rows:
+            if table.num_rows:  # every part held first: a judge lost below loses none of them
                 names = table["instance"].unique().to_pylist()
                 for name in names:
                     self._seen[name] = now
@@ -149,24 +128,28 @@ class LiveReconstruction:
                 for slot, part in parts.items():
                     inst = self._instances.get(slot)
                     if inst is None:
-                        inst = self._instances[slot] = self._start(slot, _first_key(part), results)
-                    inst.incoming.append(part)
-                    inst.count += part.num_rows
-                    newest = part.group_by("instance").aggregate([("ts_ns", "max")]) if self.policy.fleet else \
-                        pa.table({"instance": [slot], "ts_ns_max": [pc.max(part["ts_ns"]).as_py()]})
+                        inst = self._instances[slot] = _Instance(first=first_key(part))
+                    inst.buffer.add(part)
+                    newest = part.group_by("instance").aggregate([("ts_ns", "max")]) if self.policy.fleet \
+                        else pa.table({"instance": [slot], "ts_ns_max": [pc.max(part["ts_ns"]).as_py()]})
                     for name, ts in zip(newest["instance"].to_pylist(), newest["ts_ns_max"].to_pylist(), strict=True):
                         if ts > inst.newest.get(name, 0):
                             inst.newest[name] = ts
                     inst.last_seen_s = now
-            for inst in self._instances.values():
-                self._release(inst, self._watermark(inst, now), results)
-                self._close_ended(inst, results)
+            try:
+                self._start_new(verdicts)
+                for slot, inst in self._instances.items():
+                    self._release(slot, inst, self._watermark(inst, now), verdicts)
+                    self._close_ended(slot, inst, verdicts)
+            except JudgeLost:
+                self._recover(verdicts)
             if parts:  # quiet from now: the time spent judging this batch is not silence
                 done = time.monotonic()
                 for slot in parts:
-                    self._instances[slot].last_seen_s = done
+                    if slot in self._instances:
+                        self._instances[slot].last_seen_s = done
             self.metrics.live_instances.set(len(self._seen))
-            return self._write(results)
+            return self._write(verdicts)
 
     def _watermark(self, inst: _Instance, now: float) -> int:
         """Events up to here are released: the newest event of the slowest instance still
@@ -183,144 +166,161 @@ class LiveReconstruction:
         verdicts are written once the source's events are all released, not when the instance
         has been idle for `idle_s`. Returns rows written."""
         with self._lock:
-            results: list[LookupResult] = []
-            for name, source in sources:
-                if (inst := self._instances.get(self._slot(name))) is not None:
-                    inst.ended.add((name, source))
-                    self._close_ended(inst, results)
-            return self._write(results)
+            verdicts: list[pa.Table] = []
+            try:
+                self._start_new(verdicts)
+                for name, source in sources:
+                    if (inst := self._instances.get(slot := self._slot(name))) is not None:
+                        inst.ended.add((name, source))
+                        self._close_ended(slot, inst, verdicts)
+            except JudgeLost:
+                self._recover(verdicts)
+            return self._write(verdicts)
 
-    def _close_ended(self, inst: _Instance, results: list[LookupResult]) -> None:
+    def _close_ended(self, slot: str, inst: _Instance, verdicts: list[pa.Table]) -> None:
         held: set[tuple[str, int]] = set()
         if inst.ended:
-            for table in ([inst.held] if inst.held is not None else []) + inst.incoming:
+            for table in inst.buffer.tables():
                 pairs = table.group_by(["instance", "source_id"]).aggregate([])
                 held.update(zip(pairs["instance"].to_pylist(), pairs["source_id"].to_pylist(), strict=True))
         for name, source in [s for s in inst.ended if s not in held]:
+            self._absorb(self.judges.close_source(slot, name, source), verdicts)
             inst.ended.discard((name, source))
-            done = inst.reconstructor.close_source(name, source)
-            results.extend(done)
-            self._rows.extend(inst.probes.verdicts(done))
 
     def tick(self, force: bool = False) -> int:
         """Release what quiet instances still hold (or everything, when `force`); finish and
         forget instances idle for `idle_s` (one that comes back is rebuilt from the store)."""
         with self._lock:
             now = time.monotonic()
-            results: list[LookupResult] = []
-            for slot, inst in list(self._instances.items()):
-                quiet = now - inst.last_seen_s
-                if force or quiet >= self.lateness_ns / 1e9:
-                    self._release(inst, None, results)
-                    self._close_ended(inst, results)
-                if force or quiet >= self.idle_s:
-                    done = inst.reconstructor.finish()
-                    results.extend(done)
-                    self._rows.extend(inst.probes.verdicts(done))
-                    if not force:
-                        del self._instances[slot]
+            verdicts: list[pa.Table] = []
+            try:
+                self._start_new(verdicts)
+                for slot, inst in list(self._instances.items()):
+                    quiet = now - inst.last_seen_s
+                    if force or quiet >= self.lateness_ns / 1e9:
+                        self._release(slot, inst, None, verdicts)
+                        self._close_ended(slot, inst, verdicts)
+                    if force or quiet >= self.idle_s:
+                        self._absorb(self.judges.finish(slot), verdicts)
+                        if not force:
+                            del self._instances[slot]
+                            self.judges.forget(slot)
+            except JudgeLost:
+                self._recover(verdicts)
             for name, seen in list(self._seen.items()):
                 if not force and now - seen >= self.idle_s and self._slot(name) not in self._instances:
                     del self._seen[name]
             self.metrics.live_instances.set(len(self._seen))
-            return self._write(results)
+            return self._write(verdicts)
 
-    def _start(self, slot: str, first: tuple[int, int, int], results: list[LookupResult]) -> _Instance:
-        """A reconstructor for an instance (the fleet's, for slot ""), rebuilt from its stored
-        events before `first` (its first event's key)."""
-        inst = _Instance(Reconstructor(self.recipes, self.policy))
-        if not self.rebuild:
-            return inst
-        since = first[0] - self.rebuild_window_ns
+    def close(self) -> None:
+        """End the judge process, if it has one (after the last tick)."""
+        if isinstance(self.judges, ProcessJudges):
+            self.judges.close()
+
+    def _start_new(self, verdicts: list[pa.Table]) -> None:
+        """Open the judge slots of instances held but not yet started."""
+        for slot, inst in self._instances.items():
+            if inst.first is not None:
+                self._start(slot, inst, verdicts)
+
+    def _start(self, slot: str, inst: _Instance, verdicts: list[pa.Table]) -> None:
+        """A reconstructor for a new instance (the fleet's, for slot ""), rebuilt from its stored
+        events before its first event's key."""
+        assert inst.first is not None
+        self.judges.open(slot)
+        if self.rebuild:
+            inst.rebuilt_to = self._replay(slot, inst.first, False, verdicts) or inst.rebuilt_to
+        inst.first = None
+
+    def _replay(self, slot: str, bound: Key, inclusive: bool, verdicts: list[pa.Table]) -> Key | None:
+        """Feed the slot's stored events up to `bound` (within the rebuild window; and the
+        engines' attach events, however old); the last key fed."""
+        since = bound[0] - self.rebuild_window_ns
         mine = "instance = {i:String} AND " if slot else ""
         # The engine's own recipe is in its attach event, however long ago it attached.
         attached = mine + "kind = 'attach' AND ts_ns < {since:Int64}"
         scope = {"i": slot} if slot else {}
         for table in self.store.iter_event_batches(attached, {**scope, "since": since}):
-            self._feed(inst, table, results)
-        where = (mine + "ts_ns >= {since:Int64} AND "
-                 "(ts_ns, source_id, seq) < ({t:Int64}, {s:UInt64}, {q:UInt64})")
-        params = {**scope, "since": since, "t": first[0], "s": first[1], "q": first[2]}
+            self._absorb(self.judges.feed(slot, table), verdicts)
+        where = (mine + "ts_ns >= {since:Int64} AND (ts_ns, source_id, seq) " + ("<=" if inclusive else "<") +
+                 " ({t:Int64}, {s:UInt64}, {q:UInt64})")
+        params = {**scope, "since": since, "t": bound[0], "s": bound[1], "q": bound[2]}
+        last: Key | None = None
+        read = 0
         for table in self.store.iter_event_batches(where, params):
-            self._feed(inst, table, results)
-            self.rebuilt_events += table.num_rows
-        if self.rebuilt_events:
-            log.info("%s: rebuilt live state from %d stored events", f"instance {slot}" if slot else "the fleet",
-                     self.rebuilt_events)
-        return inst
+            self._absorb(self.judges.feed(slot, table), verdicts)
+            read += table.num_rows
+            last = last_key(table)
+        self.rebuilt_events += read
+        if read:
+            log.info("%s: rebuilt live state from %d stored events", f"instance {slot}" if slot else "the fleet", read)
+        return last
 
-    def _release(self, inst: _Instance, watermark: int | None, results: list[LookupResult]) -> None:
+    def _recover(self, verdicts: list[pa.Table], attempts: int = 3) -> None:
+        """The judge process died (a fresh one runs): every instance's state is read back from
+        the store up to the last row it had judged; what each still holds is fed later as
+        usual. Gives up after `attempts` deaths in a row (the instances are then forgotten, and
+        rebuilt when their next events come)."""
+        for attempt in range(attempts):
+            try:
+                for slot, inst in self._instances.items():
+                    if inst.first is not None:  # never started: as any new instance
+                        self._start(slot, inst, verdicts)
+                        continue
+                    self.judges.open(slot)
+                    if self.rebuild:
+                        bound = max(inst.released, inst.rebuilt_to)
+                        if bound != (0, 0, 0):
+                            inst.rebuilt_to = self._replay(slot, bound, True, verdicts) or inst.rebuilt_to
+                return
+            except JudgeLost:
+                log.error("the live judge process died again while rebuilding (%d of %d)", attempt + 1, attempts)
+        self._instances.clear()
+
+    def _release(self, slot: str, inst: _Instance, watermark: int | None, verdicts: list[pa.Table]) -> None:
         """Feed the held rows up to the watermark (all, when None) in stream order, and the
         oldest beyond `max_held` early."""
-        if not inst.incoming:
-            if inst.held is None or watermark is not None and inst.count <= self.max_held and \
-                    inst.held["ts_ns"][0].as_py() > watermark:
-                return
-            table = inst.held
-        else:
-            fresh = pa.concat_tables(inst.incoming).sort_by(_ORDER) if len(inst.incoming) > 1 or \
-                inst.incoming[0].num_rows > 1 else inst.incoming[0]
-            if inst.held is None:
-                table = fresh
-            elif _count_before(fresh, _last_key(inst.held)) == 0:  # in order after what is held: no re-sort
-                table = pa.concat_tables([inst.held, fresh])
-            else:
-                table = pa.concat_tables([inst.held, fresh]).sort_by(_ORDER)  # stable: arrival order on ties
-            inst.incoming = []
-        table = table.combine_chunks()
-        n = table.num_rows
-        cut = n if watermark is None else int(np.searchsorted(table["ts_ns"].to_numpy(), watermark, side="right"))
-        if watermark is not None and n - cut > self.max_held:
-            early = n - cut - self.max_held
+        out, early = inst.buffer.release(watermark, self.max_held)
+        if early:
             self.released_early += early
             self.metrics.live_released_early.inc(early)
-            cut += early
-        out = table.slice(0, cut)
-        inst.held = table.slice(cut) if cut < n else None
-        inst.count = n - cut
-        if not cut:
+        if out is None:
             return
-        late = _count_before(out, inst.released)
+        if inst.rebuilt_to != (0, 0, 0):  # judged already, when read back from the store
+            again = count_before(out, (inst.rebuilt_to[0], inst.rebuilt_to[1], inst.rebuilt_to[2] + 1))
+            if again:
+                self.metrics.live_skipped.labels("rebuilt").inc(again)
+                if again == out.num_rows:
+                    return
+                out = out.slice(again)
+        cut = out.num_rows
+        late = count_before(out, inst.released)
         if late:
             self.late_events += late
             self.metrics.live_skipped.labels("late").inc(late)
         if late < cut:
-            inst.released = _last_key(out)
-        self._feed(inst, out, results)
+            inst.released = last_key(out)
+        self._absorb(self.judges.feed(slot, out), verdicts)
 
-    def _feed(self, inst: _Instance, table: pa.Table, results: list[LookupResult]) -> None:
-        def use(event: Event) -> list[LookupResult]:
-            self._use(inst, event, results)
-            return []
+    def _absorb(self, judged: Judged, verdicts: list[pa.Table]) -> None:
+        """Take what a judge call gave: verdicts to write, verifications, counts, refusals."""
+        if judged.verdicts is not None and judged.verdicts.num_rows:
+            verdicts.append(judged.verdicts)
+        self._rows.extend(judged.verifications)
+        for reason, n in judged.skipped.items():
+            self.metrics.live_skipped.labels(reason).inc(n)
+        for (engine, model), why in judged.refused.items():
+            if (engine, model) not in self.refused:
+                self.refused[(engine, model)] = why
+                log.error("live verdicts for model %r of engine %r are off: %s", model, engine, why)
 
-        inst.reconstructor.feed_table(table, use, bail=lambda: bool(self.refused))
-
-    def _use(self, inst: _Instance, event: Event, results: list[LookupResult]) -> None:
-        if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict
-            self._rows.extend(inst.probes.probes((event,)))
-            return
-        if self.refused and (event.engine, event.model) in self.refused:
-            self.metrics.live_skipped.labels("recipe_mismatch").inc()
-            return
-        try:
-            new = inst.reconstructor.feed(event)
-        except UnknownModel:
-            self.metrics.live_skipped.labels("unknown_model").inc()
-            return
-        except RecipeMismatch as exc:
-            self.refused[(event.engine, event.model)] = str(exc)
-            self.metrics.live_skipped.labels("recipe_mismatch").inc()
-            log.error("live verdicts for model %r of engine %r are off: %s", event.model, event.engine, exc)
-            return
-        if new:
-            results.extend(new)
-            self._rows.extend(inst.probes.verdicts(new))
-
-    def _write(self, results: list[LookupResult]) -> int:
-        if results:
-            self.store.insert_arrow(VERDICTS.name, to_arrow(results, LookupResult))
-            self.verdicts_written += len(results)
-            self.metrics.verdicts.inc(len(results))
+    def _write(self, verdicts: list[pa.Table]) -> int:
+        n = sum(t.num_rows for t in verdicts)
+        if n:
+            self.store.insert_arrow(VERDICTS.name, pa.concat_tables(verdicts))
+            self.verdicts_written += n
+            self.metrics.verdicts.inc(n)
         if len(self._rows) > _MAX_ROWS:  # the store has been failing for long: keep the newest
             self.verifications_dropped += len(self._rows) - _MAX_ROWS
             del self._rows[:-_MAX_ROWS]
@@ -328,6 +328,90 @@ class LiveReconstruction:
             self.store.insert_arrow(VERIFICATIONS.name, to_arrow(self._rows, Verification))
             self.verifications_written += len(self._rows)
             self._rows = []
-        return len(results)
+        return n
 
 
+class LiveWorker:
+    """Live reconstruction on a thread of its own, fed through a bounded queue.
+
+    Why: the drain thread stores a chunk and then judged it, so ingest waited for the verdicts
+    and the verdicts waited for the insert. The store's insert runs in ClickHouse's threads with
+    the GIL released; the reconstruction holds it. On their own threads the next chunk is stored
+    while this one is judged. The queue is bounded in events (`max_queued`): when the verdicts
+    fall behind, the drain waits for them (the spool takes the slack, then the senders are told
+    429), so nothing is judged out of order or dropped and memory stays bounded. Chunks and the
+    ends of emitters are taken in the order they were stored, as the drain gave them before.
+    """
+
+    def __init__(self, live: LiveReconstruction, max_queued: int = 1_000_000) -> None:
+        self.live = live
+        self.max_queued = max(int(max_queued), 1)
+        self.queued = 0  # events waiting
+        self._items: deque[tuple[str, Any]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False  # an item taken and not yet done
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvtrace-live", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stored(self, table: pa.Table) -> None:
+        """A chunk just stored: judged in turn. Waits while the queue is full."""
+        self._put("stored", table, table.num_rows)
+
+    def ended(self, sources: list[tuple[str, int]]) -> None:
+        self._put("ended", sources, 0)
+
+    def _put(self, what: str, item: Any, rows: int) -> None:
+        with self._cond:
+            while self.queued and self.queued + rows > self.max_queued and not self._stop:
+                self._cond.wait(0.5)
+            self._items.append((what, item))
+            self.queued += rows
+            self.live.metrics.live_queued.set(self.queued)
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._items and not self._busy
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Judge what is queued (within the timeout), then end the thread. Returns True when
+        nothing was left."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (self._items or self._busy) and self._thread.is_alive() and time.monotonic() < deadline:
+                self._cond.wait(0.1)
+            self._stop = True
+            left = len(self._items)
+            self._cond.notify_all()
+        self._thread.join(max(0.1, deadline - time.monotonic()))
+        if left:
+            log.warning("stopped with %d stored chunks not yet judged live; a restart rebuilds their state "
+                        "from the store", left)
+        return not left
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._stop:
+                    self._cond.wait(0.5)
+                if self._stop:
+                    return
+                what, item = self._items.popleft()
+                self._busy = True
+            try:
+                if what == "stored":
+                    self.live.feed(item)
+                else:
+                    self.live.ended(item)
+            except Exception:  # noqa: BLE001 - live analysis must never stop ingest
+                log.exception("live reconstruction failed on a chunk; ingest continues")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if what == "stored":
+                        self.queued -= item.num_rows
+                        self.live.metrics.live_queued.set(self.queued)
+                    self._cond.notify_all()

@@ -31,8 +31,13 @@ class CollectorMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.verdicts = Counter(_P + "verdicts_written", "Live per-lookup verdict rows written.", registry=r)
         self.live_instances = Gauge(_P + "live_instances", "Engine instances reconstructed live here.", registry=r)
+        self.live_queued = Gauge(_P + "live_queued_events",
+                                 "Stored events waiting for live reconstruction's thread.", registry=r)
         self.live_released_early = Counter(
             _P + "live_events_released_early",
             "Events released from a full reorder buffer before their lateness window passed.", registry=r)
-        self.live_skipped = Counter(_P + "live_events_skipped",
-                                    "Events live reconstruction could not use, by reason.", ["reason"], registry=r)
+        self.live_skipped = Counter(
+            _P + "live_events_skipped",
+            "Events live reconstruction did not judge from its buffer, by reason: unknown_model, recipe_mismatch; "
+            "rebuilt (judged already, read back from the store when its state was rebuilt); late (older than "
+            "what it had judged: still judged, out of order).", ["reason"], registry=r)

@@ -31,7 +31,7 @@ from kvtrace.collector.intake import (
     intake_events,
     intake_otlp,
 )
-from kvtrace.collector.live import LiveReconstruction
+from kvtrace.collector.live import LiveReconstruction, LiveWorker
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.owners import SourceWriters, writer_of
 from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
@@ -61,6 +61,7 @@ class CollectorConfig:
     policy: Policy = Policy()
     lateness_ns: int = 2_000_000_000
     live_max_held: int = 200_000  # events one instance's reorder buffer holds before releasing early
+    live_process: bool = True  # judge in a process of its own (collector.judge); False: in this one
     rebuild_window_ns: int = 3600 * 10**9
     drain_timeout_s: float = 30.0
     kv_event_sources: tuple[KvEventSource, ...] = ()  # ZMQ KV-event streams to subscribe to
@@ -89,11 +90,12 @@ class Collector:
         self.spool = DurableSpool(spool_dir, max_bytes=config.max_spool_bytes, fsync=config.fsync)
         self.live = (LiveReconstruction(self.store, config.recipes, self.metrics, config.policy,
                                         config.lateness_ns, config.rebuild_window_ns,
-                                        max_held=config.live_max_held)
+                                        max_held=config.live_max_held, own_process=config.live_process)
                      if config.recipes is not None else None)
+        self.live_worker = LiveWorker(self.live) if self.live is not None else None
         self.drain = Drain(self.spool, self.store, self.metrics,
-                           on_stored=self.live.feed if self.live is not None else None,
-                           on_ended=self.live.ended if self.live is not None else None,
+                           on_stored=self.live_worker.stored if self.live_worker is not None else None,
+                           on_ended=self.live_worker.ended if self.live_worker is not None else None,
                            on_drained=self._drained)
         self._pending_by: Counter[str] = Counter()  # spooled, not yet stored bytes per writer (grant name)
         self._pending_lock = threading.Lock()
@@ -117,6 +119,8 @@ class Collector:
         if not self.config.tokens.enabled:
             log.warning("no collector tokens configured: authentication is OFF (every request may write "
                         "and read every tenant); set KVTRACE_COLLECTOR_TOKENS or a token file in production")
+        if self.live_worker is not None:
+            self.live_worker.start()
         self.drain.start()
         if self.config.kv_event_sources:
             self._subscriptions = [Subscription(self, source) for source in self.config.kv_event_sources]
@@ -144,14 +148,19 @@ class Collector:
             sub.stop()
         self._stopping = True
         emptied = self.drain.stop(drain=True, timeout_s=self.config.drain_timeout_s)
+        # What was stored is judged before the last flush (a chunk left unjudged is not flushed
+        # past: a restart rebuilds its state from the store).
+        judged = self.live_worker is None or self.live_worker.stop(self.config.drain_timeout_s)
         self._tick_stop.set()
         if self._ticker is not None:
             self._ticker.join(5)
-        if self.live is not None and emptied:
+        if self.live is not None and emptied and judged:
             try:
                 self.live.tick(force=True)
             except Exception:  # noqa: BLE001
                 log.exception("final live reconstruction flush failed")
+        if self.live is not None:
+            self.live.close()
         self.spool.close()
         self.store.close()
         self._started = False

@@ -152,7 +152,7 @@ def test_live_fleet_verdicts_equal_the_streaming_rows(store: Store, events: list
 
 
 def _live_rows(store: Store, events: list[Event], cuts: list[float], policy: Policy, rebuild: bool = False,
-               first: int = 0) -> pl.DataFrame:
+               first: int = 0, own_process: bool = False) -> pl.DataFrame:
     """The verdicts a live reconstruction writes when fed `events[first:]` in stream order, in
     batches cut at `cuts` (fractions), then stopped."""
     from kvtrace.analysis.sql import conform_results
@@ -161,11 +161,15 @@ def _live_rows(store: Store, events: list[Event], cuts: list[float], policy: Pol
 
     store.command(f"TRUNCATE TABLE {store.db}.verdicts")
     ordered = sorted(events, key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    live = LiveReconstruction(store, BOOK, CollectorMetrics(), policy, lateness_ns=0, rebuild=rebuild)
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), policy, lateness_ns=0, rebuild=rebuild,
+                              own_process=own_process)
     bounds = sorted({first + int(c * (len(ordered) - first)) for c in cuts} | {first, len(ordered)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        live.feed(ordered[a:b])
-    live.tick(force=True)
+    try:
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            live.feed(ordered[a:b])
+        live.tick(force=True)
+    finally:
+        live.close()
     return conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
 
 
@@ -206,7 +210,7 @@ def test_a_full_reorder_buffer_releases_its_oldest_early(store: Store) -> None:
     live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=10**18, rebuild=False, max_held=50)
     for a in range(0, len(events), 64):
         live.feed(events[a : a + 64])
-        assert all(inst.count <= 50 for inst in live._instances.values())
+        assert all(inst.buffer.count <= 50 for inst in live._instances.values())
     assert live.released_early >= len(events) - 2 * 50 and live.late_events == 0
     live.tick(force=True)
     got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)

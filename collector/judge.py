@@ -1,0 +1,233 @@
+"""The judging half of live reconstruction: one reconstructor (and canary probe judge) per slot,
+fed the rows the reorder buffer released, returning verdict rows. In this process
+(`LocalJudges`) or in a process of its own (`ProcessJudges`), the same code and the same rows.
+
+Why a process: the collector is one Python process, and judging a lookup is Python work (the
+event decoded, the evaluation's wrapper, the verdict built). Sampled under load, the judging
+thread held the GIL ~3/4 of the time, so the request threads and the drain waited on it and
+ingest slowed with live verdicts on, however many cores the host had. In a process of its own
+it has its own interpreter: the collector keeps only the reorder buffer, the store's reads and
+the verdicts' inserts. The store stays the collector's (the embedded one can only be opened by
+one process): the judge never touches it.
+
+The calls are synchronous (the live thread waits for each, without the GIL), so verdicts come
+in the order they would in-process. If the judge process dies, the call raises `JudgeLost`
+after starting a fresh one; the collector then forgets its instances, and the next events of
+each rebuild its state from the store, as a collector taking over an instance does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.oracle import ProbeJudge
+from kvtrace.analysis.reconstruct import Reconstructor
+from kvtrace.schema.arrow import to_arrow
+from kvtrace.schema.arrow_wire import write_stream
+from kvtrace.schema.events import Event
+from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.recipes import RecipeBook, RecipeMismatch, UnknownModel
+from kvtrace.schema.verdicts import LookupResult, Verification
+
+log = logging.getLogger("kvtrace.collector.judge")
+
+
+@dataclass(slots=True)
+class Judged:
+    """What one call judged: verdict rows (the verdicts table's schema), verification rows,
+    events passed over by reason, and the models refused by this call (model key -> why)."""
+
+    verdicts: pa.Table | None = None
+    verifications: list[Verification] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
+    refused: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+class JudgeLost(RuntimeError):
+    """The judge process died (and a fresh one was started): every slot's state is gone."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    reconstructor: Reconstructor
+    probes: ProbeJudge = field(default_factory=ProbeJudge)  # canary probes waiting on their re-run's verdict
+
+
+class LocalJudges:
+    """The slots' reconstructors in this process."""
+
+    def __init__(self, recipes: RecipeBook, policy: Policy) -> None:
+        self.recipes = recipes
+        self.policy = policy
+        self.slots: dict[str, _Slot] = {}
+        # Models whose given recipe their events contradicted: no verdicts for them (they would
+        # be made up); once one is, every later row is fed as an event, so each is checked.
+        self.refused: dict[tuple[str, str], str] = {}
+
+    def open(self, slot: str) -> None:
+        self.slots[slot] = _Slot(Reconstructor(self.recipes, self.policy))
+
+    def forget(self, slot: str) -> None:
+        self.slots.pop(slot, None)
+
+    def feed(self, slot: str, table: pa.Table) -> Judged:
+        one, out = self.slots[slot], Judged()
+        results: list[LookupResult] = []
+
+        def use(event: Event) -> list[LookupResult]:
+            self._use(one, event, results, out)
+            return []
+
+        one.reconstructor.feed_table(table, use, bail=lambda: bool(self.refused))
+        return self._done(one, results, out)
+
+    def close_source(self, slot: str, instance: str, source_id: int) -> Judged:
+        one = self.slots[slot]
+        return self._done(one, one.reconstructor.close_source(instance, source_id), Judged())
+
+    def finish(self, slot: str) -> Judged:
+        one = self.slots[slot]
+        return self._done(one, one.reconstructor.finish(), Judged())
+
+    def _done(self, one: _Slot, results: list[LookupResult], out: Judged) -> Judged:
+        if results:
+            out.verdicts = to_arrow(results, LookupResult)
+            out.verifications.extend(one.probes.verdicts(results))
+        return out
+
+    def _use(self, one: _Slot, event: Event, results: list[LookupResult], out: Judged) -> None:
+        if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict
+            out.verifications.extend(one.probes.probes((event,)))
+            return
+        if self.refused and (event.engine, event.model) in self.refused:
+            out.skipped["recipe_mismatch"] += 1
+            return
+        try:
+            new = one.reconstructor.feed(event)
+        except UnknownModel:
+            out.skipped["unknown_model"] += 1
+            return
+        except RecipeMismatch as exc:
+            self.refused[(event.engine, event.model)] = out.refused[(event.engine, event.model)] = str(exc)
+            out.skipped["recipe_mismatch"] += 1
+            return
+        results.extend(new)
+
+
+@dataclass(slots=True)
+class _Error:
+    """A call that raised in the judge process: its traceback, raised again here."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A table crossing the pipe as an Arrow IPC stream: pickling a table slices nothing (a
+    slice of a buffer travels with the whole buffer), the stream writes only the rows."""
+
+    data: bytes
+
+    @classmethod
+    def of(cls, table: pa.Table) -> _Stream:
+        return cls(write_stream(table))
+
+    def table(self) -> pa.Table:
+        return pa.ipc.open_stream(pa.py_buffer(self.data)).read_all()
+
+
+def _serve(conn: Any, recipes: RecipeBook, policy: Policy) -> None:
+    """The judge process: calls in, results out, until the collector closes the pipe."""
+    judges = LocalJudges(recipes, policy)
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):  # the collector is gone (stopped, or killed): so is this
+            return
+        try:
+            reply: Any = getattr(judges, name)(*(a.table() if isinstance(a, _Stream) else a for a in args))
+            if isinstance(reply, Judged) and reply.verdicts is not None:
+                reply.verdicts = _Stream.of(reply.verdicts)  # type: ignore[assignment]
+        except Exception:  # noqa: BLE001 - the caller logs it; the process goes on
+            reply = _Error(traceback.format_exc())
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+
+
+class ProcessJudges:
+    """`LocalJudges` in a process of its own (see the module's docstring)."""
+
+    def __init__(self, recipes: RecipeBook, policy: Policy) -> None:
+        self.recipes = recipes
+        self.policy = policy
+        self.restarts = 0
+        self._ctx = multiprocessing.get_context("spawn")  # never fork: the collector has threads and a store open
+        self._proc: Any = None  # started by the first call
+
+    def _start(self) -> None:
+        self._conn, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_serve, args=(child, self.recipes, self.policy),
+                                       name="kvtrace-live-judge", daemon=True)
+        self._proc.start()
+        child.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._proc is None:
+            self._start()
+        try:
+            self._conn.send((name, args))
+            reply = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._proc.join(1)
+            code = self._proc.exitcode
+            log.error("the live judge process died (exit code %s, %s); starting another: instances rebuild "
+                      "their state from the store", code, type(exc).__name__)
+            self.close()
+            self.restarts += 1
+            self._proc = None  # the next call starts another
+            raise JudgeLost(f"the live judge process died (exit code {code})") from None
+        if isinstance(reply, _Error):
+            raise RuntimeError(f"live judging failed in its process:\n{reply.text}")
+        if isinstance(reply, Judged) and isinstance(reply.verdicts, _Stream):
+            reply.verdicts = reply.verdicts.table()
+        return reply
+
+    def open(self, slot: str) -> None:
+        self._call("open", slot)
+
+    def forget(self, slot: str) -> None:
+        self._call("forget", slot)
+
+    def feed(self, slot: str, table: pa.Table) -> Judged:
+        return self._call("feed", slot, _Stream.of(table))  # type: ignore[no-any-return]
+
+    def close_source(self, slot: str, instance: str, source_id: int) -> Judged:
+        return self._call("close_source", slot, instance, source_id)  # type: ignore[no-any-return]
+
+    def finish(self, slot: str) -> Judged:
+        return self._call("finish", slot)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """End the process (it ends by itself when the pipe closes; killed if it does not)."""
+        if self._proc is None:
+            return
+        self._conn.close()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._proc = None

@@ -1,0 +1,194 @@
+"""Live judging in a process of its own (the collector's default): the same verdicts as the
+streaming path, a judge process killed mid-stream replaced without a verdict lost or changed,
+and no judge process outliving its collector, stopped (SIGTERM) or killed (SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lifecycle import lifecycle_streams
+from polars.testing import assert_frame_equal
+from test_incremental import _live_rows
+from test_paths_agree import BOOK, SORT, streaming
+from test_shards import fleet_events
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.sql import conform_results
+from kvtrace.collector.live import LiveReconstruction
+from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
+from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
+from kvtrace.instrumentation.sinks.http import HttpSink
+from kvtrace.schema import Event
+from kvtrace.schema.recipes import load_recipe
+from kvtrace.store.client import Store
+from tests.collector_proc import CollectorProcess
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), max_size=4), fleet=st.booleans())
+def test_a_judge_process_writes_the_streaming_rows(store: Store, events: list[Event], cuts: list[float],
+                                                   fleet: bool) -> None:
+    policy = Policy(fleet=fleet)
+    got = _live_rows(store, events, cuts, policy, own_process=True)
+    assert_frame_equal(got, streaming(events, policy), check_exact=True)
+
+
+def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(store: Store) -> None:
+    """SIGKILL the judge between batches and while it judges: a fresh one reads each instance's
+    judged events back from the store, and the rows are the full run's."""
+    events = sorted(fleet_events(instances=3, requests=40), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)  # the collector stores every batch before it is judged
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
+    try:
+        batches = [events[a:a + 300] for a in range(0, len(events), 300)]
+        assert len(batches) >= 4
+        for i, batch in enumerate(batches):
+            if i in (1, 3):
+                os.kill(live.judges.pid, signal.SIGKILL)
+                time.sleep(0.2)
+            live.feed(batch)
+        live.tick(force=True)
+        assert live.judges.restarts == 2 and live.rebuilt_events > 0
+    finally:
+        live.close()
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    assert_frame_equal(got, streaming(events), check_exact=True)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _judges(pid: int) -> list[int]:
+    """The collector's judge processes (multiprocessing's resource tracker is the other child)."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def _gone(pids: list[int], timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+                if state != "Z":
+                    alive.append(pid)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _serve(url: str, first: int, n: int, start_ns: int) -> None:
+    recipe = load_recipe("mamba-hybrid")
+    emitter = BatchEmitter(HttpSink(url), BatchConfig(max_export_batch_size=64, schedule_delay_millis=20))
+    sim = CacheSimulator(SimConfig(recipe=recipe, model="m", start_ns=start_ns, instance="engine-a"), emitter)
+    prefix = list(range(1000, 1000 + 96))
+    for i in range(first, first + n):
+        sim.serve(SimRequest(request_id=f"r{i}", tokens=prefix + [i] * (16 + i % 32)))
+    assert emitter.force_flush(30_000)
+    emitter.shutdown()
+
+
+def test_the_collector_replaces_a_killed_judge_and_leaves_none_behind(tmp_path: Path) -> None:
+    """`kvtrace collector` as operators run it: its judge process SIGKILLed mid-load is replaced
+    (every lookup still gets the offline verdict), SIGTERM stops the judge with the collector,
+    and a SIGKILLed collector's judge exits by itself."""
+    proc = CollectorProcess(tmp_path, "--recipe", "mamba-hybrid", "--lateness-ms", "200")
+    proc.start()
+    assert proc.proc is not None
+    t0 = time.time_ns()
+    _serve(proc.url, 0, 20, t0)
+    deadline = time.monotonic() + 60
+    while not (judges := _judges(proc.proc.pid)):
+        assert time.monotonic() < deadline, "no judge process started"
+        time.sleep(0.1)
+    os.kill(judges[0], signal.SIGKILL)
+    _serve(proc.url, 20, 20, t0 + 10**9)  # a later stretch of the same engine's clock
+    proc.wait_drained()
+    time.sleep(1.0)  # past the lateness window and a tick: what was held is judged
+    second = _judges(proc.proc.pid)
+    assert second and second != judges
+    assert proc.stop()
+    assert _gone(second), "the judge outlived its collector (SIGTERM)"
+    log = (tmp_path / "collector.log").read_text()
+    assert "the live judge process died" in log
+    code = ("import json,sys; from kvtrace.store.client import Store; from kvtrace.schema.arrow import from_arrow; "
+            "from kvtrace.analysis.reconstruct import reconstruct; from kvtrace.schema.recipes import load_recipe; "
+            "s = Store(sys.argv[1]); ev = [e for t in s.iter_event_batches() for e in from_arrow(t)]; "
+            "off = sorted((r.request_id, r.logical_hit_tokens, r.recoverable_hit_tokens, r.adopted_tokens, "
+            "r.verdict.value, r.reason.value) for r in reconstruct(ev, load_recipe('mamba-hybrid'))); "
+            "live = sorted(tuple(r.values()) for r in s.query_arrow('SELECT request_id, logical_hit_tokens, "
+            "recoverable_hit_tokens, adopted_tokens, verdict, reason FROM kvtrace.verdicts FINAL').to_pylist()); "
+            "print(json.dumps([off, live]))")
+    out = subprocess.run([sys.executable, "-c", code, proc.dsn], env=proc.env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    offline, live = json.loads(out.stdout)
+    assert len(offline) == 40 and live == offline
+
+    # SIGKILL: nothing stops the judge but the pipe it reads closing with its collector.
+    (tmp_path / "again").mkdir(exist_ok=True)
+    proc2 = CollectorProcess(tmp_path / "again", "--recipe", "mamba-hybrid", "--lateness-ms", "200")
+    proc2.start()
+    assert proc2.proc is not None
+    _serve(proc2.url, 0, 5, time.time_ns())
+    deadline = time.monotonic() + 60
+    while not (judges := _judges(proc2.proc.pid)):
+        assert time.monotonic() < deadline, "no judge process started"
+        time.sleep(0.1)
+    helpers = _children(proc2.proc.pid)
+    proc2.kill()
+    assert _gone(helpers), "a helper process outlived its SIGKILLed collector"
+
+
+def test_a_judge_lost_while_a_new_instance_starts_loses_no_other_instances_rows(store: Store) -> None:
+    """A batch whose first rows are a new instance's: the judge dies as that instance's state is
+    opened, and the rows of the instance already known that came in the same batch are still
+    held, judged, and give the full run's rows."""
+    events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    a, b = sorted({e.instance for e in events})
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+    half = len(events) // 2
+    first = [e for e in events[:half] if e.instance == a]  # only A is known before the loss
+    rest = sorted([e for e in events[:half] if e.instance == b] + events[half:],
+                  key=lambda e: (e.instance != b, e.ts_ns, e.source_id, e.seq))  # B's rows first in the batch
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
+    try:
+        live.feed(first)
+        os.kill(live.judges.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        live.feed(rest)
+        live.tick(force=True)
+        assert live.judges.restarts == 1
+    finally:
+        live.close()
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    assert_frame_equal(got, streaming(events), check_exact=True)
