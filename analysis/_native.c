@@ -115,6 +115,15 @@ typedef struct {
     Check *checks;
     int32_t *sums;
     size_t scap;
+    uint64_t *keys;
+    size_t kcap;
+    /* The batch's lookups and adopts that apply_rows judges itself (load_requests), held with the columns. */
+    Py_buffer rb[16];
+    int nrb;
+    struct GSpec_ *rspec; /* per recipe, 64 groups */
+    Py_ssize_t *rng;      /* per recipe, its groups */
+    int64_t *rstep;       /* per recipe, its alignment */
+    Py_ssize_t nrecipes, rwidth;
 } State;
 
 static inline uint64_t mix(uint64_t key, uint32_t table) {
@@ -714,7 +723,18 @@ done:
 
 /* -- a batch of object events, read from its columns ---------------------------------------- */
 
+static void release_requests(State *s) {
+    for (int i = 0; i < s->nrb; i++) PyBuffer_Release(&s->rb[i]);
+    s->nrb = 0;
+    PyMem_RawFree(s->rspec);
+    PyMem_RawFree(s->rng);
+    PyMem_RawFree(s->rstep);
+    s->rspec = NULL, s->rng = NULL, s->rstep = NULL;
+    s->nrecipes = s->rwidth = 0;
+}
+
 static void release_columns(State *s) {
+    release_requests(s);
     for (int i = 0; i < s->ncb; i++) PyBuffer_Release(&s->cb[i]);
     s->ncb = 0;
     s->crows = 0;
@@ -773,8 +793,14 @@ static PyObject *State_load_columns(State *s, PyObject *const *args, Py_ssize_t 
 
 /* apply_rows(start, stop, base_ord): CacheState.apply for each row of the loaded batch in
  * [start, stop), row i at stream position base_ord + i + 1; every row must be an object event
- * (the wrapper leaves bulk invalidations, requests and the rest to `apply`). Tables, identities
+ * (the wrapper leaves bulk invalidations, requests and the rest to `apply`), or a lookup or
+ * adopt of load_requests, judged where it stands in the stream. Tables, identities
  * and enum codes come resolved; the instance's books (changes, tenants, leases) are kept here. */
+/* Row kinds of a prepared batch that apply_rows judges itself (load_requests). */
+#define K_LOOKUP_ROW (-2)
+#define K_ADOPT_ROW (-3)
+static int request_row(State *s, Py_ssize_t r, int code);
+
 static PyObject *State_apply_rows(State *s, PyObject *const *args, Py_ssize_t nargs) {
     NEED(3, "apply_rows");
     Py_ssize_t start = PyLong_AsSsize_t(args[0]), stop = PyLong_AsSsize_t(args[1]);
@@ -794,6 +820,10 @@ static PyObject *State_apply_rows(State *s, PyObject *const *args, Py_ssize_t na
     int failed = 0;
     for (Py_ssize_t r = start; r < stop && !failed; r++) {
         int code = kind[r], tier = tierc[r];
+        if (code == K_LOOKUP_ROW || code == K_ADOPT_ROW) {
+            failed = request_row(s, r, code) < 0;
+            continue;
+        }
         int32_t a = offsets[r], b = offsets[r + 1], i = inst[r];
         if (code < K_CREATE || code > K_EVICT || tier < 0 || tier >= NTIERS || a < 0 || b < a || b > nvalues ||
             i < 0 || i >= ninst) {
@@ -1073,80 +1103,82 @@ static int64_t hash_hit(const View *v, int64_t cap) {
     return 0;
 }
 
-/* evaluate(instance, tables, chains, groups, step, cap, identity, tenant, ts, explain_up_to)
- *   tables: per group (in `groups`' order), the table id of (instance, group), or -1
- *   chains: the lookup's group_block_keys
- *   groups: per group, (group_id, component, block_size, window, ratio, missing reason)
- * -> (logical, recoverable, resident, reason, reason_group, detail kind, detail arg, detail arg 2,
- *     group_logical, ((restore tier, bytes), ...)) */
-static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t nargs) {
-    NEED(10, "evaluate");
-    Request rq;
-    rq.inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
-    PyObject *tables = args[1], *chains = args[2], *groups = args[3];
-    int64_t step, cap, explain;
-    if (i64(args[4], &step) < 0 || i64(args[5], &cap) < 0) return NULL;
-    rq.identity = (uint32_t)PyLong_AsUnsignedLong(args[6]);
-    rq.tenant = (uint32_t)PyLong_AsUnsignedLong(args[7]);
-    if (i64(args[8], &rq.ts) < 0 || i64(args[9], &explain) < 0) return NULL;
-    if (PyErr_Occurred()) return NULL;
-    if (!PyTuple_Check(tables) || !PyTuple_Check(groups))
-        return PyErr_Format(PyExc_TypeError, "evaluate: tables and groups are tuples");
-    if (!(PyList_Check(chains) || PyTuple_Check(chains)))
-        return PyErr_Format(PyExc_TypeError, "evaluate: the chains are a list or a tuple");
-    if (rq.identity >= s->nident) return PyErr_Format(PyExc_ValueError, "identity %u not registered", rq.identity);
-    Py_ssize_t ng = PyTuple_GET_SIZE(groups), nchains = PySequence_Fast_GET_SIZE(chains);
-    if (PyTuple_GET_SIZE(tables) != ng) return PyErr_Format(PyExc_ValueError, "evaluate: one table per group");
-    View views[64];
-    if (ng > 64) return PyErr_Format(PyExc_ValueError, "evaluate: at most 64 groups");
-    size_t blocks = 0;
-    for (Py_ssize_t g = 0; g < ng; g++) {
+/* One group of a recipe, as evaluate reads it (GroupSpec). */
+typedef struct GSpec_ {
+    int64_t group_id, component, b, window, ratio;
+    uint8_t missing;
+} GSpec;
+
+/* What evaluating one lookup gives (the wrapper's Evaluation, in codes). */
+typedef struct {
+    int64_t logical, recoverable, resident;
+    long reason, group;
+    int dkind, norder;
+    unsigned long long darg, darg2;
+    int64_t group_logical[64];
+    uint64_t restore[NTIERS];
+    int order[NTIERS]; /* the tiers of `restore`, in the order first met */
+} Eval;
+
+static int parse_groups(PyObject *groups, GSpec *out, Py_ssize_t *ng) {
+    if (!PyTuple_Check(groups)) return PyErr_Format(PyExc_TypeError, "the groups are a tuple"), -1;
+    *ng = PyTuple_GET_SIZE(groups);
+    if (*ng > 64) return PyErr_Format(PyExc_ValueError, "at most 64 groups"), -1;
+    for (Py_ssize_t g = 0; g < *ng; g++) {
         PyObject *spec = PyTuple_GET_ITEM(groups, g);
-        View *v = &views[g];
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 6)
+            return PyErr_Format(PyExc_TypeError, "a group is a tuple of 6"), -1;
+        GSpec *v = &out[g];
         v->group_id = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 0));
         v->component = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 1));
         v->b = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 2));
         v->window = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 3));
         v->ratio = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 4));
         v->missing = (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(spec, 5));
-        if (PyErr_Occurred()) return NULL;
-        if (v->b <= 0 || (v->component == C_TAIL && v->ratio <= 0)) return PyErr_Format(PyExc_ValueError, "bad group");
-        PyObject *chain = v->group_id < nchains ? PySequence_Fast_GET_ITEM(chains, v->group_id) : NULL;
-        if (chain != NULL && !(PyList_Check(chain) || PyTuple_Check(chain)))
-            return PyErr_Format(PyExc_TypeError, "a chain is a list or a tuple");
-        v->n = chain ? PySequence_Fast_GET_SIZE(chain) : 0;
-        blocks += (size_t)v->n + 1;
+        if (PyErr_Occurred()) return -1;
+        if (v->b <= 0 || v->group_id < 0 || (v->component == C_TAIL && v->ratio <= 0))
+            return PyErr_Format(PyExc_ValueError, "bad group"), -1;
     }
-    if (ensure_scratch(s, blocks, (size_t)ng) < 0) return PyErr_NoMemory();
+    return 0;
+}
+
+/* `evaluate` itself: the lookup `rq` against groups `specs`, group g's blocks being
+ * chains[g][0:lens[g]] in table tables[g] (-1: none). Returns -1 (no exception set) when out of memory. */
+static int eval_core(State *s, const Request *rq, const GSpec *specs, Py_ssize_t ng, const int32_t *tables,
+                     const uint64_t *const *chains, const Py_ssize_t *lens, int64_t step, int64_t cap,
+                     int64_t explain, Eval *out) {
+    View views[64];
+    size_t blocks = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) blocks += (size_t)lens[g] + 1;
+    if (ensure_scratch(s, blocks, (size_t)ng) < 0) return -1;
     size_t off = 0;
     for (Py_ssize_t g = 0; g < ng; g++) {
         View *v = &views[g];
+        const GSpec *sp = &specs[g];
+        v->group_id = sp->group_id, v->component = sp->component, v->b = sp->b, v->window = sp->window;
+        v->ratio = sp->ratio, v->missing = sp->missing, v->n = lens[g];
         v->checks = s->checks + off;
         v->present = s->sums + off * 3;
         v->usable = v->present + v->n + 1;
         v->resident = v->usable + v->n + 1;
         off += (size_t)v->n + 1;
-        long table = PyLong_AsLong(PyTuple_GET_ITEM(tables, g));
-        PyObject *chain = v->n ? PySequence_Fast_GET_ITEM(chains, v->group_id) : NULL;
+        int32_t table = tables[g];
         v->present[0] = v->usable[0] = v->resident[0] = 0;
         for (Py_ssize_t i = 0; i < v->n; i++) {
-            uint64_t key;
-            if (u64(PySequence_Fast_GET_ITEM(chain, i), &key) < 0) return NULL;
+            uint64_t key = chains[g][i];
             const Obj *o = (table >= 0 && key != 0) ? find(s, (uint32_t)table, key) : NULL;
             Check *c = &v->checks[i];
-            check(s, &rq, o, (int)v->component, v->missing, c);
+            check(s, rq, o, (int)v->component, v->missing, c);
             v->present[i + 1] = v->present[i] + c->present;
             v->usable[i + 1] = v->usable[i] + c->usable;
             v->resident[i + 1] = v->resident[i] + c->resident;
         }
     }
-    PyObject *group_logical = PyTuple_New(ng);
-    if (!group_logical) return NULL;
     int64_t logical = 0;
     for (Py_ssize_t g = 0; g < ng; g++) {
         int64_t h = hash_hit(&views[g], cap);
         if (h > logical) logical = h;
-        PyTuple_SET_ITEM(group_logical, g, PyLong_FromLongLong(h));
+        out->group_logical[g] = h;
     }
     int64_t top = logical / step * step, recoverable = top;
     for (; recoverable > 0; recoverable -= step) {
@@ -1162,7 +1194,8 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
         if (ok) break;
     }
     if (resident < 0) resident = 0;
-    long reason = G_NONE, group_id = -1, dkind = D_NONE;
+    long reason = G_NONE, group_id = -1;
+    int dkind = D_NONE;
     unsigned long long darg = 0, darg2 = 0;
     int64_t target = explain ? explain / step * step : top;
     if (recoverable < target) {
@@ -1187,8 +1220,8 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
         reason = G_MISALIGNED, dkind = D_MISALIGNED, darg = (unsigned long long)logical;
         darg2 = (unsigned long long)step;
     }
-    uint64_t restore[NTIERS] = {0};
-    int order[NTIERS], norder = 0, seen = 0;
+    memset(out->restore, 0, sizeof(out->restore));
+    int norder = 0, seen = 0;
     if (resident < recoverable) {
         for (Py_ssize_t g = 0; g < ng; g++) {
             const View *v = &views[g];
@@ -1199,22 +1232,312 @@ static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t narg
                 if (!c->resident) {
                     if (!(seen & (1 << c->rtier))) {
                         seen |= 1 << c->rtier;
-                        order[norder++] = c->rtier;
+                        out->order[norder++] = c->rtier;
                     }
-                    restore[c->rtier] += c->rbytes;
+                    out->restore[c->rtier] += c->rbytes;
                 }
             }
         }
     }
-    PyObject *rest = PyTuple_New(norder);
+    out->logical = logical, out->recoverable = recoverable, out->resident = resident;
+    out->reason = reason, out->group = group_id, out->dkind = dkind, out->darg = darg, out->darg2 = darg2;
+    out->norder = norder;
+    return 0;
+}
+
+static int ensure_keys(State *s, size_t n) {
+    if (n <= s->kcap) return 0;
+    uint64_t *nk = PyMem_RawRealloc(s->keys, n * 2 * sizeof(uint64_t));
+    if (!nk) return -1;
+    s->keys = nk;
+    s->kcap = n * 2;
+    return 0;
+}
+
+/* evaluate(instance, tables, chains, groups, step, cap, identity, tenant, ts, explain_up_to)
+ *   tables: per group (in `groups`' order), the table id of (instance, group), or -1
+ *   chains: the lookup's group_block_keys
+ *   groups: per group, (group_id, component, block_size, window, ratio, missing reason)
+ * -> (logical, recoverable, resident, reason, reason_group, detail kind, detail arg, detail arg 2,
+ *     group_logical, ((restore tier, bytes), ...)) */
+static PyObject *State_evaluate(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(10, "evaluate");
+    Request rq;
+    rq.inst = (uint32_t)PyLong_AsUnsignedLong(args[0]);
+    PyObject *tables = args[1], *chains = args[2], *groups = args[3];
+    int64_t step, cap, explain;
+    if (i64(args[4], &step) < 0 || i64(args[5], &cap) < 0) return NULL;
+    rq.identity = (uint32_t)PyLong_AsUnsignedLong(args[6]);
+    rq.tenant = (uint32_t)PyLong_AsUnsignedLong(args[7]);
+    if (i64(args[8], &rq.ts) < 0 || i64(args[9], &explain) < 0) return NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(tables) || !PyTuple_Check(groups))
+        return PyErr_Format(PyExc_TypeError, "evaluate: tables and groups are tuples");
+    if (!(PyList_Check(chains) || PyTuple_Check(chains)))
+        return PyErr_Format(PyExc_TypeError, "evaluate: the chains are a list or a tuple");
+    if (rq.identity >= s->nident) return PyErr_Format(PyExc_ValueError, "identity %u not registered", rq.identity);
+    if (step <= 0) return PyErr_Format(PyExc_ValueError, "evaluate: the alignment must be positive");
+    GSpec specs[64];
+    Py_ssize_t ng, nchains = PySequence_Fast_GET_SIZE(chains), lens[64];
+    int32_t tab[64];
+    if (parse_groups(groups, specs, &ng) < 0) return NULL;
+    if (PyTuple_GET_SIZE(tables) != ng) return PyErr_Format(PyExc_ValueError, "evaluate: one table per group");
+    PyObject *chain_of[64];
+    size_t total = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        PyObject *chain = specs[g].group_id < nchains ? PySequence_Fast_GET_ITEM(chains, specs[g].group_id) : NULL;
+        if (chain != NULL && !(PyList_Check(chain) || PyTuple_Check(chain)))
+            return PyErr_Format(PyExc_TypeError, "a chain is a list or a tuple");
+        chain_of[g] = chain;
+        lens[g] = chain ? PySequence_Fast_GET_SIZE(chain) : 0;
+        total += (size_t)lens[g];
+        tab[g] = (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(tables, g));
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (ensure_keys(s, total + 1) < 0) return PyErr_NoMemory();
+    const uint64_t *keys_of[64];
+    size_t at = 0;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        keys_of[g] = s->keys + at;
+        for (Py_ssize_t i = 0; i < lens[g]; i++)
+            if (u64(PySequence_Fast_GET_ITEM(chain_of[g], i), &s->keys[at++]) < 0) return NULL;
+    }
+    Eval e;
+    if (eval_core(s, &rq, specs, ng, tab, keys_of, lens, step, cap, explain, &e) < 0) return PyErr_NoMemory();
+    PyObject *group_logical = PyTuple_New(ng);
+    if (!group_logical) return NULL;
+    for (Py_ssize_t g = 0; g < ng; g++) PyTuple_SET_ITEM(group_logical, g, PyLong_FromLongLong(e.group_logical[g]));
+    PyObject *rest = PyTuple_New(e.norder);
     if (!rest) {
         Py_DECREF(group_logical);
         return NULL;
     }
-    for (int i = 0; i < norder; i++)
-        PyTuple_SET_ITEM(rest, i, Py_BuildValue("(iK)", order[i], (unsigned long long)restore[order[i]]));
-    return Py_BuildValue("(LLLllkKKNN)", (long long)logical, (long long)recoverable, (long long)resident, reason,
-                         group_id, (unsigned long)dkind, darg, darg2, group_logical, rest);
+    for (int i = 0; i < e.norder; i++)
+        PyTuple_SET_ITEM(rest, i, Py_BuildValue("(iK)", e.order[i], (unsigned long long)e.restore[e.order[i]]));
+    return Py_BuildValue("(LLLllkKKNN)", (long long)e.logical, (long long)e.recoverable, (long long)e.resident,
+                         e.reason, e.group, (unsigned long)e.dkind, e.darg, e.darg2, group_logical, rest);
+}
+
+/* -- lookups and adopts judged from a batch's columns ------------------------------------------ */
+
+/* load_requests's buffers, in its order, each one's item size, and its rows (N: one per row of
+ * the batch, N1: one more, W: `width` per row, T: NTIERS per row, 0: any). */
+enum { RQ_RECIPE, RQ_PAIR, RQ_INSTID, RQ_IDENT, RQ_TSID, RQ_TS, RQ_CAP, RQ_ADOPTED, RQ_OUTER, RQ_INNER, RQ_KEYS,
+       RQ_TABLES, RQ_OUT, RQ_GLOG, RQ_RESTORE, NRQ };
+enum { PER_ROW, PER_ROW_1, PER_ROW_W, PER_ROW_T, PER_ROW_OUT, ANY };
+static const Py_ssize_t RQ_SIZE[NRQ] = {4, 4, 4, 4, 4, 8, 8, 8, 4, 4, 8, 4, 8, 8, 8};
+static const int RQ_ROWS[NRQ] = {PER_ROW, PER_ROW, PER_ROW, PER_ROW, PER_ROW, PER_ROW, PER_ROW, PER_ROW, PER_ROW_1,
+                                 ANY, ANY, PER_ROW_W, PER_ROW_OUT, PER_ROW_W, PER_ROW_T};
+/* The columns of RQ_OUT, per row: a lookup's evaluation at its place in the stream; an adopt's, of
+ * its lookup again at the adopt (when RQ_CHANGED is set), and whether it reused another tenant's state. */
+enum { O_LOGICAL, O_RECOVERABLE, O_RESIDENT, O_REASON, O_GROUP, O_DKIND, O_DARG, O_DARG2, O_CHANGES, O_FLAGS, NOUT };
+#define F_CHANGED 1
+#define F_CROSS 2
+#define F_TIERS_SHIFT 8 /* the tiers `restore` names, a bit each */
+
+#define RQ(t, c) ((t *)s->rb[c].buf)
+
+/* load_requests(buffers, recipes, width): after load_columns, the batch's lookups and adopts that
+ * apply_rows judges (rows whose kind is K_LOOKUP_ROW or K_ADOPT_ROW; see analysis.requests,
+ * which prepares them). `recipes`: per recipe, (groups, alignment) as evaluate takes them;
+ * `width`: the most groups of any. A lookup row names its recipe, instance id, identity, tenant
+ * id, time, hit cap, key chains (RQ_OUTER into RQ_INNER into RQ_KEYS) and per group its table;
+ * an adopt row its lookup's row (earlier in the batch), time and tokens reused. The results go
+ * to RQ_OUT, RQ_GLOG and RQ_RESTORE, which must be writable. */
+static PyObject *State_load_requests(State *s, PyObject *const *args, Py_ssize_t nargs) {
+    NEED(3, "load_requests");
+    release_requests(s);
+    if (s->cinst == NULL) return PyErr_Format(PyExc_RuntimeError, "load_requests before load_columns");
+    PyObject *bufs = args[0], *recipes = args[1];
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    if (width == -1 && PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(bufs) || PyTuple_GET_SIZE(bufs) != NRQ || !PyTuple_Check(recipes) || width < 1 || width > 64)
+        return PyErr_Format(PyExc_TypeError, "load_requests: a tuple of %d buffers, a tuple of recipes, 1..64", NRQ);
+    for (int i = 0; i < NRQ; i++) {
+        int writable = i >= RQ_OUT;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(bufs, i), &s->rb[i],
+                               writable ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS) < 0) {
+            release_requests(s);
+            return NULL;
+        }
+        s->nrb = i + 1;
+    }
+    Py_ssize_t n = s->crows;
+    for (int i = 0; i < NRQ; i++) {
+        Py_ssize_t rows = RQ_ROWS[i] == PER_ROW ? n : RQ_ROWS[i] == PER_ROW_1 ? n + 1
+                        : RQ_ROWS[i] == PER_ROW_W ? n * width : RQ_ROWS[i] == PER_ROW_T ? n * NTIERS
+                        : RQ_ROWS[i] == PER_ROW_OUT ? n * NOUT : 0;
+        if (s->rb[i].len < rows * RQ_SIZE[i] || s->rb[i].len % RQ_SIZE[i]) {
+            release_requests(s);
+            return PyErr_Format(PyExc_ValueError, "load_requests: buffer %d holds %zd bytes for %zd rows", i,
+                                s->rb[i].len, n);
+        }
+    }
+    Py_ssize_t nr = PyTuple_GET_SIZE(recipes);
+    s->rspec = PyMem_RawMalloc((size_t)(nr ? nr : 1) * 64 * sizeof(GSpec));
+    s->rng = PyMem_RawMalloc((size_t)(nr ? nr : 1) * sizeof(Py_ssize_t));
+    s->rstep = PyMem_RawMalloc((size_t)(nr ? nr : 1) * sizeof(int64_t));
+    if (!s->rspec || !s->rng || !s->rstep) {
+        release_requests(s);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        PyObject *one = PyTuple_GET_ITEM(recipes, r);
+        if (!PyTuple_Check(one) || PyTuple_GET_SIZE(one) != 2) {
+            release_requests(s);
+            return PyErr_Format(PyExc_TypeError, "load_requests: a recipe is (groups, alignment)");
+        }
+        if (parse_groups(PyTuple_GET_ITEM(one, 0), s->rspec + r * 64, &s->rng[r]) < 0 ||
+            i64(PyTuple_GET_ITEM(one, 1), &s->rstep[r]) < 0) {
+            release_requests(s);
+            return NULL;
+        }
+        if (s->rstep[r] <= 0 || s->rng[r] > width) {
+            release_requests(s);
+            return PyErr_Format(PyExc_ValueError, "load_requests: recipe %zd: alignment or width", r);
+        }
+    }
+    s->nrecipes = nr;
+    s->rwidth = width;
+    Py_RETURN_NONE;
+}
+
+/* The instance's state changes so far (CacheState.changes_of), this batch's not yet added included. */
+static int changes_now(State *s, int32_t i, int64_t *out) {
+    PyObject *count = PyDict_GetItemWithError(s->changes, PyList_GET_ITEM(s->cinst, i));
+    if (count == NULL && PyErr_Occurred()) return -1;
+    *out = (count ? PyLong_AsLongLong(count) : 0) + s->ccount[i];
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Evaluate the lookup of row l at time ts (explaining up to `explain`), from its columns. */
+static int lookup_eval(State *s, Py_ssize_t l, int64_t ts, int64_t explain, Eval *e) {
+    int32_t rec = RQ(int32_t, RQ_RECIPE)[l], ident = RQ(int32_t, RQ_IDENT)[l], tsid = RQ(int32_t, RQ_TSID)[l];
+    if (rec < 0 || rec >= s->nrecipes || ident < 0 || (uint32_t)ident >= s->nident || tsid < 0) {
+        PyErr_Format(PyExc_ValueError, "load_requests: row %zd names no recipe, identity or tenant", l);
+        return -1;
+    }
+    Request rq = {.inst = RQ(uint32_t, RQ_INSTID)[l], .identity = (uint32_t)ident, .tenant = (uint32_t)tsid, .ts = ts};
+    const GSpec *specs = s->rspec + rec * 64;
+    Py_ssize_t ng = s->rng[rec], lens[64];
+    const int32_t *outer = RQ(int32_t, RQ_OUTER), *inner = RQ(int32_t, RQ_INNER);
+    Py_ssize_t ninner = s->rb[RQ_INNER].len / 4, nkeys = s->rb[RQ_KEYS].len / 8;
+    int32_t a = outer[l], b = outer[l + 1];
+    if (a < 0 || b < a || b >= ninner) {
+        PyErr_Format(PyExc_ValueError, "load_requests: row %zd's chains are out of range", l);
+        return -1;
+    }
+    const uint64_t *chains[64];
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        int64_t gid = specs[g].group_id;
+        lens[g] = 0;
+        chains[g] = NULL;
+        if (gid < b - a) {
+            int32_t lo = inner[a + gid], hi = inner[a + gid + 1];
+            if (lo < 0 || hi < lo || hi > nkeys) {
+                PyErr_Format(PyExc_ValueError, "load_requests: row %zd's keys are out of range", l);
+                return -1;
+            }
+            chains[g] = RQ(uint64_t, RQ_KEYS) + lo;
+            lens[g] = hi - lo;
+        }
+    }
+    if (eval_core(s, &rq, specs, ng, RQ(int32_t, RQ_TABLES) + l * s->rwidth, chains, lens, s->rstep[rec],
+                  RQ(int64_t, RQ_CAP)[l], explain, e) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void put_eval(State *s, Py_ssize_t r, const Eval *e) {
+    int64_t *out = RQ(int64_t, RQ_OUT) + r * NOUT;
+    out[O_LOGICAL] = e->logical, out[O_RECOVERABLE] = e->recoverable, out[O_RESIDENT] = e->resident;
+    out[O_REASON] = e->reason, out[O_GROUP] = e->group, out[O_DKIND] = e->dkind;
+    out[O_DARG] = (int64_t)e->darg, out[O_DARG2] = (int64_t)e->darg2;
+}
+
+/* Did the adopt of row a reuse, in its first `adopted` tokens, a block committed under another
+ * tenant than its lookup's (row l)? (Reconstructor._cross_tenant) */
+static int cross_tenant(State *s, Py_ssize_t l, int64_t adopted) {
+    int32_t rec = RQ(int32_t, RQ_RECIPE)[l];
+    const GSpec *specs = s->rspec + rec * 64;
+    const int32_t *outer = RQ(int32_t, RQ_OUTER), *inner = RQ(int32_t, RQ_INNER), *tables = RQ(int32_t, RQ_TABLES);
+    uint32_t want = (uint32_t)RQ(int32_t, RQ_TSID)[l];
+    int32_t a = outer[l], b = outer[l + 1];
+    for (Py_ssize_t g = 0; g < s->rng[rec]; g++) {
+        View v = {.group_id = specs[g].group_id, .component = specs[g].component, .b = specs[g].b,
+                  .window = specs[g].window, .ratio = specs[g].ratio};
+        int64_t start, stop, gid = v.group_id;
+        if (gid >= b - a) continue; /* no chain: every index is past its end */
+        const uint64_t *chain = RQ(uint64_t, RQ_KEYS) + inner[a + gid];
+        int64_t n = inner[a + gid + 1] - inner[a + gid], table = tables[l * s->rwidth + g];
+        needed(&v, adopted / v.b * v.b, &start, &stop);
+        for (int64_t i = start; i < stop && i < n; i++) {
+            const Obj *o = table >= 0 && i >= 0 ? find(s, (uint32_t)table, chain[i]) : NULL;
+            if (o != NULL && (o->has_commit ? o->tenant : 0) != want) return 1;
+        }
+    }
+    return 0;
+}
+
+static int request_row(State *s, Py_ssize_t r, int code) {
+    if (s->nrb != NRQ) {
+        PyErr_Format(PyExc_ValueError, "apply_rows: row %zd is a request, and none were loaded", r);
+        return -1;
+    }
+    const int32_t *inst = COL(int32_t, COL_INST), *tenant = COL(int32_t, COL_TENANT);
+    const int8_t *kind = COL(int8_t, COL_KIND);
+    int64_t *out = RQ(int64_t, RQ_OUT);
+    Py_ssize_t ninst = PyList_GET_SIZE(s->cinst), ntenant = PyList_GET_SIZE(s->ctenant);
+    Eval e;
+    if (code == K_LOOKUP_ROW) {
+        if (inst[r] < 0 || inst[r] >= ninst) return PyErr_Format(PyExc_ValueError, "row %zd: no instance", r), -1;
+        if (lookup_eval(s, r, RQ(int64_t, RQ_TS)[r], 0, &e) < 0) return -1;
+        put_eval(s, r, &e);
+        int64_t *o = out + r * NOUT, mask = 0;
+        if (changes_now(s, inst[r], &o[O_CHANGES]) < 0) return -1;
+        for (Py_ssize_t g = 0; g < s->rng[RQ(int32_t, RQ_RECIPE)[r]]; g++)
+            RQ(int64_t, RQ_GLOG)[r * s->rwidth + g] = e.group_logical[g];
+        for (int t = 0; t < NTIERS; t++) RQ(uint64_t, RQ_RESTORE)[r * NTIERS + t] = e.restore[t];
+        for (int i = 0; i < e.norder; i++) mask |= (int64_t)1 << e.order[i];
+        o[O_FLAGS] = mask << F_TIERS_SHIFT;
+        return 0;
+    }
+    /* an adopt: judged again at use unless nothing could have changed since its lookup
+     * (Reconstructor._result's rule), and checked for reuse across tenants */
+    int32_t l = RQ(int32_t, RQ_PAIR)[r];
+    if (l < 0 || l >= r || kind[l] != K_LOOKUP_ROW || inst[l] < 0 || inst[l] >= ninst || tenant[l] < 0 ||
+        tenant[l] >= ntenant)
+        return PyErr_Format(PyExc_ValueError, "apply_rows: row %zd adopts no lookup before it", r), -1;
+    int64_t *o = out + r * NOUT, now;
+    o[O_FLAGS] = 0;
+    PyObject *name = PyList_GET_ITEM(s->cinst, inst[l]);
+    if (changes_now(s, inst[l], &now) < 0) return -1;
+    int leased = PySet_Contains(s->leased, name);
+    if (leased < 0) return -1;
+    if (now != out[l * NOUT + O_CHANGES] || leased) {
+        if (lookup_eval(s, l, RQ(int64_t, RQ_TS)[r], out[l * NOUT + O_RECOVERABLE], &e) < 0) return -1;
+        put_eval(s, r, &e);
+        o[O_FLAGS] |= F_CHANGED;
+    }
+    int64_t adopted = RQ(int64_t, RQ_ADOPTED)[r];
+    if (adopted) {
+        PyObject *held = PyDict_GetItemWithError(s->tenants, name); /* borrowed */
+        if (held == NULL && PyErr_Occurred()) return -1;
+        int other = 0;
+        if (held != NULL && PySet_GET_SIZE(held) > 0) {
+            if (PySet_GET_SIZE(held) > 1) {
+                other = 1;
+            } else {
+                int has = PySet_Contains(held, PyList_GET_ITEM(s->ctenant, tenant[l]));
+                if (has < 0) return -1;
+                other = !has;
+            }
+        }
+        if (other && cross_tenant(s, l, adopted)) o[O_FLAGS] |= F_CROSS;
+    }
+    return 0;
 }
 
 /* tenant_of(table, key): the tenant id of the object's last commit (0: none), or None: no object. */
@@ -1389,6 +1712,7 @@ static void State_dealloc(State *s) {
     PyMem_RawFree(s->shared);
     PyMem_RawFree(s->checks);
     PyMem_RawFree(s->sums);
+    PyMem_RawFree(s->keys);
     Py_XDECREF(s->kinds);
     Py_XDECREF(s->tiers);
     Py_XDECREF(s->reasons);
@@ -1429,6 +1753,7 @@ static PyMethodDef State_methods[] = {
     {"apply", (PyCFunction)(void (*)(void))State_apply, METH_FASTCALL, NULL},
     {"load_columns", (PyCFunction)(void (*)(void))State_load_columns, METH_FASTCALL, NULL},
     {"apply_rows", (PyCFunction)(void (*)(void))State_apply_rows, METH_FASTCALL, NULL},
+    {"load_requests", (PyCFunction)(void (*)(void))State_load_requests, METH_FASTCALL, NULL},
     {"bind", (PyCFunction)(void (*)(void))State_bind, METH_FASTCALL, NULL},
     {"evaluate", (PyCFunction)(void (*)(void))State_evaluate, METH_FASTCALL, NULL},
     {"tenant_of", (PyCFunction)(void (*)(void))State_tenant_of, METH_FASTCALL, NULL},

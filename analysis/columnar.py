@@ -125,12 +125,14 @@ def _identities(state: NativeState, batch: pa.RecordBatch, rows: np.ndarray) -> 
 
 
 def feed_batch(state: NativeState, batch: pa.RecordBatch, base_ord: int,
-               feed: Callable[[Event, int], list], bail: Callable[[], bool]) -> tuple[list, int]:
+               feed: Callable[[Event, int], list], bail: Callable[[], bool],
+               prepared: Prepared | None = None) -> tuple[list, int]:
     """Apply a batch's object rows in the core and `feed(event, row)` the others, in stream
     order (row i's stream position is base_ord + i + 1). Once `bail()` turns true after an
     event fed (a model refused, say), every later row is fed as an event. Returns what `feed`
-    returned, in order, and the rows done."""
-    prepared = prepare(state, batch)
+    returned, in order, and the rows done. (`prepared`: the batch's `prepare`, when done.)"""
+    if prepared is None:
+        prepared = prepare(state, batch)
     core = state._core
     out: list = []
     others = prepared.others.tolist()

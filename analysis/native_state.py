@@ -215,14 +215,18 @@ class NativeState:
 
     def _detail(self, kind: int, a: int, b: int, lookup: Event) -> str:
         """The gap's detail text, as `check_object` and `evaluate` write it."""
+        return self._detail_for(kind, a, b, lookup.tenant, identity_of(lookup))
+
+    def _detail_for(self, kind: int, a: int, b: int, tenant: str, identity: tuple) -> str:
+        """`_detail` for a lookup of this tenant and identity."""
         if kind == 1:
             return _REASONS[a].value
         if kind == 2:
             return "no commit seen"
         if kind == 3:
-            return f"tenant: {self._string_list[a]} != {lookup.tenant}"
+            return f"tenant: {self._string_list[a]} != {tenant}"
         if kind == 4:
-            return f"{IDENTITY_FIELDS[a]}: {self._identity_list[b][a]} != {identity_of(lookup)[a]}"
+            return f"{IDENTITY_FIELDS[a]}: {self._identity_list[b][a]} != {identity[a]}"
         if kind == 5:
             return _TIERS[a].value
         if kind == 6:

@@ -17,10 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrace.analysis.columnar import feed_batch
+from kvtrace.analysis.columnar import Prepared, feed_batch, prepare
 from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.fleet import FleetView, alone, judge
 from kvtrace.analysis.native_state import NativeState, available, evaluate_on
+from kvtrace.analysis.requests import LOOKUP_ROW, Lane, evaluation, plan, results
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.arrow import conform, from_arrow
 from kvtrace.schema.events import Event, adopted_tokens
@@ -153,11 +154,13 @@ class Reconstructor:
         return []
 
     def feed_table(self, table: pa.Table, feed: Callable[[Event], list[LookupResult]] | None = None,
-                   bail: Callable[[], bool] = lambda: False) -> list[LookupResult]:
+                   bail: Callable[[], bool] = lambda: False, requests: bool = True) -> list[LookupResult]:
         """`feed` (default: this one's) each of a table's events, in its row order (stream order),
-        and return what it returned. Object rows are applied from the columns themselves where
-        the compiled state serves (analysis.columnar), and `feed` is called for the other rows;
-        once `bail()` is true, for every row. The rows are those of feeding every event."""
+        and return what it returned, with the verdicts judged from the columns in their place.
+        Where the compiled state serves, object rows are applied from the columns themselves
+        (analysis.columnar) and, with `requests`, lookups whose adopt follows in the same stretch
+        are judged there too (analysis.requests); `feed` is called for the other rows; once
+        `bail()` is true, for every row. The rows are those of feeding every event."""
         use = feed or self.feed
         out: list[LookupResult] = []
         if not isinstance(self.state, NativeState) or self.policy.fleet or bail():
@@ -177,10 +180,85 @@ class Reconstructor:
                 self.events_seen = base + row  # each row's stream position, as feeding every event gives
                 return use(event)
 
-            got, done = feed_batch(self.state, batch, base, one, bail)
+            prepared = prepare(self.state, batch)
+            lane = plan(self.state, batch, prepared, self.recipes, self.policy,
+                        self.max_pending - len(self._pending)) if requests else None
+            if lane is None:
+                got, done = feed_batch(self.state, batch, base, one, bail, prepared)
+            else:
+                got, done = self._feed_lane(batch, base, one, bail, prepared, lane)
             self.events_seen = base + done
             out += got
         return out
+
+    def _feed_lane(self, batch: pa.RecordBatch, base: int, feed: Callable[[Event, int], list[LookupResult]],
+                   bail: Callable[[], bool], prepared: Prepared, lane: Lane) -> tuple[list[LookupResult], int]:
+        """`columnar.feed_batch`, the lane's lookups and adopts judged in the core's pass and
+        their verdicts made at the end of each stretch, in stream order."""
+        core = self.state._core  # type: ignore[union-attr]
+        n, specials, out = batch.num_rows, lane.specials, []
+        events = from_arrow(pa.Table.from_batches([batch.take(pa.array(specials))])) if specials else []
+        core.load_columns((lane.kind, *prepared.columns[1:]), prepared.instances, prepared.tenants)
+        try:
+            core.load_requests(lane.buffers, lane.specs, lane.width)
+            apply, pos, done = core.apply_rows, 0, 0
+            for row, event in zip(specials, events, strict=True):
+                if row > pos:
+                    apply(pos, row, base)
+                    done = self._settle(batch, lane, done, row, out)
+                out += feed(event, row)
+                pos = row + 1
+                if bail():
+                    for i, late in enumerate(from_arrow(pa.Table.from_batches([batch.slice(pos)])) if pos < n else []):
+                        out += feed(late, pos + i)
+                    return out, n
+            if pos < n:
+                apply(pos, n, base)
+                self._settle(batch, lane, done, n, out)
+        finally:
+            core.load_columns(None, [], [])
+        return out, n
+
+    def _settle(self, batch: pa.RecordBatch, lane: Lane, i: int, stop: int, out: list[LookupResult]) -> int:
+        """The verdicts of the lane's requests before row `stop`, from `lane.requests[i]` on, as
+        feeding their events makes them; a lookup still waiting for its adopt at `stop` is kept
+        as an event feeding it would keep. Returns the index of the next request."""
+        pending, state, requests = self._pending, self.state, lane.requests
+        waiting: dict[tuple[str, str], int] = {}
+        made: list[LookupResult | int] = []  # in stream order; an int: the lane's verdict of that number
+        lookups: list[int] = []
+        adopts: list[int] = []
+        while i < len(requests) and requests[i] < stop:
+            row = requests[i]
+            i += 1
+            key = lane.keys[row]
+            if lane.kind[row] == LOOKUP_ROW:
+                previous = pending.pop(key, None)  # looked up again: the first closed without an adopt
+                if previous is not None:
+                    if waiting.pop(key, None) is None:
+                        made.append(self._result(previous, None))
+                    else:
+                        made.append(len(lookups))
+                        lookups.append(previous)  # type: ignore[arg-type]
+                        adopts.append(-1)
+                pending[key] = waiting[key] = row  # type: ignore[assignment]
+            else:
+                lookup = pending.pop(key)
+                del waiting[key]
+                made.append(len(lookups))
+                lookups.append(lookup)  # type: ignore[arg-type]
+                adopts.append(row)
+        if lookups:
+            built = results(lane, state, lookups, adopts)
+            out.extend(built[x] if type(x) is int else x for x in made)  # type: ignore[misc]
+        else:
+            out.extend(made)  # type: ignore[arg-type]
+        if waiting:
+            kept = from_arrow(pa.Table.from_batches([batch.take(pa.array(list(waiting.values())))]))
+            for (key, row), event in zip(waiting.items(), kept, strict=True):
+                pending[key] = _Pending(event, lane.recipes[lane.recipe_of[row]], evaluation(lane, state, row),
+                                        int(lane.out[row, 8]))
+        return i
 
     def _spans_fit(self, batch: pa.RecordBatch) -> bool:
         """Do all the batch's commits fit the recipes given (no `check_commits` to run)?"""

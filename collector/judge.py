@@ -80,13 +80,8 @@ class LocalJudges:
 
     def feed(self, slot: str, table: pa.Table) -> Judged:
         one, out = self.slots[slot], Judged()
-        results: list[LookupResult] = []
-
-        def use(event: Event) -> list[LookupResult]:
-            self._use(one, event, results, out)
-            return []
-
-        one.reconstructor.feed_table(table, use, bail=lambda: bool(self.refused))
+        results = one.reconstructor.feed_table(table, lambda event: self._use(one, event, out),
+                                               bail=lambda: bool(self.refused))
         return self._done(one, results, out)
 
     def close_source(self, slot: str, instance: str, source_id: int) -> Judged:
@@ -103,23 +98,22 @@ class LocalJudges:
             out.verifications.extend(one.probes.verdicts(results))
         return out
 
-    def _use(self, one: _Slot, event: Event, results: list[LookupResult], out: Judged) -> None:
+    def _use(self, one: _Slot, event: Event, out: Judged) -> list[LookupResult]:
+        """Feed one event the reconstructor does not judge from the columns; its verdicts."""
         if event.kind is EventKind.PROBE:  # a canary's measurement: judged against its re-run's verdict
             out.verifications.extend(one.probes.probes((event,)))
-            return
+            return []
         if self.refused and (event.engine, event.model) in self.refused:
             out.skipped["recipe_mismatch"] += 1
-            return
+            return []
         try:
-            new = one.reconstructor.feed(event)
+            return one.reconstructor.feed(event)
         except UnknownModel:
             out.skipped["unknown_model"] += 1
-            return
         except RecipeMismatch as exc:
             self.refused[(event.engine, event.model)] = out.refused[(event.engine, event.model)] = str(exc)
             out.skipped["recipe_mismatch"] += 1
-            return
-        results.extend(new)
+        return []
 
 
 @dataclass(slots=True)
