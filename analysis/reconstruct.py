@@ -21,7 +21,7 @@ from kvtrace.analysis.columnar import Prepared, feed_batch, prepare
 from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.fleet import FleetView, alone, judge
 from kvtrace.analysis.native_state import NativeState, available, evaluate_on
-from kvtrace.analysis.requests import LOOKUP_ROW, Lane, evaluation, plan, results
+from kvtrace.analysis.requests import LOOKUP_ROW, Lane, evaluation, plan, results, verdict_table
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.arrow import conform, from_arrow
 from kvtrace.schema.events import Event, adopted_tokens
@@ -87,6 +87,9 @@ class Reconstructor:
         self.events_seen = 0
         self.unmatched_adopts = 0
         self.pending_overflow = 0
+        # Where set, `feed_table` puts the verdicts it judges from the columns here, as tables,
+        # instead of returning them (the live judge's: its verdicts go to the store as a table).
+        self.verdict_tables: list[pa.Table] | None = None
 
     def capture(self, objects: bool = True) -> ReconstructorState:
         """The state after the last event fed (shared, not copied: encode it before feeding on);
@@ -248,11 +251,14 @@ class Reconstructor:
                 made.append(len(lookups))
                 lookups.append(lookup)  # type: ignore[arg-type]
                 adopts.append(row)
-        if lookups:
+        if not lookups:
+            out.extend(made)  # type: ignore[arg-type]
+        elif self.verdict_tables is not None:  # the lane's verdicts as a table, the others as results
+            self.verdict_tables.append(verdict_table(lane, state, lookups, adopts))  # type: ignore[arg-type]
+            out.extend(x for x in made if type(x) is not int)  # type: ignore[misc]
+        else:
             built = results(lane, state, lookups, adopts)
             out.extend(built[x] if type(x) is int else x for x in made)  # type: ignore[misc]
-        else:
-            out.extend(made)  # type: ignore[arg-type]
         if waiting:
             kept = from_arrow(pa.Table.from_batches([batch.take(pa.array(list(waiting.values())))]))
             for (key, row), event in zip(waiting.items(), kept, strict=True):

@@ -30,6 +30,7 @@ from kvtrace.analysis.columnar import Prepared, _identities
 from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.native_state import _COMPONENT, _GAP_CODE, _GAPS, NativeState
 from kvtrace.analysis.packed import TIERS
+from kvtrace.schema.arrow import arrow_schema
 from kvtrace.schema.kinds import EventKind, Tier
 from kvtrace.schema.recipes import Recipe, RecipeBook, UnknownModel
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult, Verdict
@@ -41,6 +42,8 @@ _NOUT = 10
 _CHANGED, _CROSS, _TIERS_SHIFT = 1, 2, 8
 _HOST, _DISK, _REMOTE = (TIERS.index(t) for t in (Tier.HOST, Tier.DISK, Tier.REMOTE))
 _VERDICTS = (Verdict.MISS, Verdict.HIT, Verdict.PARTIAL)  # `classify`'s rule, vectorized in `results`
+_VERDICT_NAMES = pa.array([v.value for v in _VERDICTS])
+_GAP_NAMES = pa.array([g.value for g in _GAPS])
 _LOOKUP_FIELDS = ("ts_ns", "source_id", "seq", "request_id", "model", "tenant", "prompt_tokens",
                   "reported_hit_tokens")
 
@@ -60,9 +63,20 @@ class Lane:
     buffers: tuple[np.ndarray, ...]
     specs: tuple[tuple[tuple, int], ...]
     width: int
-    fields: dict[int, tuple]  # lookup row -> _LOOKUP_FIELDS' values
+    inst_code: np.ndarray  # per row, its instance's index in `instance_names`
+    instance_names: pa.Array
+    lookups: np.ndarray  # the lookup rows judged here, ascending
+    fields: pa.Table  # their _LOOKUP_FIELDS, in that order
     adopted: np.ndarray
     recomputed: np.ndarray
+    _rows: dict[int, tuple] | None = None
+
+    def row(self, row: int) -> tuple:
+        """The lookup of `row`'s instance and _LOOKUP_FIELDS (made for all at the first ask)."""
+        if self._rows is None:
+            columns = [self.fields.column(f).to_pylist() for f in _LOOKUP_FIELDS]
+            self._rows = {r: (self.keys[r][0], *v) for r, *v in zip(self.lookups.tolist(), *columns, strict=True)}
+        return self._rows[row]
 
     @property
     def out(self) -> np.ndarray:
@@ -92,69 +106,63 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     attach = others[kinds == EventKind.ATTACH.value]
     if len(attach):  # an attach can publish the recipe of a later lookup: those go as events
         lookup &= others < attach[0]
-    rows = others[lookup | adopt]
+    asked = lookup | adopt
+    rows, is_lookup = others[asked], lookup[asked]  # the candidates, in stream order
     taken = batch.take(pa.array(rows))
-    ids = taken.column("request_id").to_pylist()
-    names = [prepared.instances[i] for i in prepared.columns[2][rows].tolist()]
-    is_lookup = dict(zip(rows.tolist(), lookup[lookup | adopt].tolist(), strict=True))
     # Each lookup's recipe, resolved once per (model, engine, source): a lookup without one is an event.
-    where = {r: i for i, r in enumerate(rows.tolist())}
-    triples = list(zip(taken.column("model").to_pylist(), taken.column("engine").to_pylist(),
-                       taken.column("source_id").to_pylist(), strict=True))
-    book: dict[tuple, int] = {}
     found: list[Recipe] = []
     recipe_of = np.full(batch.num_rows, -1, dtype=np.int32)
-    special = set(others[~(lookup | adopt)].tolist())
-    for r, ok in is_lookup.items():
-        if not ok:
-            continue
-        triple = triples[where[r]]
-        idx = book.get(triple)
-        if idx is None:
+    special = np.zeros(len(rows), dtype=bool)
+    if is_lookup.any():
+        model, engine = (taken.column(c).dictionary_encode() for c in ("model", "engine"))
+        source = taken.column("source_id").to_numpy().astype(np.uint64)
+        parts = np.stack([model.indices.to_numpy(zero_copy_only=False).astype(np.uint64),
+                          engine.indices.to_numpy(zero_copy_only=False).astype(np.uint64), source], axis=1)
+        distinct, where = np.unique(parts[is_lookup], axis=0, return_inverse=True)
+        models, engines = model.dictionary.to_pylist(), engine.dictionary.to_pylist()
+        ids = []
+        for m, e, src in distinct.tolist():
             try:
-                recipe = recipes.resolve(*triple)
+                recipe = recipes.resolve(models[m], engines[e], src)
             except UnknownModel:
-                idx = -1
-            else:
-                idx = next((i for i, x in enumerate(found) if x is recipe), len(found))
-                if idx == len(found):
-                    found.append(recipe)
-            book[triple] = idx
-        if idx < 0:
-            special.add(r)
-        recipe_of[r] = idx
-    # Pair each adopt with its lookup in the same stretch (no event row between them); an adopt
-    # left without one is an event, which can split a stretch: until nothing changes.
-    order = others.tolist()
-    while True:
-        pair: dict[int, int] = {}
-        last: dict[tuple[str, str], int] = {}
-        unpaired = []
-        for r in order:
-            if r in special:
-                last.clear()
+                ids.append(-1)
                 continue
-            i = where[r]
-            key = (names[i], ids[i])
-            if is_lookup[r]:
-                last[key] = r
-            elif (looked := last.pop(key, None)) is not None:
-                pair[r] = looked
-            else:
-                unpaired.append(r)
-        if not unpaired:
+            ids.append(next((i for i, x in enumerate(found) if x is recipe), len(found)))
+            if ids[-1] == len(found):
+                found.append(recipe)
+        of_lookup = np.array(ids, dtype=np.int32)[np.asarray(where).reshape(-1)]
+        recipe_of[rows[is_lookup]] = of_lookup
+        special[np.flatnonzero(is_lookup)[of_lookup < 0]] = True
+    # Pair each adopt with its lookup in the same stretch (no event row between them): the
+    # request's previous row, when that is a lookup. An adopt left without one is an event,
+    # which can split a stretch: until nothing changes.
+    request = taken.column("request_id").dictionary_encode()
+    key = prepared.columns[2][rows].astype(np.int64) << 32 | request.indices.to_numpy(zero_copy_only=False)
+    events = others[~asked]
+    while True:
+        stops = np.sort(np.concatenate([events, rows[special]]))
+        stretch = np.searchsorted(stops, rows)  # event rows before each candidate
+        live = np.flatnonzero(~special)
+        order = live[np.lexsort((rows[live], key[live]))]  # by request, then in stream order
+        prev, cur = order[:-1], order[1:]
+        paired = ((key[prev] == key[cur]) & is_lookup[prev] & ~is_lookup[cur] & (stretch[prev] == stretch[cur]))
+        lone = np.ones(len(rows), dtype=bool)
+        lone[is_lookup] = False
+        lone[cur[paired]] = False
+        lone[special] = False
+        if not lone.any():
             break
-        special.update(unpaired)
-    requests = [r for r in order if r not in special]
-    lookups = [r for r in requests if is_lookup[r]]
-    if not lookups or len(lookups) > room:
+        special |= lone
+    requests = rows[~special].tolist()
+    lk = rows[~special & is_lookup]
+    if not len(lk) or len(lk) > room:
         return None
+    adopts, their = rows[cur[paired]], rows[prev[paired]]
+    pair = dict(zip(adopts.tolist(), their.tolist(), strict=True))
     n = batch.num_rows
     kind = prepared.columns[0].copy()
-    kind[lookups] = LOOKUP_ROW
-    adopts = list(pair)
+    kind[lk] = LOOKUP_ROW
     kind[adopts] = ADOPT_ROW
-    lk = np.array(lookups)
     # Per lookup: instance id, identity, tenant id, time, hit cap, chains, and per group its table.
     inst_code = prepared.columns[2]
     instance_id = np.full(n, 0xFFFFFFFF, dtype=np.uint32)
@@ -178,23 +186,31 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     prompt = batch.column("prompt_tokens").to_numpy().astype(np.int64)
     cap = prompt
     if policy.keep_one_token:
-        stores = np.isin(np.asarray(batch.column("engine").to_pylist(), dtype=object), list(policy.stores))
+        engines = batch.column("engine").dictionary_encode()
+        stores = np.isin(engines.dictionary.to_numpy(zero_copy_only=False), list(policy.stores))[
+            engines.indices.to_numpy(zero_copy_only=False)]
         cap = np.maximum(np.where(stores, prompt, prompt - 1), 0)
-    outer, inner, keys = _chains(batch.column("group_block_keys"))
+    outer, inner, chain_keys = _chains(batch.column("group_block_keys"))
     pairs = np.full(n, -1, dtype=np.int32)
-    pairs[adopts] = list(pair.values())
+    pairs[adopts] = their
     adopted = _sums(batch.column("reused_tokens"))
     out = np.zeros((n, _NOUT), dtype=np.int64)
     buffers = (recipe_of, pairs, instance_id, identity, tenant_id, ts, np.ascontiguousarray(cap, dtype=np.int64),
-               adopted, outer, inner, keys, tables, out, np.zeros((n, width), dtype=np.int64),
+               adopted, outer, inner, chain_keys, tables, out, np.zeros((n, width), dtype=np.int64),
                np.zeros((n, len(TIERS)), dtype=np.uint64))
     specs = tuple((tuple((g.group_id, _COMPONENT.get(g.component, 0), g.block_size, g.window, g.ratio,
                           _GAP_CODE[MISSING_REASON[g.component]]) for g in r.groups), r.alignment) for r in found)
-    rows_l = lk.tolist()
-    values = [taken.column(f).take(pa.array([where[r] for r in rows_l])).to_pylist() for f in _LOOKUP_FIELDS]
-    fields = {r: (names[where[r]], *v) for r, *v in zip(rows_l, *values, strict=True)}
-    return Lane(kind, sorted(special), requests, {r: (names[where[r]], ids[where[r]]) for r in requests}, pair,
-                found, recipe_of, identity, buffers, specs, width, fields, adopted,
+    # What the verdicts are made of: each lookup's own columns, and each request's key.
+    mine = np.flatnonzero(~special & is_lookup)
+    fields = taken.take(pa.array(mine)).select(list(_LOOKUP_FIELDS))
+    names = request.dictionary.to_pylist()
+    codes = request.indices.to_numpy(zero_copy_only=False)
+    instances = prepared.instances
+    keys = {r: (instances[c], names[i]) for r, c, i in
+            zip(requests, prepared.columns[2][rows[~special]].tolist(), codes[~special].tolist(), strict=True)}
+    return Lane(kind, sorted(events.tolist() + rows[special].tolist()), requests, keys, pair, found, recipe_of,
+                identity, buffers, specs, width, prepared.columns[2], pa.array(instances, pa.string()), lk, fields,
+                adopted,
                 batch.column("recomputed_tokens").to_numpy().astype(np.int64))
 
 
@@ -227,7 +243,7 @@ def evaluation(lane: Lane, state: NativeState, row: int) -> Evaluation:
     o = lane.out[row].tolist()
     tiers = o[_FLAGS] >> _TIERS_SHIFT
     ng = len(lane.recipes[lane.recipe_of[row]].groups)
-    detail = state._detail_for(o[_DKIND], o[_DARG], o[_DARG2], lane.fields[row][6],
+    detail = state._detail_for(o[_DKIND], o[_DARG], o[_DARG2], lane.row(row)[6],
                                state._identity_list[lane.identity[row]]) if o[_DKIND] else ""
     restore = lane.restore[row].tolist()
     return Evaluation(logical=o[_LOGICAL], recoverable=o[_RECOVERABLE], resident=o[_RESIDENT], reason=_GAPS[o[_REASON]],
@@ -236,9 +252,31 @@ def evaluation(lane: Lane, state: NativeState, row: int) -> Evaluation:
                       restore_bytes={TIERS[t]: restore[t] for t in range(len(TIERS)) if tiers >> t & 1})
 
 
-def results(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) -> list[LookupResult]:
-    """The verdicts of the lookups of `rows`, each adopted at the row of `adopts` beside it (-1:
-    never), as `Reconstructor._result` makes them: the numbers for all at once, then a result each."""
+@dataclass(slots=True)
+class _Verdicts:
+    """The verdicts of a stretch's lookups, column by column (`Reconstructor._result`'s rules)."""
+
+    lookups: np.ndarray  # their rows
+    seen: np.ndarray  # adopted
+    logical: np.ndarray
+    own: np.ndarray  # recoverable at the lookup (the fleet view's)
+    recoverable: np.ndarray  # and at the adopt, where it was judged again and found shorter
+    resident: np.ndarray
+    adopted: np.ndarray
+    recomputed: np.ndarray
+    verdict: np.ndarray  # codes of _VERDICTS
+    reason: np.ndarray  # codes of _GAPS
+    own_reason: np.ndarray
+    group: np.ndarray
+    detail: np.ndarray  # object: str
+    cross: np.ndarray
+    restore: np.ndarray  # per tier
+    best_restore: np.ndarray
+    widths: np.ndarray  # groups of each one's recipe: group_logical[i, :widths[i]] are its own
+
+
+def _verdicts(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) -> _Verdicts:
+    """The verdicts of the lookups of `rows`, each adopted at the row of `adopts` beside it (-1: never)."""
     lk, ad = np.array(rows), np.array(adopts)
     own, at_use = lane.out[lk], lane.out[np.maximum(ad, 0)]
     seen = ad >= 0
@@ -247,48 +285,91 @@ def results(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) 
     changed = seen & (at_use[:, _FLAGS] & _CHANGED > 0) & (at_use[:, _RECOVERABLE] < recoverable)
     now_recoverable = np.where(changed, at_use[:, _RECOVERABLE], recoverable)
     now_resident = np.where(changed, np.minimum(resident, at_use[:, _RESIDENT]), resident)
-    adopted = np.where(seen, lane.adopted[np.maximum(ad, 0)], 0)
     steps = np.array([r.alignment for r in lane.recipes], dtype=np.int64)[lane.recipe_of[lk]]
-    aligned = logical // steps * steps
-    hit = (now_recoverable >= aligned) & (now_resident >= now_recoverable)
-    verdicts = np.where(logical <= 0, 0, np.where(hit, 1, 2)).tolist()
+    hit = (now_recoverable >= logical // steps * steps) & (now_resident >= now_recoverable)
+    detail = np.full(len(rows), "", dtype=object)
+    for i in np.flatnonzero(changed).tolist():
+        detail[i] = _GAPS[at_use[i, _REASON]].value
+    for i in np.flatnonzero(~changed & (own[:, _DKIND] != 0)).tolist():
+        row = rows[i]
+        detail[i] = state._detail_for(int(own[i, _DKIND]), int(own[i, _DARG]), int(own[i, _DARG2]), lane.row(row)[6],
+                                      state._identity_list[lane.identity[row]])
     restore = lane.restore[lk]
-    tiers = own[:, _FLAGS] >> _TIERS_SHIFT
-    named = (tiers[:, None] >> np.arange(len(TIERS))) & 1
-    best_restore = (restore * named.astype(np.uint64)).sum(axis=1).tolist()
-    widths = [len(r.groups) for r in lane.recipes]
-    group_logical = [lane.group_logical[r, : widths[lane.recipe_of[r]]].tolist() for r in rows] \
-        if len(set(widths)) > 1 else lane.group_logical[lk, : widths[0]].tolist()
-    reasons, groups, dkinds = own[:, _REASON].tolist(), own[:, _GROUP].tolist(), own[:, _DKIND].tolist()
-    use_reasons, use_groups = at_use[:, _REASON].tolist(), at_use[:, _GROUP].tolist()
-    cross = (seen & (at_use[:, _FLAGS] & _CROSS > 0)).tolist()
-    recomputed = np.where(seen, lane.recomputed[np.maximum(ad, 0)], 0).tolist()
-    fields = lane.fields
+    named = ((own[:, _FLAGS] >> _TIERS_SHIFT)[:, None] >> np.arange(len(TIERS))) & 1
+    return _Verdicts(
+        lookups=lk, seen=seen, logical=logical, own=recoverable, recoverable=now_recoverable, resident=now_resident,
+        adopted=np.where(seen, lane.adopted[np.maximum(ad, 0)], 0),
+        recomputed=np.where(seen, lane.recomputed[np.maximum(ad, 0)], 0),
+        verdict=np.where(logical <= 0, 0, np.where(hit, 1, 2)).astype(np.int8),
+        reason=np.where(changed, _GAP_CODE[GapReason.CHANGED_BEFORE_USE], own[:, _REASON]).astype(np.int8),
+        own_reason=np.where(recoverable < logical, own[:, _REASON], _GAP_CODE[GapReason.NONE]).astype(np.int8),
+        group=np.where(changed, at_use[:, _GROUP], own[:, _GROUP]), detail=detail,
+        cross=seen & (at_use[:, _FLAGS] & _CROSS > 0), restore=restore,
+        best_restore=(restore * named.astype(np.uint64)).sum(axis=1),
+        widths=np.array([len(r.groups) for r in lane.recipes], dtype=np.int64)[lane.recipe_of[lk]],
+    )
+
+
+def results(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) -> list[LookupResult]:
+    """`_verdicts` as results, in `rows`' order."""
+    v = _verdicts(lane, state, rows, adopts)
+    logical = lane.group_logical[v.lookups]
     out = []
-    for i, (row, logical_i, recoverable_i, rec_now, res_now, adopted_i, seen_i, changed_i) in enumerate(
-            zip(rows, logical.tolist(), recoverable.tolist(), now_recoverable.tolist(), now_resident.tolist(),
-                adopted.tolist(), seen.tolist(), changed.tolist(), strict=True)):
-        instance, ts, source, seq, request, model, tenant, prompt, reported = fields[row]
-        own_reason = _GAPS[reasons[i]]
-        if changed_i:
-            reason, group, detail = GapReason.CHANGED_BEFORE_USE, use_groups[i], _GAPS[use_reasons[i]].value
-        else:
-            reason, group = own_reason, groups[i]
-            detail = state._detail_for(dkinds[i], *own[i, _DARG:_DARG2 + 1].tolist(), tenant,
-                                       state._identity_list[lane.identity[row]]) if dkinds[i] else ""
+    for i, (row, seen, adopted, recoverable, own, reason, own_reason) in enumerate(zip(
+            rows, v.seen.tolist(), v.adopted.tolist(), v.recoverable.tolist(), v.own.tolist(), v.reason.tolist(),
+            v.own_reason.tolist(), strict=True)):
+        instance, ts, source, seq, request, model, tenant, prompt, reported = lane.row(row)
+        restore = v.restore[i].tolist()
         out.append(LookupResult(
             ts_ns=ts, source_id=source, seq=seq, instance=instance, request_id=request, model=model, tenant=tenant,
-            prompt_tokens=prompt, reported_hit_tokens=reported, logical_hit_tokens=logical_i,
-            recoverable_hit_tokens=rec_now, resident_hit_tokens=res_now, adopted_tokens=adopted_i,
-            recomputed_tokens=recomputed[i], adopt_seen=seen_i, verdict=_VERDICTS[verdicts[i]], reason=reason,
-            reason_group=group, reason_detail=detail, unsafe_reuse=adopted_i > rec_now,
-            missed_reuse=seen_i and rec_now > adopted_i, cross_tenant=cross[i],
-            restore_host_bytes=int(restore[i, _HOST]), restore_disk_bytes=int(restore[i, _DISK]),
-            restore_remote_bytes=int(restore[i, _REMOTE]), group_logical_tokens=group_logical[i],
+            prompt_tokens=prompt, reported_hit_tokens=reported, logical_hit_tokens=int(v.logical[i]),
+            recoverable_hit_tokens=recoverable, resident_hit_tokens=int(v.resident[i]), adopted_tokens=adopted,
+            recomputed_tokens=int(v.recomputed[i]), adopt_seen=seen, verdict=_VERDICTS[v.verdict[i]],
+            reason=_GAPS[reason], reason_group=int(v.group[i]), reason_detail=v.detail[i],
+            unsafe_reuse=adopted > recoverable, missed_reuse=seen and recoverable > adopted,
+            cross_tenant=bool(v.cross[i]), restore_host_bytes=restore[_HOST], restore_disk_bytes=restore[_DISK],
+            restore_remote_bytes=restore[_REMOTE], group_logical_tokens=logical[i, : v.widths[i]].tolist(),
             # the fleet view of an instance that is its own fleet (analysis.fleet.alone)
-            seen_anywhere_tokens=logical_i, recoverable_anywhere_tokens=recoverable_i,
-            best_instance=instance if recoverable_i else "",
-            fleet_reason=own_reason if recoverable_i < logical_i else GapReason.NONE,
-            best_restore_bytes=best_restore[i],
+            seen_anywhere_tokens=int(v.logical[i]), recoverable_anywhere_tokens=own,
+            best_instance=instance if own else "", fleet_reason=_GAPS[own_reason],
+            best_restore_bytes=int(v.best_restore[i]),
         ))
     return out
+
+
+def verdict_table(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) -> pa.Table:
+    """`results` as the verdicts table's columns (`to_arrow` of them), made from the numbers
+    directly: no result object per row, for the live judge, whose verdicts go to the store."""
+    v = _verdicts(lane, state, rows, adopts)
+    lk, u32 = v.lookups, pa.uint32()
+    kept = np.arange(lane.width)[None, :] < v.widths[:, None]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(v.widths, out=offsets[1:])
+    fields = lane.fields.take(pa.array(np.searchsorted(lane.lookups, lk)))
+
+    def named(codes: np.ndarray, names: pa.Array) -> pa.Array:
+        return pa.DictionaryArray.from_arrays(pa.array(codes), names).cast(pa.string())
+
+    columns = {
+        **{f: fields.column(f) for f in _LOOKUP_FIELDS},
+        "instance": named(lane.inst_code[lk].astype(np.int32), lane.instance_names),
+        "logical_hit_tokens": pa.array(v.logical, u32), "recoverable_hit_tokens": pa.array(v.recoverable, u32),
+        "resident_hit_tokens": pa.array(v.resident, u32), "adopted_tokens": pa.array(v.adopted, u32),
+        "recomputed_tokens": pa.array(v.recomputed, u32), "adopt_seen": pa.array(v.seen),
+        "verdict": named(v.verdict, _VERDICT_NAMES), "reason": named(v.reason, _GAP_NAMES),
+        "reason_group": pa.array(v.group, pa.int64()), "reason_detail": pa.array(v.detail, pa.string()),
+        "unsafe_reuse": pa.array(v.adopted > v.recoverable),
+        "missed_reuse": pa.array(v.seen & (v.recoverable > v.adopted)), "cross_tenant": pa.array(v.cross),
+        "restore_host_bytes": pa.array(v.restore[:, _HOST]), "restore_disk_bytes": pa.array(v.restore[:, _DISK]),
+        "restore_remote_bytes": pa.array(v.restore[:, _REMOTE]),
+        "group_logical_tokens": pa.ListArray.from_arrays(pa.array(offsets),
+                                                         pa.array(lane.group_logical[lk][kept], u32)),
+        # the fleet view of an instance that is its own fleet (analysis.fleet.alone)
+        "seen_anywhere_tokens": pa.array(v.logical, u32), "recoverable_anywhere_tokens": pa.array(v.own, u32),
+        "best_instance": named(np.where(v.own > 0, lane.inst_code[lk], len(lane.instance_names)).astype(np.int32),
+                               pa.concat_arrays([lane.instance_names, pa.array([""])])),
+        "routing_regret_tokens": pa.array(np.zeros(len(rows), dtype=np.uint32)),
+        "fleet_reason": named(v.own_reason, _GAP_NAMES), "best_restore_bytes": pa.array(v.best_restore),
+    }
+    schema = arrow_schema(LookupResult)
+    return pa.Table.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)

@@ -25,14 +25,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.schema.arrow import to_arrow
 from kvtrace.schema.arrow_wire import write_stream
-from kvtrace.schema.events import Event
+from kvtrace.schema.events import PROBE_PREFIX, Event
 from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.recipes import RecipeBook, RecipeMismatch, UnknownModel
 from kvtrace.schema.verdicts import LookupResult, Verification
@@ -80,9 +82,13 @@ class LocalJudges:
 
     def feed(self, slot: str, table: pa.Table) -> Judged:
         one, out = self.slots[slot], Judged()
-        results = one.reconstructor.feed_table(table, lambda event: self._use(one, event, out),
-                                               bail=lambda: bool(self.refused))
-        return self._done(one, results, out)
+        rec = one.reconstructor
+        rec.verdict_tables = tables = []  # the verdicts judged from the columns, as tables
+        try:
+            results = rec.feed_table(table, lambda event: self._use(one, event, out), bail=lambda: bool(self.refused))
+        finally:
+            rec.verdict_tables = None
+        return self._done(one, results, out, tables)
 
     def close_source(self, slot: str, instance: str, source_id: int) -> Judged:
         one = self.slots[slot]
@@ -92,10 +98,12 @@ class LocalJudges:
         one = self.slots[slot]
         return self._done(one, one.reconstructor.finish(), Judged())
 
-    def _done(self, one: _Slot, results: list[LookupResult], out: Judged) -> Judged:
-        if results:
-            out.verdicts = to_arrow(results, LookupResult)
-            out.verifications.extend(one.probes.verdicts(results))
+    def _done(self, one: _Slot, results: list[LookupResult], out: Judged, tables: list[pa.Table] = ()) -> Judged:
+        parts = [to_arrow(results, LookupResult)] if results else []
+        parts += tables
+        if parts:
+            out.verdicts = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+            out.verifications.extend(one.probes.verdicts([*results, *_reruns(tables)]))
         return out
 
     def _use(self, one: _Slot, event: Event, out: Judged) -> list[LookupResult]:
@@ -114,6 +122,15 @@ class LocalJudges:
             self.refused[(event.engine, event.model)] = out.refused[(event.engine, event.model)] = str(exc)
             out.skipped["recipe_mismatch"] += 1
         return []
+
+
+def _reruns(tables: list[pa.Table]) -> list[LookupResult]:
+    """The canary re-runs' verdicts among these (the only ones a probe judge keeps), as results."""
+    out = []
+    for table in tables:
+        mine = table.filter(pc.starts_with(table.column("request_id"), PROBE_PREFIX))
+        out += [msgspec.convert(row, LookupResult) for row in mine.to_pylist()]
+    return out
 
 
 @dataclass(slots=True)
