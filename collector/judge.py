@@ -33,7 +33,6 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.oracle import ProbeJudge
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.schema.arrow import to_arrow
-from kvtrace.schema.arrow_wire import write_stream
 from kvtrace.schema.events import PROBE_PREFIX, Event
 from kvtrace.schema.kinds import EventKind
 from kvtrace.schema.recipes import RecipeBook, RecipeMismatch, UnknownModel
@@ -142,17 +141,22 @@ class _Error:
 
 @dataclass(slots=True)
 class _Stream:
-    """A table crossing the pipe as an Arrow IPC stream: pickling a table slices nothing (a
-    slice of a buffer travels with the whole buffer), the stream writes only the rows."""
+    """A table's place in a message: its Arrow IPC stream follows the message on the pipe as
+    raw bytes (`_send_table`). Pickling a table slices nothing (a slice of a buffer travels
+    with the whole buffer), and a stream pickled inside the message was copied twice more on
+    its way (into a bytes object, then into the pickle): ~1.3 us of the collector's CPU per
+    event judged, at ~2.5 MB per chunk."""
 
-    data: bytes
 
-    @classmethod
-    def of(cls, table: pa.Table) -> _Stream:
-        return cls(write_stream(table))
+def _send_table(conn: Any, table: pa.Table) -> None:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    conn.send_bytes(sink.getvalue())
 
-    def table(self) -> pa.Table:
-        return pa.ipc.open_stream(pa.py_buffer(self.data)).read_all()
+
+def _recv_table(conn: Any) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(conn.recv_bytes())).read_all()
 
 
 def _serve(conn: Any, recipes: RecipeBook, policy: Policy) -> None:
@@ -161,16 +165,20 @@ def _serve(conn: Any, recipes: RecipeBook, policy: Policy) -> None:
     while True:
         try:
             name, args = conn.recv()
+            args = [_recv_table(conn) if isinstance(a, _Stream) else a for a in args]
         except (EOFError, OSError):  # the collector is gone (stopped, or killed): so is this
             return
+        verdicts = None
         try:
-            reply: Any = getattr(judges, name)(*(a.table() if isinstance(a, _Stream) else a for a in args))
+            reply: Any = getattr(judges, name)(*args)
             if isinstance(reply, Judged) and reply.verdicts is not None:
-                reply.verdicts = _Stream.of(reply.verdicts)  # type: ignore[assignment]
+                verdicts, reply.verdicts = reply.verdicts, _Stream()  # type: ignore[assignment]
         except Exception:  # noqa: BLE001 - the caller logs it; the process goes on
             reply = _Error(traceback.format_exc())
         try:
             conn.send(reply)
+            if verdicts is not None:
+                _send_table(conn, verdicts)
         except (EOFError, OSError):
             return
 
@@ -200,8 +208,13 @@ class ProcessJudges:
         if self._proc is None:
             self._start()
         try:
-            self._conn.send((name, args))
+            self._conn.send((name, tuple(_Stream() if isinstance(a, pa.Table) else a for a in args)))
+            for table in args:
+                if isinstance(table, pa.Table):
+                    _send_table(self._conn, table)
             reply = self._conn.recv()
+            if isinstance(reply, Judged) and isinstance(reply.verdicts, _Stream):
+                reply.verdicts = _recv_table(self._conn)
         except (EOFError, OSError) as exc:
             self._proc.join(1)
             code = self._proc.exitcode
@@ -213,8 +226,6 @@ class ProcessJudges:
             raise JudgeLost(f"the live judge process died (exit code {code})") from None
         if isinstance(reply, _Error):
             raise RuntimeError(f"live judging failed in its process:\n{reply.text}")
-        if isinstance(reply, Judged) and isinstance(reply.verdicts, _Stream):
-            reply.verdicts = reply.verdicts.table()
         return reply
 
     def open(self, slot: str) -> None:
@@ -224,7 +235,7 @@ class ProcessJudges:
         self._call("forget", slot)
 
     def feed(self, slot: str, table: pa.Table) -> Judged:
-        return self._call("feed", slot, _Stream.of(table))  # type: ignore[no-any-return]
+        return self._call("feed", slot, table)  # type: ignore[no-any-return]
 
     def close_source(self, slot: str, instance: str, source_id: int) -> Judged:
         return self._call("close_source", slot, instance, source_id)  # type: ignore[no-any-return]
