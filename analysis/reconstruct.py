@@ -21,7 +21,7 @@ from kvtrace.analysis.columnar import Prepared, feed_batch, prepare
 from kvtrace.analysis.evaluate import Evaluation, Policy
 from kvtrace.analysis.fleet import FleetView, alone, judge
 from kvtrace.analysis.native_state import NativeState, available, evaluate_on
-from kvtrace.analysis.requests import LOOKUP_ROW, Lane, evaluation, plan, results, verdict_table
+from kvtrace.analysis.requests import CHANGES, LOOKUP_ROW, Lane, evaluation, plan, results, verdict_table
 from kvtrace.analysis.state import CacheState
 from kvtrace.schema.arrow import conform, from_arrow
 from kvtrace.schema.events import Event, adopted_tokens
@@ -263,7 +263,7 @@ class Reconstructor:
             kept = from_arrow(pa.Table.from_batches([batch.take(pa.array(list(waiting.values())))]))
             for (key, row), event in zip(waiting.items(), kept, strict=True):
                 pending[key] = _Pending(event, lane.recipes[lane.recipe_of[row]], evaluation(lane, state, row),
-                                        int(lane.out[row, 8]))
+                                        int(lane.out[row, CHANGES]))
         return i
 
     def _spans_fit(self, batch: pa.RecordBatch) -> bool:

@@ -37,7 +37,7 @@ from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult, Ver
 
 LOOKUP_ROW, ADOPT_ROW = -2, -3  # `_native.c`'s K_LOOKUP_ROW, K_ADOPT_ROW
 # RQ_OUT's columns (`_native.c`'s O_ enum) and flags.
-_LOGICAL, _RECOVERABLE, _RESIDENT, _REASON, _GROUP, _DKIND, _DARG, _DARG2, _CHANGES, _FLAGS = range(10)
+_LOGICAL, _RECOVERABLE, _RESIDENT, _REASON, _GROUP, _DKIND, _DARG, _DARG2, CHANGES, _FLAGS = range(10)
 _NOUT = 10
 _CHANGED, _CROSS, _TIERS_SHIFT = 1, 2, 8
 _HOST, _DISK, _REMOTE = (TIERS.index(t) for t in (Tier.HOST, Tier.DISK, Tier.REMOTE))
