@@ -12,7 +12,8 @@ Measured in one run, alternating so machine noise hits all of them:
              floor of what any ingest path can reach.
   collector  `kvtrace collector` in its own process (its own embedded store, fsync'd spool, no
              auth; live verdicts off, and with --live also on, in the same round: the
-             live reconstruction's own cost is the difference), fed by --clients concurrent
+             live reconstruction's own cost is the difference; with --live the judge is also timed
+             alone, in this process), fed by --clients concurrent
              senders; events/s from the first request to the last event stored (spool
              drained), per-request latency (validate + fsync + reply), and the collector's
              resident memory sampled throughout (bounded: it must not grow with the number of
@@ -368,6 +369,23 @@ def collector_run(bodies: list[bytes], n_events: int, clients: int, root: Path,
         proc.wait(120)
 
 
+def judge_alone(events: list[Event]) -> float:
+    """Events/s of the live judge by itself (`LocalJudges`, this process, one thread) over the
+    same events in the collector's chunks: what it can keep up with given a core of its own."""
+    from kvtrace.analysis.evaluate import Policy
+    from kvtrace.collector.judge import LocalJudges
+    from kvtrace.schema.recipes import RecipeBook
+
+    tables = [to_arrow(events[i:i + BATCH]) for i in range(0, len(events), BATCH)]
+    judges = LocalJudges(RecipeBook.of(None), Policy())
+    judges.open("bench")
+    t = time.process_time()
+    for table in tables:
+        judges.feed("bench", table)
+    judges.finish("bench")
+    return len(events) / (time.process_time() - t)
+
+
 def _judging_rate(written: list[tuple[float, float]], lookups: int, n_events: int) -> float:
     """Events judged per second while the stream flowed: the verdicts' slope from 10 % to 60 % of
     the lookups, as events (the stream's events per lookup). Why not only the time to the last
@@ -471,6 +489,10 @@ def main() -> None:
             raw_best = max(raws[-1].values())
             print(f"round {k + 1}: raw insert arrow {raws[-1]['arrow']:,.0f} rows/s, arrow IPC "
                   f"{raws[-1]['arrow_ipc']:,.0f} rows/s, json {raws[-1]['json']:,.0f} rows/s")
+            if args.live:
+                alone = judge_alone(events)
+                print(f"  the live judge alone (one thread, CPU time): {alone:,.0f} events/s, "
+                      f"{1e6 / alone:.2f} us per event, ratio to the raw insert {alone / raw_best:.2f}")
             order = [(w, m) for w in wires for m in modes]
             for wire, live in order if k % 2 == 0 else order[::-1]:  # alternate which goes first
                 root = Path(tmp) / f"c{k}-{wire}-{'live' if live else 'ingest'}"
