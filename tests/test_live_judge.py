@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import polars as pl
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lifecycle import lifecycle_streams
+from lifecycle import RECIPES, lifecycle_streams
 from polars.testing import assert_frame_equal
 from test_incremental import _live_rows
 from test_paths_agree import BOOK, SORT, streaming
@@ -28,6 +30,7 @@ from kvtrace.instrumentation.emitter import BatchConfig, BatchEmitter
 from kvtrace.instrumentation.simulator import CacheSimulator, SimConfig, SimRequest
 from kvtrace.instrumentation.sinks.http import HttpSink
 from kvtrace.schema import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
 from kvtrace.store.client import Store
 from tests.collector_proc import CollectorProcess
@@ -192,3 +195,42 @@ def test_a_judge_lost_while_a_new_instance_starts_loses_no_other_instances_rows(
         live.close()
     got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
     assert_frame_equal(got, streaming(events), check_exact=True)
+
+
+@pytest.mark.parametrize("own_process", [False, True])
+def test_a_model_whose_events_contradict_its_given_recipe_gets_no_more_verdicts(store: Store,
+                                                                                own_process: bool) -> None:
+    """A commit of 8-token blocks where the given recipe says 4: that model's verdicts stop (they
+    would be made up), and the other model's are the streaming rows, in either judge."""
+    base = dict(engine="vllm", instance="i", source_id=7, component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE)
+    events: list[Event] = []
+
+    def add(**kw: object) -> None:
+        events.append(Event(ts_ns=1_750_000_000 * 10**9 + len(events), seq=len(events), **{**base, **kw}))  # type: ignore[arg-type]
+
+    for r in range(60):
+        model = "dense" if r % 2 else "hybrid"
+        keys = [r * 10 + i + 1 for i in range(3)]
+        span = 8 if r == 30 else RECIPES[model].groups[0].block_size  # request 30 contradicts hybrid's recipe
+        add(model=model, kind=EventKind.LOOKUP, request_id=f"r{r}", prompt_tokens=9, group_block_keys=[keys])
+        add(model=model, kind=EventKind.ADOPT, request_id=f"r{r}", reused_tiers=[Tier.DEVICE], reused_tokens=[0],
+            recomputed_tokens=9)
+        add(model=model, kind=EventKind.COMMIT, block_key=keys[0], token_start=0, token_end=span, nbytes=8)
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+    metrics = CollectorMetrics()
+    live = LiveReconstruction(store, BOOK, metrics, lateness_ns=0, own_process=own_process)
+    try:
+        for a in range(0, len(events), 50):
+            live.feed(events[a:a + 50])
+        live.tick(force=True)
+    finally:
+        live.close()
+    assert ("vllm", "hybrid") in live.refused and "8" in live.refused[("vllm", "hybrid")]
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    dense = [e for e in events if e.model == "dense"]
+    assert_frame_equal(got.filter(pl.col("model") == "dense"), streaming(dense), check_exact=True)
+    hybrid = got.filter(pl.col("model") == "hybrid")["request_id"].to_list()
+    assert hybrid == [f"r{r}" for r in range(0, 31, 2)]  # up to the contradiction (r30's lookup comes first)
+    skipped = metrics.live_skipped.labels("recipe_mismatch")._value.get()
+    assert skipped >= 3 * 14  # hybrid's later requests, each of their events
