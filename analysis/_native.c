@@ -256,15 +256,25 @@ static inline int i64(PyObject *o, int64_t *out) {
         return NULL;                                                                     \
     }
 
+/* Runs of keys are random probes of a table larger than the caches: each probe's slot is
+ * fetched AHEAD keys before it is read, so the misses overlap instead of following each other. */
+#define AHEAD 8
+static inline void ahead(const State *s, uint32_t table, uint64_t key) {
+    if (s->tcap) __builtin_prefetch(&s->tab[mix(key, table) & (s->tcap - 1)]);
+}
+
 /* The keys of a fact: its block_key, then its run's more keys: `more` (a list or tuple, or None)
  * or, from columns, `arr[0:narr]`; `body` runs for each with `key` set. Returns -1 from the
  * enclosing function on a bad key. */
 #define EACH_KEY(first, more, arr, narr, body)                                  \
     do {                                                                        \
         uint64_t key = (first);                                                 \
+        if ((arr) != NULL)                                                      \
+            for (Py_ssize_t _i = 0; _i < (narr) && _i < AHEAD; _i++) ahead(s, table, (arr)[_i]); \
         body;                                                                   \
         if ((arr) != NULL) {                                                    \
             for (Py_ssize_t _i = 0; _i < (narr); _i++) {                        \
+                if (_i + AHEAD < (narr)) ahead(s, table, (arr)[_i + AHEAD]);    \
                 key = (arr)[_i];                                                \
                 body;                                                           \
             }                                                                   \
@@ -1164,7 +1174,9 @@ static int eval_core(State *s, const Request *rq, const GSpec *specs, Py_ssize_t
         off += (size_t)v->n + 1;
         int32_t table = tables[g];
         v->present[0] = v->usable[0] = v->resident[0] = 0;
+        for (Py_ssize_t i = 0; table >= 0 && i < v->n && i < AHEAD; i++) ahead(s, (uint32_t)table, chains[g][i]);
         for (Py_ssize_t i = 0; i < v->n; i++) {
+            if (table >= 0 && i + AHEAD < v->n) ahead(s, (uint32_t)table, chains[g][i + AHEAD]);
             uint64_t key = chains[g][i];
             const Obj *o = (table >= 0 && key != 0) ? find(s, (uint32_t)table, key) : NULL;
             Check *c = &v->checks[i];
