@@ -66,7 +66,7 @@ class Lane:
     inst_code: np.ndarray  # per row, its instance's index in `instance_names`
     instance_names: pa.Array
     lookups: np.ndarray  # the lookup rows judged here, ascending
-    fields: pa.Table  # their _LOOKUP_FIELDS, in that order
+    fields: pa.RecordBatch  # their _LOOKUP_FIELDS, in that order
     adopted: np.ndarray
     recomputed: np.ndarray
     _rows: dict[int, tuple] | None = None
@@ -108,7 +108,7 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
         lookup &= others < attach[0]
     asked = lookup | adopt
     rows, is_lookup = others[asked], lookup[asked]  # the candidates, in stream order
-    taken = batch.take(pa.array(rows))
+    taken = batch.select(list(dict.fromkeys(("model", "engine", *_LOOKUP_FIELDS)))).take(pa.array(rows))
     # Each lookup's recipe, resolved once per (model, engine, source): a lookup without one is an event.
     found: list[Recipe] = []
     recipe_of = np.full(batch.num_rows, -1, dtype=np.int32)
@@ -202,7 +202,7 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
                           _GAP_CODE[MISSING_REASON[g.component]]) for g in r.groups), r.alignment) for r in found)
     # What the verdicts are made of: each lookup's own columns, and each request's key.
     mine = np.flatnonzero(~special & is_lookup)
-    fields = taken.take(pa.array(mine)).select(list(_LOOKUP_FIELDS))
+    fields = taken.select(list(_LOOKUP_FIELDS)).take(pa.array(mine))
     names = request.dictionary.to_pylist()
     codes = request.indices.to_numpy(zero_copy_only=False)
     instances = prepared.instances

@@ -123,7 +123,13 @@ class ReorderBuffer:
 
 def _merged(runs: list[pa.Table]) -> pa.Table:
     """Sorted runs, in arrival order, as one table in stream order: concatenated, and sorted
-    (stably: arrival order on ties) only where one run starts before the one ahead of it ends."""
+    (stably: arrival order on ties) only where one run starts before the one ahead of it ends.
+    Runs that do not overlap are only put in order (concurrent senders' chunks arrive out of
+    order, each a range of its own): no row is copied."""
+    firsts = [_first_of_sorted(r) for r in runs]
+    order = sorted(range(len(runs)), key=firsts.__getitem__)
+    if all(last_key(runs[a]) < firsts[b] for a, b in zip(order, order[1:], strict=False)):
+        return pa.concat_tables([runs[i] for i in order])
     table = pa.concat_tables(runs)
     if any(last_key(a) > _first_of_sorted(b) for a, b in zip(runs, runs[1:], strict=False)):
         table = table.take(pc.sort_indices(table, sort_keys=ORDER))
