@@ -3,12 +3,14 @@
 Why: with object events applied from their columns (`analysis.columnar`), what was left of a
 live verdict's cost was the request rows: each lookup and adopt decoded into an `Event`
 (~3 us), the evaluation's call and wrapper (~5 us), a Python stop in the batch's pass per row,
-and the result built from them. Sampled on the collector benchmark, that was ~3/4 of the judge
+and the result built from them. Sampled on the collector benchmark, that was ~2/3 of the judge
 process, which could not keep up with ingest. Here a lookup whose adopt follows it in the same
 stretch of the batch (the usual case: an engine adopts right after it looks up) never becomes
 an `Event`: the core evaluates the lookup where it stands in the stream, and at the adopt
 evaluates it again when its instance changed in between or holds leases, and checks reuse
-across tenants, as `Reconstructor._result` does; the verdict is then made from those numbers.
+across tenants, as `Reconstructor._result` does; the verdicts of a stretch are then made from
+those numbers at once: as results, or (the live judge's, `verdict_table`) straight as the
+verdicts table's Arrow columns.
 
 Everything else keeps the event-by-event path, in its place in the stream: the rows the core
 does not judge (attaches, probes, bulk invalidations, usage samples, lookups after an attach or
