@@ -463,8 +463,11 @@ def _journaled(sink: object, tmp_path: Path, config: BatchConfig = QUIET, size: 
 @pytest.mark.parametrize("sink_kind", ["memory", "spool"])
 def test_emit_from_many_threads_keeps_every_record_whole(tmp_path: Path, sink_kind: str) -> None:
     sink = MemorySink() if sink_kind == "memory" else SpoolSink(tmp_path / "spool")
+    # A journal that holds every record (24,000 of ~180 bytes): in the default 4 MiB one they
+    # fit only while the worker ships alongside, and on a loaded machine it fell behind, the
+    # ring filled and emit dropped (counted, as it must: it never blocks), failing this test.
     em = _journaled(sink, tmp_path, BatchConfig(max_queue_size=65536, max_export_batch_size=1024,
-                                                schedule_delay_millis=5))
+                                                schedule_delay_millis=5), size=16 << 20)
     threads_n, per_thread = 8, 3000
     barrier = threading.Barrier(threads_n)
 
