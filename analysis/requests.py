@@ -58,7 +58,6 @@ class Lane:
     specials: list[int]  # the other non-object rows, fed as events
     requests: list[int]  # the request rows, ascending
     keys: dict[int, tuple[str, str]]  # row -> (instance, request_id)
-    pair: dict[int, int]  # adopt row -> its lookup's row
     recipes: list[Recipe]
     recipe_of: np.ndarray  # per row: its lookup's recipe (index into `recipes`)
     identity: np.ndarray
@@ -160,7 +159,6 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     if not len(lk) or len(lk) > room:
         return None
     adopts, their = rows[cur[paired]], rows[prev[paired]]
-    pair = dict(zip(adopts.tolist(), their.tolist(), strict=True))
     n = batch.num_rows
     kind = prepared.columns[0].copy()
     kind[lk] = LOOKUP_ROW
@@ -210,7 +208,7 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     instances = prepared.instances
     keys = {r: (instances[c], names[i]) for r, c, i in
             zip(requests, prepared.columns[2][rows[~special]].tolist(), codes[~special].tolist(), strict=True)}
-    return Lane(kind, sorted(events.tolist() + rows[special].tolist()), requests, keys, pair, found, recipe_of,
+    return Lane(kind, sorted(events.tolist() + rows[special].tolist()), requests, keys, found, recipe_of,
                 identity, buffers, specs, width, prepared.columns[2], pa.array(instances, pa.string()), lk, fields,
                 adopted,
                 batch.column("recomputed_tokens").to_numpy().astype(np.int64))
