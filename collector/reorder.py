@@ -50,15 +50,39 @@ def count_before(table: pa.Table, key: Key) -> int:
     return at
 
 
+def _in_order(table: pa.Table) -> bool:
+    """Whether a one-chunk table's rows are already in stream order (non-decreasing keys)."""
+    ts = table["ts_ns"].to_numpy()
+    step = np.diff(ts)
+    if (step > 0).all():
+        return True
+    if (step < 0).any():
+        return False
+    tie = np.flatnonzero(step == 0)  # equal timestamps: the source, then the sequence decides
+    src, seq = table["source_id"].to_numpy(), table["seq"].to_numpy()
+    a, b = src[tie], src[tie + 1]
+    return bool(((b > a) | ((b == a) & (seq[tie + 1] >= seq[tie]))).all())
+
+
 def _sorted(table: pa.Table) -> pa.Table:
     """The table in stream order (stable: equal keys keep their order), one chunk per column."""
     table = table.combine_chunks()
-    if table.num_rows > 1:
-        ts = table["ts_ns"].to_numpy()
-        if (np.diff(ts) > 0).all():  # strictly increasing timestamps: already in order, no take
-            return table
+    if table.num_rows > 1 and not _in_order(table):
         table = table.take(pc.sort_indices(table, sort_keys=ORDER))
     return table
+
+
+def _runs(table: pa.Table, most: int) -> list[pa.Table]:
+    """The table as sorted runs: each of its record batches (a stored chunk is one per request,
+    each in order as a sender sends it) is a run as it stands, so a chunk of several concurrent
+    senders' requests is neither copied into one nor sorted; beyond `most` batches, or where a
+    batch is out of order, the whole table is sorted once."""
+    batches = table.to_batches()
+    if 1 < len(batches) <= most:
+        runs = [pa.Table.from_batches([b]) for b in batches if b.num_rows]
+        if all(_in_order(r) for r in runs):
+            return runs
+    return [_sorted(table)]
 
 
 @dataclass(slots=True)
@@ -78,9 +102,9 @@ class ReorderBuffer:
     def add(self, table: pa.Table) -> None:
         if not table.num_rows:
             return
-        table = _sorted(table)
-        self.runs.append(_Run(table, table["ts_ns"].to_numpy()))
-        self.count += table.num_rows
+        for run in _runs(table, self.max_runs):
+            self.runs.append(_Run(run, run["ts_ns"].to_numpy()))
+            self.count += run.num_rows
         if len(self.runs) > self.max_runs:
             self._merge()
 

@@ -34,9 +34,8 @@ from kvtrace.collector.intake import (
 from kvtrace.collector.live import LiveReconstruction, LiveWorker
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.owners import SourceWriters, writer_of
-from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record
+from kvtrace.collector.spool import DurableSpool, SpoolFull, SpoolRecord, encode_record, spool_columns
 from kvtrace.collector.subscribe import KvEventSource, Subscription
-from kvtrace.schema.arrow_wire import write_stream
 from kvtrace.schema.paths import data_dir
 from kvtrace.schema.recipes import Recipe, RecipeBook
 from kvtrace.schema.records import Rejection
@@ -233,8 +232,13 @@ class Collector:
         batch = intake.batch
         pairs = set(map(_SOURCE_TENANT, batch.events))
         if intake.table is not None and intake.table.num_rows:
-            both = intake.table.select(["source_id", "tenant"]).group_by(["source_id", "tenant"]).aggregate([])
-            pairs.update(zip(both.column("source_id").to_pylist(), both.column("tenant").to_pylist(), strict=True))
+            sources = intake.table.column("source_id")
+            low, high = pc.min_max(sources).values()
+            if low == high:  # a batch is one emitter's, as a rule: its tenants, without a group-by (~1 ms)
+                pairs.update((low.as_py(), t) for t in pc.unique(intake.table.column("tenant")).to_pylist())
+            else:
+                both = intake.table.select(["source_id", "tenant"]).group_by(["source_id", "tenant"]).aggregate([])
+                pairs.update(zip(both.column("source_id").to_pylist(), both.column("tenant").to_pylist(), strict=True))
         stats = batch.stats
         if stats is not None:
             if stats.source_id in {s for s, _ in pairs} or self.writers.may_report(stats.source_id, grant):
@@ -270,7 +274,7 @@ class Collector:
             data = encode_record(SpoolRecord(
                 received_ns=time.time_ns(), origin=f"{grant.name}:{batch.source_id:016x}:{batch.batch_seq}",
                 events=intake.accepted, tenants=dict(tenants), lines=json_lines(batch.events),
-                columns=write_stream(table) if table is not None and table.num_rows else b"",
+                columns=spool_columns(table) if table is not None and table.num_rows else b"",
                 rejections=batch.rejections, stats=batch.stats))
             try:
                 self.spool.append(data)

@@ -14,8 +14,11 @@ _row = st.tuples(st.integers(0, 40), st.integers(1, 3), st.integers(0, 5))
 _rows = st.lists(_row, min_size=0, max_size=12)
 # Most senders' batches come in time order: sorted on ts alone, ties in any order of the rest.
 _batch = st.one_of(_rows, _rows.map(lambda rows: sorted(rows, key=lambda r: r[0])))
+# What arrives at once: one batch, or several concatenated (a stored chunk of several requests,
+# one record batch each).
+_arrival = st.lists(_batch, min_size=1, max_size=3)
 # One step: a batch arrives, then a release at a watermark (None: everything) with a bound.
-_step = st.tuples(_batch, st.one_of(st.none(), st.integers(-1, 45)), st.integers(1, 30))
+_step = st.tuples(_arrival, st.one_of(st.none(), st.integers(-1, 45)), st.integers(1, 30))
 
 
 def _table(rows: list[tuple[int, int, int]], first_id: int) -> pa.Table:
@@ -31,8 +34,10 @@ def test_releases_follow_a_stable_sort_of_every_arrival(steps: list, max_runs: i
     buffer = ReorderBuffer(max_runs=max_runs)
     held: list[tuple[int, int, int, int]] = []  # the reference: (ts, source, seq, arrival)
     arrived = 0
-    for rows, watermark, max_held in steps:
-        buffer.add(_table(rows, arrived))
+    for parts, watermark, max_held in steps:
+        starts = [arrived + sum(map(len, parts[:i])) for i in range(len(parts))]
+        buffer.add(pa.concat_tables([_table(p, at) for p, at in zip(parts, starts, strict=True)]))
+        rows = [r for p in parts for r in p]
         held += [(*r, arrived + i) for i, r in enumerate(rows)]
         arrived += len(rows)
         out, early = buffer.release(watermark, max_held)
