@@ -116,6 +116,20 @@ def test_scratch_tables_are_dropped(store: Store, tmp_path: Path) -> None:
     assert after == before
 
 
+def test_every_event_stored_twice_is_judged_once(store: Store) -> None:
+    """A sender's retry can store a batch twice; reads de-duplicate (`FINAL`, or `LIMIT 1 BY` the
+    sort key where the SQL reads the table as stored): the rows are those of the events once."""
+    events = first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3
+                          and any(e.kind is EventKind.ADOPT for e in evs), max_ops=30)
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    half = len(events) // 2  # other blocks than the first insert's, so the store keeps both copies
+    store.insert_events(events[:half])
+    store.insert_events(events[half:])
+    assert store.scalar(f"SELECT count() FROM {store.db}.events") == 2 * len(events)
+    assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
+
+
 def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: Path) -> None:
     """A schema-v1 Parquet export has no more_keys column; it still analyzes, block by block."""
     import pyarrow.parquet as pq
