@@ -469,7 +469,8 @@ class BatchEmitter:
                     journal.heartbeat()
                     self._drain_journal(self._deadline if stopping else None)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not end the worker quietly
-                    self._log_error(f"shipping from the journal failed: {type(exc).__name__}: {exc}")
+                    if not journal.closed:  # closed meanwhile by a shutdown past its deadline: not a fault
+                        self._log_error(f"shipping from the journal failed: {type(exc).__name__}: {exc}")
             else:
                 self._drain(self._deadline if stopping else None)
             if stopping:
@@ -518,7 +519,10 @@ class BatchEmitter:
                         self._drained -= bad
                     n -= bad
             sent = self._export(events, deadline)
-            if sent is _Sent.OUT_OF_TIME:
+            if sent is _Sent.OUT_OF_TIME or journal.closed:
+                # Out of time; or a sink slower than the shutdown deadline, which closed the journal
+                # while this batch was on its way: the batch stays in the journal, for whoever takes
+                # it next (the store de-duplicates the repeat of one that landed).
                 with self._lock:
                     self._drained -= n
                 return

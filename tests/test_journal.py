@@ -561,6 +561,31 @@ def test_a_shutdown_that_cannot_deliver_leaves_the_journal_to_the_next_taker(tmp
     assert not left.exists()
 
 
+def test_a_batch_landing_after_the_shutdown_deadline_is_no_failure(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A sink slower than the shutdown deadline: shutdown closes the journal and moves on, and the
+    worker's batch lands afterwards. The journal keeps it for the next taker (the store drops the
+    repeat), and nothing reports a failure (it did: a write to the closed journal, at every exit)."""
+
+    class Slow(MemorySink):
+        def export(self, batch):  # type: ignore[no-untyped-def]
+            time.sleep(0.6)
+            return super().export(batch)
+
+    sink = Slow()
+    em = _journaled(sink, tmp_path, BatchConfig(schedule_delay_millis=60_000, shutdown_timeout_millis=300))
+    for i in range(50):
+        em.emit(ev(i + 1))
+    with caplog.at_level("WARNING", logger="kvtrace"):
+        assert em.shutdown() is False
+        assert em._worker is not None and wait_until_slow(lambda: not em._worker.is_alive())
+    assert [e.seq for e in sink.events] == list(range(50))
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    (left,) = journals_left(tmp_path)
+    taken = Journal.claim(left)
+    assert taken is not None and taken.state is State.STOPPED
+
+
 def test_a_live_emitters_journal_cannot_be_claimed(tmp_path: Path) -> None:
     em = _journaled(MemorySink(), tmp_path)
     (path,) = journals_left(tmp_path)
