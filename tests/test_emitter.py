@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -508,10 +508,13 @@ def _in_child(body) -> str:  # noqa: ANN001
     os.close(w)
     data = b""
     deadline = time.monotonic() + 30
+    # A selector, not select(): late in a long test run this process holds over 1,024 descriptors
+    # (ClickHouse's pooled threads each keep three /proc files open), past what select() takes.
+    waiting = selectors.DefaultSelector()
+    waiting.register(r, selectors.EVENT_READ)
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([r], [], [], 0.5)
-            if ready:
+            if waiting.select(0.5):
                 chunk = os.read(r, 4096)
                 if not chunk:
                     break
@@ -526,6 +529,7 @@ def _in_child(body) -> str:  # noqa: ANN001
             os.waitpid(pid, 0)
             pytest.fail("forked child did not finish")
     finally:
+        waiting.close()
         os.close(r)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     return data.decode()
