@@ -1079,7 +1079,7 @@ def clickhouse_results(
     `table` (a cluster node's `events_local`: one shard, see `analysis.shards`); `timings`, when
     given, receives one entry per statement."""
     source = f"(SELECT * FROM {store.db}.{table} FINAL WHERE {where})"
-    bare = f"(SELECT * FROM {store.db}.{table} WHERE {where})"  # its instances: 0.10 s with FINAL, 0.01 without
+    bare = f"(SELECT * FROM {store.db}.{table} WHERE {where})"  # for reads repeats cannot change: see _run
 
     known = set(store.query_polars("SELECT name FROM system.settings WHERE name IN ("
                                    + ", ".join(f"'{name}'" for name in _JOINS_AS_WRITTEN) + ")")["name"])

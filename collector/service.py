@@ -234,7 +234,7 @@ class Collector:
         if intake.table is not None and intake.table.num_rows:
             sources = intake.table.column("source_id")
             low, high = pc.min_max(sources).values()
-            if low == high:  # a batch is one emitter's, as a rule: its tenants, without a group-by (~1 ms)
+            if low == high:  # a batch is one emitter's, as a rule: its tenants by `unique` (0.07 ms; a group-by 0.37)
                 pairs.update((low.as_py(), t) for t in pc.unique(intake.table.column("tenant")).to_pylist())
             else:
                 both = intake.table.select(["source_id", "tenant"]).group_by(["source_id", "tenant"]).aggregate([])

@@ -68,10 +68,11 @@ def encode_columns(envelope: Envelope, events: Sequence[Event]) -> bytes:
                                                        ENVELOPE_KEY: _envelope_json.encode(envelope)}))
 
 
-def write_stream(table: pa.Table) -> bytes:
-    """A table as a plain (uncompressed) Arrow IPC stream."""
+def write_stream(table: pa.Table, compression: str | None = None) -> bytes:
+    """A table as an Arrow IPC stream: plain, as the wire takes it, or with its buffers
+    compressed (`lz4`, `zstd`), which Arrow's reader inflates by itself."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 
