@@ -475,14 +475,13 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # The object's state just before each point: its last event before it (one as-of join),
     # which carries the last write on each tier, commit and lease, and where the object's
     # current life began, and the object's own last invalidation.
-    numeric = d.clickhouse  # kinds as codes, the commit's tenant and identity as one number (`_IDH`)
+    # ClickHouse: kinds stay codes (0: none; see `_kind_is`), the commit's tenant and identity
+    # one number (`_IDH`).
+    numeric = d.clickhouse
     state = [(name, none) for _, _, columns in _state_parts(numeric=numeric) for name, _, none in columns]
     state.append(("life", "0"))
     commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
-    kinds = "['', " + ", ".join(d.quote(k) for k in _KIND_CODES) + "]"
-    picked = [f"s.{name} AS {name}" if name in commit_ids else
-              f"{kinds}[coalesce(s.{name}, 0) + 1] AS {name}" if numeric and name.endswith("_kind") else
-              f"coalesce(s.{name}, {none}) AS {name}"
+    picked = [f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
               for name, none in state]
     columns = ", ".join(name for name, _ in state)
     keys = "s.s_ig = p.ig AND s.s_k = p.key"
@@ -619,18 +618,25 @@ def _identity_pairs(d: Dialect, t: _Plan) -> str:
     )
 
 
+def _kind_is(d: Dialect, column: str, kind: str) -> str:
+    """A state's event kind test: ClickHouse's state carries kinds as their codes (`_KIND_CODES`):
+    spelled back as strings at every point-block, they cost `pc` ~0.3 s of 1.3 on 10M events."""
+    return f"{column} = {_KIND_CODES.index(kind) + 1}" if d.clickhouse else f"{column} = '{kind}'"
+
+
 def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]:
     status, inv_pick = [], []
     for tier in TIER_ORDER:
         x = tier.value[:3]
         inv = f"greatest(p.o_ord, coalesce(bk.bulk_{x}, 0))"
+        evicted = _kind_is(d, f"p.{x}_kind", "evict")
         status.append(
-            f"CASE WHEN p.{x}_ord = 0 OR p.{x}_kind = 'evict' THEN 0"
+            f"CASE WHEN p.{x}_ord = 0 OR {evicted} THEN 0"
             f" WHEN {inv} > p.{x}_ord THEN 1"
-            f" WHEN p.{x}_kind = 'create' THEN 2"
+            f" WHEN {_kind_is(d, f'p.{x}_kind', 'create')} THEN 2"
             f" WHEN p.c_ck <> 0 AND p.{x}_ck <> 0 AND p.{x}_ck <> p.c_ck THEN 3 ELSE 4 END AS st_{x}"
         )
-        inv_pick.append(f"CASE WHEN p.{x}_ord > 0 AND p.{x}_kind <> 'evict' AND {inv} > p.{x}_ord"
+        inv_pick.append(f"CASE WHEN p.{x}_ord > 0 AND NOT ({evicted}) AND {inv} > p.{x}_ord"
                         f" THEN {inv} ELSE 0 END")
     ps = (
         f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
