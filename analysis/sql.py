@@ -485,7 +485,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
               for name, none in state]
     columns = ", ".join(name for name, _ in state)
     keys = "s.s_ig = p.ig AND s.s_k = p.key"
-    point = "p.*"
+    point, nulls = "p.*", ""
     if d.clickhouse:
         # A hash as-of join: the state rides along; then the commit's tenant and adapter (the
         # bulk invalidations' scope). Its identity stays a hash, judged per point in `im`, and
@@ -494,7 +494,14 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
                  f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord"
                  f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, adapter AS c_adapter FROM {d.table(t.ids)}) i"
                  " ON i.i_id = s.c_id")
-        picked += ["coalesce(i.c_tenant0, '') AS c_tenant0", "coalesce(i.c_adapter, '') AS c_adapter"]
+        # Every state column's "none" is its type's default (0, and '' for the commit's tenant
+        # and adapter), which is what a row without a match gets when the join makes no NULLs:
+        # the state's ~25 Nullable columns, each then coalesced, cost ~0.25 s of `pc`'s 1.1 on
+        # 10M events.
+        if any(none != "0" for _, none in state):
+            raise AssertionError("a ClickHouse state column's none is not its type's default")
+        picked = [f"s.{name} AS {name}" for name, _ in state] + ["i.c_tenant0 AS c_tenant0", "i.c_adapter AS c_adapter"]
+        nulls = " SETTINGS join_use_nulls = 0"
         kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, ig, key, i"
         point = ", ".join(f"p.{c} AS {c}" for c in kept.split(", "))
     else:
@@ -507,7 +514,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
             f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
         )
-    po = f"SELECT {point}, {', '.join(picked)} FROM {found}"
+    po = f"SELECT {point}, {', '.join(picked)} FROM {found}{nulls}"
     # The commit's facts and the lease, when they belong to the object's current life: after
     # the last event before the point's state that left the object with no copy.
     live = "c_ord > life"
