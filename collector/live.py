@@ -201,20 +201,25 @@ class LiveReconstruction:
         with self._lock:
             now = time.monotonic()
             verdicts: list[pa.Table] = []
-            try:
-                self._start_new(verdicts)
-                for slot, inst in list(self._instances.items()):
-                    quiet = now - inst.last_seen_s
-                    if force or quiet >= self.lateness_ns / 1e9:
-                        self._release(slot, inst, None, verdicts)
-                        self._close_ended(slot, inst, verdicts)
-                    if force or quiet >= self.idle_s:
-                        self._absorb(self.judges.finish(slot), verdicts)
-                        if not force:
-                            del self._instances[slot]
-                            self.judges.forget(slot)
-            except JudgeLost:
-                self._recover(verdicts)
+            # A judge lost here is replaced and every instance rebuilt (`_recover`); then the
+            # pass runs again: its finish is what gives the lookups whose adopt never came their
+            # verdicts, and at a stop (`force`) no later tick would.
+            for _ in range(3):
+                try:
+                    self._start_new(verdicts)
+                    for slot, inst in list(self._instances.items()):
+                        quiet = now - inst.last_seen_s
+                        if force or quiet >= self.lateness_ns / 1e9:
+                            self._release(slot, inst, None, verdicts)
+                            self._close_ended(slot, inst, verdicts)
+                        if force or quiet >= self.idle_s:
+                            self._absorb(self.judges.finish(slot), verdicts)
+                            if not force:
+                                del self._instances[slot]
+                                self.judges.forget(slot)
+                    break
+                except JudgeLost:
+                    self._recover(verdicts)
             for name, seen in list(self._seen.items()):
                 if not force and now - seen >= self.idle_s and self._slot(name) not in self._instances:
                     del self._seen[name]

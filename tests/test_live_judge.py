@@ -71,6 +71,32 @@ def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(st
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
+def test_a_judge_lost_at_the_final_tick_still_writes_the_lookups_left_without_an_adopt(store: Store) -> None:
+    """The collector stops (its last tick finishes every instance) just after the judge died: the
+    fresh judge rebuilds each instance, and the lookups whose adopt never came still get their
+    verdicts, as the streaming path gives them at its end."""
+    events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    last = {e.instance: e.request_id for e in events if e.kind is EventKind.LOOKUP}  # each instance's last request
+    events = [e for e in events if not (e.kind is EventKind.ADOPT and last.get(e.instance) == e.request_id)]
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
+    try:
+        for a in range(0, len(events), 300):
+            live.feed(events[a:a + 300])
+        os.kill(live.judges.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        live.tick(force=True)
+        assert live.judges.restarts == 1
+    finally:
+        live.close()
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    want = streaming(events)
+    assert want.filter(pl.col("adopt_seen") == 0).height >= 2  # the two lookups left waiting
+    assert_frame_equal(got, want, check_exact=True)
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
