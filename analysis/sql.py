@@ -244,18 +244,20 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
                        for c in (c.strip() for c in cols.split(",")))
     ev = (f"SELECT n.ord AS ord, {picked}, {_ig(d, t, 'n.instance', 'n.group_id')} AS ig,"
           f" n.block_key AS block_key, n.more_keys AS more_keys FROM ({numbered}) n")
-    # Copies held after each write: per tier, the last write there (encoded as ord * 2 + present
-    # so one running max finds it), summed over tiers; all in one window, one sort. The life is
-    # the last event before this one that left the object with no copy.
+    # Copies held after each write: per tier, whether its last write there left one, summed over
+    # tiers; all in one window, one sort. The life is the last event before this one that left
+    # the object with no copy. Each is its frame's last non-NULL value (rows of one event share
+    # their values), which DuckDB finds without a running max's segment tree (`w` 4.86 -> 4.48 s
+    # on 10M events).
     obj = "PARTITION BY ig, block_key ORDER BY ord"
     last = [
-        f"coalesce(max(CASE WHEN wtier = '{tier.value}' THEN ord * 2 + present END) OVER "
-        f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 0) % 2"
+        f"coalesce(last_value(CASE WHEN wtier = '{tier.value}' THEN present END IGNORE NULLS) OVER "
+        f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 0)"
         for tier in TIER_ORDER
     ]
     writes = (
-        "SELECT *, coalesce(max(CASE WHEN copies = 0 AND kind <> 'invalidate' THEN ord END) OVER "
-        f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS life FROM ("
+        "SELECT *, coalesce(last_value(CASE WHEN copies = 0 AND kind <> 'invalidate' THEN ord END IGNORE NULLS)"
+        f" OVER ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS life FROM ("
         f" SELECT *, {' + '.join(last)} AS copies FROM ("
         f"  SELECT ord, ig, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
         f"   {_WRITTEN_TIER} AS wtier,"
