@@ -47,7 +47,7 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.state import IDENTITY_FIELDS
 from kvtrace.schema.clickhouse import EVENTS
 from kvtrace.schema.fields import field_specs
-from kvtrace.schema.kinds import TIER_ORDER, ComponentKind, EventKind, Reason
+from kvtrace.schema.kinds import TIER_ORDER, ComponentKind, EventKind, Reason, Tier
 from kvtrace.schema.recipes import Recipe, RecipeBook, SourceKey, recipe_from_json
 from kvtrace.schema.verdicts import MISSING_REASON, GapReason, LookupResult
 
@@ -354,11 +354,12 @@ def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts
         return f"{c('kind')} IN ({', '.join(repr(k) for k in kinds)})"
 
     lease = f"{is_kind('commit')} OR ({is_kind('offload', 'load')} AND {c('lease_expiry_ns')} <> 0)"
+    # A copy's bytes are what restoring it moves: none for the device's, which is resident.
     parts = [
         (tier.value[:3], f"{c('wtier')} = {i}" if numeric else f"{c('wtier')} = '{tier.value}'",
          [(f"{tier.value[:3]}_{n}", col, none) for n, col, none in
           (("ord", "ord", "0"), ("kind", "kind", "0" if numeric else "''"), ("nb", "nbytes", "0"),
-           ("ck", "checksum", "0"))])
+           ("ck", "checksum", "0")) if n != "nb" or tier is not Tier.DEVICE])
         for i, tier in enumerate(TIER_ORDER, 1)
     ]
     identity = ([("c_id", "idh", "0")] if numeric else
