@@ -495,9 +495,6 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     numeric = d.clickhouse
     state = [(name, none) for _, _, columns in _state_parts(numeric=numeric) for name, _, none in columns]
     state.append(("life", "0"))
-    commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
-    picked = [f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
-              for name, none in state]
     columns = ", ".join(name for name, _ in state)
     keys = "s.s_ig = p.ig AND s.s_k = p.key"
     point, nulls = "p.*", ""
@@ -520,6 +517,9 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, ig, key, i"
         point = ", ".join(f"p.{c} AS {c}" for c in kept.split(", "))
     else:
+        commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
+        picked = [f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
+                  for name, none in state]
         # DuckDB's as-of join sorts everything it carries: carrying the state made it 7x slower
         # than finding the state's row alone and fetching it by its rowid (one row each, even
         # where an event names a block twice).
