@@ -260,3 +260,19 @@ def test_a_model_whose_events_contradict_its_given_recipe_gets_no_more_verdicts(
     assert hybrid == [f"r{r}" for r in range(0, 31, 2)]  # up to the contradiction (r30's lookup comes first)
     skipped = metrics.live_skipped.labels("recipe_mismatch")._value.get()
     assert skipped >= 3 * 14  # hybrid's later requests, each of their events
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "pipe"])
+def test_tables_reach_the_judge_through_shared_memory_or_the_pipe_with_the_same_verdicts(
+        store: Store, monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """The collector's tables and the judge's verdicts cross in memory files both processes map
+    (Linux's memfd), or on the pipe where there are none. Batches of ~0.2 and ~1.5 MB: the first
+    file (1 MiB) grows, and each side maps it again."""
+    from kvtrace.collector import judge
+
+    if not shared:
+        monkeypatch.setattr(judge._Shared, "pair", staticmethod(lambda: None))
+    events = fleet_events(instances=2, requests=120)
+    got = _live_rows(store, events, [0.1, 0.5], Policy(), own_process=True)
+    assert got.height > 100
+    assert_frame_equal(got, streaming(events, Policy()), check_exact=True)
