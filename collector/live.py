@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,13 +145,14 @@ class LiveReconstruction:
                         if ts > inst.newest.get(name, 0):
                             inst.newest[name] = ts
                     inst.last_seen_s = now
-            try:
+
+            def release() -> None:
                 self._start_new(verdicts)
                 for slot, inst in self._instances.items():
                     self._release(slot, inst, self._watermark(inst, now), verdicts)
                     self._close_ended(slot, inst, verdicts)
-            except JudgeLost:
-                self._recover(verdicts)
+
+            self._run_pass(release, verdicts)
             if parts:  # quiet from now: the time spent judging this batch is not silence
                 done = time.monotonic()
                 for slot in parts:
@@ -158,6 +160,21 @@ class LiveReconstruction:
                         self._instances[slot].last_seen_s = done
             self.metrics.live_instances.set(len(self._seen))
             return self._write(verdicts, hold=True)
+
+    def _run_pass(self, one_pass: Callable[[], None], verdicts: list[pa.Table], tries: int = 3) -> None:
+        """Run a pass over the instances; when the judge is lost in it, recover (a fresh judge,
+        every instance rebuilt from the store up to the last row it was fed) and run the pass
+        again. Why again: what the pass had still to do (the other instances' releases, an ended
+        emitter's close, a tick's finish, the one that gives lookups whose adopt never came
+        their verdicts) would otherwise wait for the next call, and at a stop none comes. Rows
+        the lost pass took from a buffer are not lost: they were stored before being held, and
+        the rebuild reads them back."""
+        for _ in range(tries):
+            try:
+                one_pass()
+                return
+            except JudgeLost:
+                self._recover(verdicts)
 
     def _watermark(self, inst: _Instance, now: float) -> int:
         """Events up to here are released: the newest event of the slowest instance still
@@ -175,14 +192,15 @@ class LiveReconstruction:
         has been idle for `idle_s`. Returns rows written."""
         with self._lock:
             verdicts: list[pa.Table] = []
-            try:
+
+            def close() -> None:
                 self._start_new(verdicts)
                 for name, source in sources:
                     if (inst := self._instances.get(slot := self._slot(name))) is not None:
                         inst.ended.add((name, source))
                         self._close_ended(slot, inst, verdicts)
-            except JudgeLost:
-                self._recover(verdicts)
+
+            self._run_pass(close, verdicts)
             return self._write(verdicts)
 
     def _close_ended(self, slot: str, inst: _Instance, verdicts: list[pa.Table]) -> None:
@@ -201,25 +219,21 @@ class LiveReconstruction:
         with self._lock:
             now = time.monotonic()
             verdicts: list[pa.Table] = []
-            # A judge lost here is replaced and every instance rebuilt (`_recover`); then the
-            # pass runs again: its finish is what gives the lookups whose adopt never came their
-            # verdicts, and at a stop (`force`) no later tick would.
-            for _ in range(3):
-                try:
-                    self._start_new(verdicts)
-                    for slot, inst in list(self._instances.items()):
-                        quiet = now - inst.last_seen_s
-                        if force or quiet >= self.lateness_ns / 1e9:
-                            self._release(slot, inst, None, verdicts)
-                            self._close_ended(slot, inst, verdicts)
-                        if force or quiet >= self.idle_s:
-                            self._absorb(self.judges.finish(slot), verdicts)
-                            if not force:
-                                del self._instances[slot]
-                                self.judges.forget(slot)
-                    break
-                except JudgeLost:
-                    self._recover(verdicts)
+
+            def finish() -> None:
+                self._start_new(verdicts)
+                for slot, inst in list(self._instances.items()):
+                    quiet = now - inst.last_seen_s
+                    if force or quiet >= self.lateness_ns / 1e9:
+                        self._release(slot, inst, None, verdicts)
+                        self._close_ended(slot, inst, verdicts)
+                    if force or quiet >= self.idle_s:
+                        self._absorb(self.judges.finish(slot), verdicts)
+                        if not force:
+                            del self._instances[slot]
+                            self.judges.forget(slot)
+
+            self._run_pass(finish, verdicts)
             for name, seen in list(self._seen.items()):
                 if not force and now - seen >= self.idle_s and self._slot(name) not in self._instances:
                     del self._seen[name]

@@ -97,6 +97,38 @@ def test_a_judge_lost_at_the_final_tick_still_writes_the_lookups_left_without_an
     assert_frame_equal(got, want, check_exact=True)
 
 
+def test_a_judge_lost_when_emitters_end_still_closes_every_ended_source(store: Store) -> None:
+    """Two instances' emitters end (their last stats say so) just after the judge died: the
+    fresh judge rebuilds both, and both sources are closed in that same call, so their lookups
+    left without an adopt get their verdicts now, not when a later tick finds them idle (an
+    hour by default). Before, the pass stopped at the lost judge: the second source was never
+    marked ended."""
+    events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    last = {e.instance: e.request_id for e in events if e.kind is EventKind.LOOKUP}
+    events = [e for e in events if not (e.kind is EventKind.ADOPT and last.get(e.instance) == e.request_id)]
+    sources = sorted({(e.instance, e.source_id) for e in events})
+    assert len(sources) == 2
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
+    try:
+        for a in range(0, len(events), 300):
+            live.feed(events[a:a + 300])
+        os.kill(live.judges.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        live.ended(sources)
+        assert live.judges.restarts == 1
+        assert all(not inst.ended for inst in live._instances.values())  # both closed, none left waiting
+        live._write([])  # what the feeds held back (written in parts), written now
+        got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    finally:
+        live.close()
+    want = streaming(events)
+    assert want.filter(pl.col("adopt_seen") == 0).height >= 2
+    assert_frame_equal(got, want, check_exact=True)
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
