@@ -487,3 +487,21 @@ def test_live_reconstruction_judges_a_canarys_probe_against_its_re_run(store: St
     got = store.query_polars(f"SELECT request_id, agreement, adopted_tokens, detail FROM {store.db}.verifications")
     assert got["request_id"].to_list() == [rid] and got["agreement"].to_list() == ["recoverable_identical"]
     assert got["adopted_tokens"].to_list() == [16] and got["detail"][0].startswith("probe of user-7: ")
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, "jemalloc"), ("mimalloc", "mimalloc"), ("system", "system")])
+def test_the_collector_process_gives_arrow_to_jemalloc_unless_the_operator_chose(env: str | None, want: str) -> None:
+    """A process-wide choice, so each case runs in a process of its own (as `kvtrace collector`
+    does); `ARROW_DEFAULT_MEMORY_POOL` set by the operator wins."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if env:
+        environ["ARROW_DEFAULT_MEMORY_POOL"] = env
+    code = ("import pyarrow as pa; from kvtrace.collector.serve import arrow_pool; got = arrow_pool(); "
+            "kept = pa.array(range(1000)); "
+            "print(got, pa.default_memory_pool().backend_name, pa.total_allocated_bytes() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [want, want, "True"]
