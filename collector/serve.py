@@ -73,10 +73,9 @@ def arrow_pool() -> str:
     freed by the drain's, so they are seldom reused where they were freed. With jemalloc
     that fell to ~1.5 %; over the collector benchmark's runs (noisy: 2 vCPUs shared), the
     collector's CPU per event stored was 7.5-9.6 us (median 8.3, 7 runs) against 8.2-10.7
-    (median 8.9, 8 runs), and its peak RSS 860-890 MiB against 965-1030. Only this process:
-    the judge (collector.judge) allocates and frees on one thread; in a loop of 16 MB
-    allocations like its own, jemalloc (as pyarrow sets it up) faulted every page in again and
-    took 5.6x mimalloc's CPU.
+    (median 8.9, 8 runs), and its peak RSS 860-890 MiB against 965-1030. The judge process
+    (collector.judge) is left as it is: timed alone it judged as fast with either pool (2.8-3.1
+    against 3.0-3.5 us per event, alternating runs).
     """
     import pyarrow as pa
 
