@@ -175,8 +175,16 @@ class _Shared:
         make = getattr(os, "memfd_create", None)
         if make is None:
             return None
-        return (_Shared(make("kvtrace-judge-tables", os.MFD_CLOEXEC)),
-                _Shared(make("kvtrace-judge-verdicts", os.MFD_CLOEXEC)))
+        fds: list[int] = []
+        try:
+            for name in ("kvtrace-judge-tables", "kvtrace-judge-verdicts"):
+                fds.append(make(name, os.MFD_CLOEXEC))
+        except OSError as exc:  # out of descriptors, or a sandbox that forbids it: the pipe will do
+            log.warning("live judge: no shared memory file (%s); tables go through the pipe", exc)
+            for fd in fds:
+                os.close(fd)
+            return None
+        return _Shared(fds[0]), _Shared(fds[1])
 
     def _mapped(self, size: int) -> mmap.mmap:
         if self._map is None or len(self._map) < size:
