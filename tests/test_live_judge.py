@@ -71,10 +71,9 @@ def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(st
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
-def test_a_judge_lost_at_the_final_tick_still_writes_the_lookups_left_without_an_adopt(store: Store) -> None:
-    """The collector stops (its last tick finishes every instance) just after the judge died: the
-    fresh judge rebuilds each instance, and the lookups whose adopt never came still get their
-    verdicts, as the streaming path gives them at its end."""
+def _fed_then_judge_killed(store: Store) -> tuple[list[Event], LiveReconstruction]:
+    """Two instances' events, each without its last request's adopt (a lookup left waiting),
+    stored and fed to a live reconstruction whose judge process is then SIGKILLed."""
     events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
     last = {e.instance: e.request_id for e in events if e.kind is EventKind.LOOKUP}  # each instance's last request
     events = [e for e in events if not (e.kind is EventKind.ADOPT and last.get(e.instance) == e.request_id)]
@@ -87,14 +86,30 @@ def test_a_judge_lost_at_the_final_tick_still_writes_the_lookups_left_without_an
             live.feed(events[a:a + 300])
         os.kill(live.judges.pid, signal.SIGKILL)
         time.sleep(0.2)
-        live.tick(force=True)
-        assert live.judges.restarts == 1
-    finally:
+    except BaseException:
         live.close()
+        raise
+    return events, live
+
+
+def _rows_equal_streaming(store: Store, events: list[Event]) -> None:
     got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
     want = streaming(events)
     assert want.filter(pl.col("adopt_seen") == 0).height >= 2  # the two lookups left waiting
     assert_frame_equal(got, want, check_exact=True)
+
+
+def test_a_judge_lost_at_the_final_tick_still_writes_the_lookups_left_without_an_adopt(store: Store) -> None:
+    """The collector stops (its last tick finishes every instance) just after the judge died: the
+    fresh judge rebuilds each instance, and the lookups whose adopt never came still get their
+    verdicts, as the streaming path gives them at its end."""
+    events, live = _fed_then_judge_killed(store)
+    try:
+        live.tick(force=True)
+        assert live.judges.restarts == 1
+    finally:
+        live.close()
+    _rows_equal_streaming(store, events)
 
 
 def test_a_judge_lost_when_emitters_end_still_closes_every_ended_source(store: Store) -> None:
@@ -103,30 +118,17 @@ def test_a_judge_lost_when_emitters_end_still_closes_every_ended_source(store: S
     left without an adopt get their verdicts now, not when a later tick finds them idle (an
     hour by default). Before, the pass stopped at the lost judge: the second source was never
     marked ended."""
-    events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    last = {e.instance: e.request_id for e in events if e.kind is EventKind.LOOKUP}
-    events = [e for e in events if not (e.kind is EventKind.ADOPT and last.get(e.instance) == e.request_id)]
+    events, live = _fed_then_judge_killed(store)
     sources = sorted({(e.instance, e.source_id) for e in events})
     assert len(sources) == 2
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    store.insert_events(events)
-    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
     try:
-        for a in range(0, len(events), 300):
-            live.feed(events[a:a + 300])
-        os.kill(live.judges.pid, signal.SIGKILL)
-        time.sleep(0.2)
         live.ended(sources)
         assert live.judges.restarts == 1
         assert all(not inst.ended for inst in live._instances.values())  # both closed, none left waiting
         live._write([])  # what the feeds held back (written in parts), written now
-        got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
     finally:
         live.close()
-    want = streaming(events)
-    assert want.filter(pl.col("adopt_seen") == 0).height >= 2
-    assert_frame_equal(got, want, check_exact=True)
+    _rows_equal_streaming(store, events)
 
 
 def _children(pid: int) -> list[int]:
