@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -231,16 +231,33 @@ class Reconstructor:
     def _settle(self, batch: pa.RecordBatch, lane: Lane, i: int, stop: int, out: list[LookupResult]) -> int:
         """The verdicts of the lane's requests before row `stop`, from `lane.requests[i]` on, as
         feeding their events makes them; a lookup still waiting for its adopt at `stop` is kept
-        as an event feeding it would keep. Returns the index of the next request."""
-        pending, state, requests = self._pending, self.state, lane.requests
+        as an event feeding it would keep. Returns the index of the next request.
+
+        Why two ways: a stretch whose lookups are of distinct requests, none of them waiting
+        already, is settled from its columns at once (each adopt closes the lookup `plan`
+        paired it with; the lookups left wait). Only a request looked up again, which closes
+        the lookup before it without an adopt, is walked row by row."""
+        requests = lane.requests
+        j = int(np.searchsorted(requests, stop, side="left"))
+        rows = requests[i:j]
+        if not len(rows):
+            return j
+        lookup = lane.kind[rows] == LOOKUP_ROW
+        lk, ad = rows[lookup], rows[~lookup]
+        codes = lane.code[lk]
+        pending = self._pending
+        if len(np.unique(codes)) == len(codes) and not self._any_waiting(lane, lk, codes):
+            their = lane.buffers[1][ad]  # each adopt's lookup (`plan`'s pairs)
+            self._made(lane, [], their, ad, out)
+            waiting = lk[~np.isin(lk, their)]
+            self._keep_waiting(batch, lane, [lane.key(r) for r in waiting.tolist()], waiting.tolist())
+            return j
         waiting: dict[tuple[str, str], int] = {}
         made: list[LookupResult | int] = []  # in stream order; an int: the lane's verdict of that number
         lookups: list[int] = []
         adopts: list[int] = []
-        while i < len(requests) and requests[i] < stop:
-            row = requests[i]
-            i += 1
-            key = lane.keys[row]
+        for row in rows.tolist():
+            key = lane.key(row)
             if lane.kind[row] == LOOKUP_ROW:
                 previous = pending.pop(key, None)  # looked up again: the first closed without an adopt
                 if previous is not None:
@@ -252,25 +269,47 @@ class Reconstructor:
                         adopts.append(-1)
                 pending[key] = waiting[key] = row  # type: ignore[assignment]
             else:
-                lookup = pending.pop(key)
+                closed = pending.pop(key)
                 del waiting[key]
                 made.append(len(lookups))
-                lookups.append(lookup)  # type: ignore[arg-type]
+                lookups.append(closed)  # type: ignore[arg-type]
                 adopts.append(row)
-        if not lookups:
+        self._made(lane, made, lookups, adopts, out)
+        self._keep_waiting(batch, lane, list(waiting), list(waiting.values()))
+        return j
+
+    def _any_waiting(self, lane: Lane, lookups: np.ndarray, codes: np.ndarray) -> bool:
+        """Is a request of these lookups waiting already (looked up before, no adopt yet)?"""
+        pending = self._pending
+        if not pending:
+            return False
+        if len(pending) <= len(lookups):
+            return bool(np.isin(codes, lane.codes_of(pending)).any())
+        return any(lane.key(r) in pending for r in lookups.tolist())
+
+    def _made(self, lane: Lane, made: list[LookupResult | int], lookups: Sequence[int], adopts: Sequence[int],
+              out: list[LookupResult]) -> None:
+        """The lane's verdicts of `lookups` (each closed at the adopt beside it, -1: none) in their
+        places in `made` (an int there: the verdict of that number; none: in their order), the
+        lane's live verdicts as a table and the rest as results."""
+        if not len(lookups):
             out.extend(made)  # type: ignore[arg-type]
-        elif self.verdict_tables is not None:  # the lane's verdicts as a table, the others as results
-            self.verdict_tables.append(verdict_table(lane, state, lookups, adopts))  # type: ignore[arg-type]
+        elif self.verdict_tables is not None:
+            self.verdict_tables.append(verdict_table(lane, self.state, lookups, adopts))  # type: ignore[arg-type]
             out.extend(x for x in made if type(x) is not int)  # type: ignore[misc]
         else:
-            built = results(lane, state, lookups, adopts)
-            out.extend(built[x] if type(x) is int else x for x in made)  # type: ignore[misc]
-        if waiting:
-            kept = from_arrow(pa.Table.from_batches([batch.take(pa.array(list(waiting.values())))]))
-            for (key, row), event in zip(waiting.items(), kept, strict=True):
-                pending[key] = _Pending(event, lane.recipes[lane.recipe_of[row]], evaluation(lane, state, row),
-                                        int(lane.out[row, CHANGES]))
-        return i
+            built = results(lane, self.state, list(lookups), list(adopts))  # type: ignore[arg-type]
+            out.extend((built[x] if type(x) is int else x for x in made) if made else built)  # type: ignore[misc]
+
+    def _keep_waiting(self, batch: pa.RecordBatch, lane: Lane, keys: list[tuple[str, str]], rows: list[int]) -> None:
+        """Lookups still waiting for their adopt at the end of a stretch, kept as feeding their
+        events keeps them."""
+        if not rows:
+            return
+        kept = from_arrow(pa.Table.from_batches([batch.take(pa.array(rows))]))
+        for key, row, event in zip(keys, rows, kept, strict=True):
+            self._pending[key] = _Pending(event, lane.recipes[lane.recipe_of[row]], evaluation(lane, self.state, row),
+                                          int(lane.out[row, CHANGES]))
 
     def _spans_fit(self, batch: pa.RecordBatch) -> bool:
         """Do all the batch's commits fit the recipes given (no `check_commits` to run)?"""

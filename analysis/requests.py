@@ -22,6 +22,7 @@ feeding every event gives (tests/test_columnar.py, tests/test_requests.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +57,10 @@ class Lane:
 
     kind: np.ndarray  # the prepared kind column, request rows marked LOOKUP_ROW / ADOPT_ROW
     specials: list[int]  # the other non-object rows, fed as events
-    requests: list[int]  # the request rows, ascending
-    keys: dict[int, tuple[str, str]]  # row -> (instance, request_id)
+    requests: np.ndarray  # the request rows, ascending
+    code: np.ndarray  # per row: its request's key (instance code << 32 | request-id code); -1: none
+    request_ids: pa.Array  # the request-id codes' names
+    instances: list[str]  # the instance codes' names
     recipes: list[Recipe]
     recipe_of: np.ndarray  # per row: its lookup's recipe (index into `recipes`)
     identity: np.ndarray
@@ -71,13 +74,34 @@ class Lane:
     adopted: np.ndarray
     recomputed: np.ndarray
     _rows: dict[int, tuple] | None = None
+    _names: list[str] | None = None
+    _codes: dict[tuple[str, str], int] | None = None
 
     def row(self, row: int) -> tuple:
         """The lookup of `row`'s instance and _LOOKUP_FIELDS (made for all at the first ask)."""
         if self._rows is None:
             columns = [self.fields.column(f).to_pylist() for f in _LOOKUP_FIELDS]
-            self._rows = {r: (self.keys[r][0], *v) for r, *v in zip(self.lookups.tolist(), *columns, strict=True)}
+            instances = self.instances
+            self._rows = {r: (instances[c], *v) for r, c, *v in
+                          zip(self.lookups.tolist(), (self.code[self.lookups] >> 32).tolist(), *columns, strict=True)}
         return self._rows[row]
+
+    def key(self, row: int) -> tuple[str, str]:
+        """The (instance, request_id) of a request row: the reconstructor's key of its request."""
+        if self._names is None:
+            self._names = self.request_ids.to_pylist()
+        c = int(self.code[row])
+        return self.instances[c >> 32], self._names[c & 0xFFFFFFFF]
+
+    def codes_of(self, keys: Iterable[tuple[str, str]]) -> np.ndarray:
+        """The codes of those of `keys` that this batch's requests have (the others are none of its)."""
+        if self._codes is None:
+            if self._names is None:
+                self._names = self.request_ids.to_pylist()
+            wanted = np.unique(self.code[self.requests])
+            self._codes = {(self.instances[c >> 32], self._names[c & 0xFFFFFFFF]): c for c in wanted.tolist()}
+        codes = self._codes
+        return np.array([codes[k] for k in keys if k in codes], dtype=np.int64)
 
     @property
     def out(self) -> np.ndarray:
@@ -154,7 +178,7 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
         if not lone.any():
             break
         special |= lone
-    requests = rows[~special].tolist()
+    requests = rows[~special]
     lk = rows[~special & is_lookup]
     if not len(lk) or len(lk) > room:
         return None
@@ -203,14 +227,12 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     # What the verdicts are made of: each lookup's own columns, and each request's key.
     mine = np.flatnonzero(~special & is_lookup)
     fields = taken.select(list(_LOOKUP_FIELDS)).take(pa.array(mine))
-    names = request.dictionary.to_pylist()
-    codes = request.indices.to_numpy(zero_copy_only=False)
-    instances = prepared.instances
-    keys = {r: (instances[c], names[i]) for r, c, i in
-            zip(requests, prepared.columns[2][rows[~special]].tolist(), codes[~special].tolist(), strict=True)}
-    return Lane(kind, sorted(events.tolist() + rows[special].tolist()), requests, keys, found, recipe_of,
-                identity, buffers, specs, width, prepared.columns[2], pa.array(instances, pa.string()), lk, fields,
-                adopted,
+    code = np.full(n, -1, dtype=np.int64)
+    code[rows] = key
+    return Lane(kind, sorted(events.tolist() + rows[special].tolist()), requests, code, request.dictionary,
+                prepared.instances, found, recipe_of,
+                identity, buffers, specs, width, prepared.columns[2], pa.array(prepared.instances, pa.string()), lk,
+                fields, adopted,
                 batch.column("recomputed_tokens").to_numpy().astype(np.int64))
 
 
