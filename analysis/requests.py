@@ -88,18 +88,17 @@ class Lane:
 
     def key(self, row: int) -> tuple[str, str]:
         """The (instance, request_id) of a request row: the reconstructor's key of its request."""
-        if self._names is None:
+        return self._key(int(self.code[row]))
+
+    def _key(self, code: int) -> tuple[str, str]:
+        if self._names is None:  # made at the first ask: most batches never need a request's name
             self._names = self.request_ids.to_pylist()
-        c = int(self.code[row])
-        return self.instances[c >> 32], self._names[c & 0xFFFFFFFF]
+        return self.instances[code >> 32], self._names[code & 0xFFFFFFFF]
 
     def codes_of(self, keys: Iterable[tuple[str, str]]) -> np.ndarray:
         """The codes of those of `keys` that this batch's requests have (the others are none of its)."""
         if self._codes is None:
-            if self._names is None:
-                self._names = self.request_ids.to_pylist()
-            wanted = np.unique(self.code[self.requests])
-            self._codes = {(self.instances[c >> 32], self._names[c & 0xFFFFFFFF]): c for c in wanted.tolist()}
+            self._codes = {self._key(c): c for c in np.unique(self.code[self.requests]).tolist()}
         codes = self._codes
         return np.array([codes[k] for k in keys if k in codes], dtype=np.int64)
 
