@@ -15,7 +15,6 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define NTIERS 5 /* Tier: NONE, DEVICE, HOST, DISK, REMOTE (the wrapper's order) */
@@ -95,7 +94,8 @@ typedef struct {
     PyObject_HEAD
     Entry *tab;
     size_t tcap, tcount;
-    Obj *objs;
+    Obj *objs;       /* line-aligned, inside objs_mem (realloc'd: a large array grows by remapping, not copying) */
+    char *objs_mem;
     uint32_t nobj, objcap;
     uint32_t *freel;
     uint32_t nfree, freecap;
@@ -183,11 +183,13 @@ static Obj *born(State *s, uint32_t table, uint64_t key) {
     } else {
         if (s->nobj == s->objcap) {
             uint32_t ncap = s->objcap ? s->objcap * 2 : 1024;
-            Obj *no = aligned_alloc(64, (size_t)ncap * sizeof(Obj));
-            if (!no) return NULL;
-            if (s->nobj) memcpy(no, s->objs, (size_t)s->nobj * sizeof(Obj));
-            free(s->objs);
-            s->objs = no;
+            char *mem = PyMem_RawRealloc(s->objs_mem, (size_t)ncap * sizeof(Obj) + 64);
+            if (!mem) return NULL;
+            size_t was = s->objs_mem ? (size_t)((char *)s->objs - s->objs_mem) : 0;
+            size_t at = (64 - (uintptr_t)mem % 64) % 64;
+            if (s->nobj && at != was) memmove(mem + at, mem + was, (size_t)s->nobj * sizeof(Obj));
+            s->objs_mem = mem;
+            s->objs = (Obj *)(mem + at);
             s->objcap = ncap;
         }
         idx = s->nobj++;
@@ -1763,7 +1765,7 @@ static PyObject *State_unpack(State *s, PyObject *const *args, Py_ssize_t nargs)
 static void State_dealloc(State *s) {
     release_columns(s);
     PyMem_RawFree(s->tab);
-    free(s->objs);
+    PyMem_RawFree(s->objs_mem);
     PyMem_RawFree(s->freel);
     for (uint32_t i = 0; i < s->nbulk; i++) PyMem_RawFree(s->bulk[i].s);
     PyMem_RawFree(s->bulk);
