@@ -199,13 +199,10 @@ class _Shared:
         return self._map
 
     def put(self, table: pa.Table) -> _Stream:
-        mock = pa.MockOutputStream()
-        with pa.ipc.new_stream(mock, table.schema) as writer:
-            writer.write_table(table)
+        mock = pa.MockOutputStream()  # the stream's size, nothing copied: the file is grown to it first
+        _write_stream(mock, table)
         size = mock.size()
-        sink = pa.FixedSizeBufferWriter(pa.py_buffer(self._mapped(size)))
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
+        _write_stream(pa.FixedSizeBufferWriter(pa.py_buffer(self._mapped(size))), table)
         return _Stream(size)
 
     def take(self, stream: _Stream) -> pa.Table:
@@ -218,11 +215,15 @@ class _Shared:
         os.close(self.fd)
 
 
+def _write_stream(sink: Any, table: pa.Table) -> None:
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
 def _send_table(conn: Any, table: pa.Table) -> None:
     """Without a shared file: the table's stream on the pipe, after its message."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+    _write_stream(sink, table)
     conn.send_bytes(sink.getvalue())
 
 
