@@ -489,7 +489,10 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
 
     # The object's state just before each point: its last event before it (one as-of join),
     # which carries the last write on each tier, commit and lease, and where the object's
-    # current life began, and the object's own last invalidation.
+    # current life began, and the object's own last invalidation. Only the blocks that have one
+    # get a row: a block without is missing at that point, and every later step reads a block
+    # without a row as missing (most of a long prompt's blocks are new: 2.55M of the 3.56M
+    # point-blocks of the 10M-event benchmark, which no longer go through `pc` and `bs`).
     # ClickHouse: kinds stay codes (0: none; see `_kind_is`), the commit's tenant and identity
     # one number (`_IDH`).
     numeric = d.clickhouse
@@ -502,7 +505,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         # A hash as-of join: the state rides along; then the commit's tenant and adapter (the
         # bulk invalidations' scope). Its identity stays a hash, judged per point in `im`, and
         # the lookup's identity is left behind with it.
-        found = (f"{d.table(t.pb)} p ASOF LEFT JOIN (SELECT ig AS s_ig, block_key AS s_k,"
+        found = (f"{d.table(t.pb)} p ASOF JOIN (SELECT ig AS s_ig, block_key AS s_k,"
                  f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord"
                  f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, adapter AS c_adapter FROM {d.table(t.ids)}) i"
                  " ON i.i_id = s.c_id")
@@ -525,9 +528,9 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         # where an event names a block twice).
         found = (
             f"(SELECT p.*, s.s_row AS s_row FROM {d.table(t.pb)} p"
-            f"  ASOF LEFT JOIN (SELECT ig AS s_ig, block_key AS s_k, ord AS s_ord,"
+            f"  ASOF JOIN (SELECT ig AS s_ig, block_key AS s_k, ord AS s_ord,"
             f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
-            f" LEFT JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
+            f" JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
         )
     po = f"SELECT {point}, {', '.join(picked)} FROM {found}{nulls}"
     # The commit's facts and the lease, when they belong to the object's current life: after
@@ -734,9 +737,14 @@ resident (`lr`), not present (`lq`), -1 for none; and the first at or after i no
 
 
 def _running(d: Dialect, t: _Plan) -> str:
-    """`_RUNNING` over each (point, group)'s blocks in index order. DuckDB runs the windows in
-    parallel; ClickHouse runs windows on one thread, so there each group's flags become arrays,
-    filled forward (`arrayFill`) or backward (`arrayReverseFill`) from the bad blocks' indices."""
+    """`_RUNNING` at each block of a (point, group) that has a row in `bs`, in index order. The
+    blocks without one are missing, so each is bad on every count: a block whose row follows a
+    gap has the gap's last block (i - 1) as a bad one before it, and one followed by a gap has
+    i + 1 after it (the chain's end is the gap's end). Each row's candidate bad index is its own
+    i when it is bad, else that neighbour, and the running index is the last (first) candidate
+    so far. DuckDB runs these as windows in parallel; ClickHouse runs windows on one thread, so
+    there each group's flags become arrays, filled forward (`arrayFill`) or backward
+    (`arrayReverseFill`)."""
     keys = "lid, phase, g, comp, b, win, ratio, cap, len"
     if not d.clickhouse:
         # A group's indices are unique and its frame ordered by them, so the last bad index so
@@ -745,21 +753,29 @@ def _running(d: Dialect, t: _Plan) -> str:
         grp = "PARTITION BY lid, phase, g ORDER BY i"
         before, after = "UNBOUNDED PRECEDING AND CURRENT ROW", "CURRENT ROW AND UNBOUNDED FOLLOWING"
         cols = ", ".join(
-            f"coalesce({'last_value' if agg == 'max' else 'first_value'}(CASE WHEN {flag} = 0 THEN i END IGNORE NULLS)"
+            f"coalesce({'last_value' if agg == 'max' else 'first_value'}(CASE WHEN {flag} = 0 THEN i"
+            f" WHEN {'i - pv > 1 THEN i - 1' if agg == 'max' else 'nx - i > 1 THEN i + 1'} END IGNORE NULLS)"
             f" OVER ({grp} ROWS BETWEEN {before if agg == 'max' else after}), {'-1' if agg == 'max' else 'len'})"
             f" AS {name}"
             for name, flag, agg in _RUNNING)
-        return f"SELECT {keys}, i, {cols} FROM {d.table(t.bs)}"
+        return (f"SELECT {keys}, i, {cols} FROM (SELECT {keys}, i, usable, resident, present,"
+                f" lag(i, 1, -1) OVER ({grp}) AS pv, lead(i, 1, len) OVER ({grp}) AS nx FROM {d.table(t.bs)})")
     order = ["usable", "resident", "present"]
+    zipped = ", ".join(f"groupArray({f})" for f in order)  # numeric arrays zipped: no tuple aggregated
     arrays = ", ".join(
         f"{'arrayFill' if agg == 'max' else 'arrayReverseFill'}(x -> x >= 0,"
-        f" arrayMap(x -> if(x.{order.index(flag) + 2} = 1, -1, x.1), a)) AS a_{name}"
+        f" arrayMap((x, n) -> if(x.{order.index(flag) + 2} = 0, x.1, "
+        + ("if(x.1 - n > 1, x.1 - 1, -1)), a, a_pv)" if agg == "max" else "if(n - x.1 > 1, x.1 + 1, -1)), a, a_nx)")
+        + f") AS a_{name}"
         for name, flag, agg in _RUNNING)
     return (
         f"SELECT {keys}, i, lb, lr, lq, if(nb0 < 0, len, nb0) AS nb FROM ("
-        f" SELECT {keys}, arrayMap(x -> x.1, a) AS a_i, {arrays} FROM ("
-        f"  SELECT {keys}, arraySort(groupArray((i, {', '.join(order)}))) AS a"
-        f"  FROM {d.table(t.bs)} GROUP BY {keys}))"
+        f" SELECT {keys}, a_i, {arrays} FROM ("
+        f"  SELECT {keys}, a, a_i, arrayPushFront(arrayPopBack(a_i), -1) AS a_pv,"
+        "   arrayPushBack(arrayPopFront(a_i), len) AS a_nx"
+        f"  FROM (SELECT {keys}, a, arrayMap(x -> x.1, a) AS a_i FROM ("
+        f"   SELECT {keys}, arraySort(x -> x.1, arrayZip(groupArray(i), {zipped})) AS a"
+        f"   FROM {d.table(t.bs)} GROUP BY {keys}))))"
         " ARRAY JOIN a_i AS i, a_lb AS lb, a_lr AS lr, a_lq AS lq, a_nb AS nb0"
     )
 
@@ -788,10 +804,13 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
     if d.clickhouse:
         pts = pts.replace("any_value(", "any(")
     top = d.idiv("logical", "align") + " * align"
+    # A candidate boundary p is complete in a group when its needed blocks [st, j) are all usable:
+    # the last unusable block before j is before st. A block j - 1 without a row is missing
+    # (see `_running`), so it is that last unusable block itself.
     cand = (
         "SELECT c.lid AS lid, c.phase AS phase, c.p AS p,"
-        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lb, -1) < c.st) THEN 1 ELSE 0 END) AS ok,"
-        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lr, -1) < c.st) THEN 1 ELSE 0 END) AS rok,"
+        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lb, c.j - 1) < c.st) THEN 1 ELSE 0 END) AS ok,"
+        " sum(CASE WHEN c.st >= c.j OR (c.j <= c.len AND coalesce(w.lr, c.j - 1) < c.st) THEN 1 ELSE 0 END) AS rok,"
         f" any_value(c.ngroups) AS ngroups FROM {d.table(t.pw)} w RIGHT JOIN ("
         f"  SELECT g.*, cp.p AS p, {d.idiv('cp.p', 'g.b')} AS j, {_start(d, 'cp.p')} AS st"
         f" FROM {d.table(t.gs)} g JOIN ("
@@ -814,14 +833,16 @@ def _steps_boundaries(d: Dialect, t: _Plan) -> list[tuple[str, str]]:
     # Why the wanted boundary fails (the aligned logical hit; at adopt, what was recoverable at
     # lookup): the first group, in recipe order, with an unusable block there. The few rows
     # looked up in the blocks' table are the join's right side (its hash table), not the table.
+    # A block without a row is missing (see `_running`): the first unusable one from st on is st
+    # itself when st has none, and its reason is the group's missing one.
     fail = (
         "SELECT x.lid AS lid, x.phase AS phase, x.g AS g,"
-        " CASE WHEN x.fi < x.len THEN bb.code ELSE x.missing END AS code,"
-        f" CASE WHEN x.fi < x.len THEN bb.detail ELSE {d.quote(_BEYOND)} END AS detail,"
+        " CASE WHEN x.fi < x.len THEN coalesce(bb.code, x.missing) ELSE x.missing END AS code,"
+        f" CASE WHEN x.fi < x.len THEN coalesce(bb.detail, '') ELSE {d.quote(_BEYOND)} END AS detail,"
         f" row_number() OVER (PARTITION BY x.lid, x.phase ORDER BY x.g) AS rank FROM {d.table(t.bs)} bb RIGHT JOIN ("
         "  SELECT q.lid AS lid, q.phase AS phase, q.g AS g, q.len AS len, q.missing AS missing, q.j AS j, q.st AS st,"
         "   CASE WHEN q.st >= q.j THEN -1"
-        "   WHEN q.st < q.len AND coalesce(s.nb, q.len) < least(q.j, q.len) THEN s.nb"
+        "   WHEN q.st < q.len AND coalesce(s.nb, q.st) < least(q.j, q.len) THEN coalesce(s.nb, q.st)"
         f"   WHEN q.j > q.len THEN q.len ELSE -1 END AS fi FROM {d.table(t.pw)} s RIGHT JOIN ("
         f"   SELECT g.lid AS lid, g.phase AS phase, g.g AS g, g.len AS len, {_MISSING_CASE} AS missing,"
         f"    {d.idiv('r.q', 'g.b')} AS j, {_start(d, 'r.q')} AS st"
