@@ -179,11 +179,11 @@ _MISSING_CASE = "CASE comp " + " ".join(
 _BEYOND = "block beyond the request's key chain"
 
 
-_EVENT_COLUMNS = ("kind, ts_ns, source_id, seq, instance, tenant, " + ", ".join(_IDENTITY_STR)
-                  + ", epoch, group_id, tier, src_tier, dst_tier, nbytes, checksum, lease_expiry_ns, reason")
+_EVENT_COLUMNS = ("kind, source_id, seq, instance, tenant, " + ", ".join(_IDENTITY_STR)
+                  + ", epoch, group_id, tier, dst_tier, nbytes, checksum, lease_expiry_ns, reason")
 """The stored events' columns that `ev` carries: what the object state, the requests' pairing,
-the invalidations and the fleet view read (the request-side lists are fetched for lookups and
-adopts alone)."""
+the invalidations and the fleet view read (the request-side lists, and the times, are fetched
+for lookups and adopts alone)."""
 
 
 def _start(d: Dialect, p: str) -> str:
@@ -213,6 +213,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
     number = "CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord"
+    ig = _ig(d, t, "n.instance", "n.group_id")
     if d.clickhouse and not fleet:
         # Without the fleet view no statement compares two instances' events (objects, requests
         # and bulk invalidations are all the instance's own), so each instance is numbered on its
@@ -224,6 +225,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         code = d.lookup(t.it, "instance", "code", "instance")
         numbered = (f"SELECT CAST({code} * {1 << 40} + row_number() OVER (PARTITION BY instance"
                     f" ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, {cols}, block_key, more_keys FROM {source}")
+        ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
     elif d.clickhouse and in_order:
         # One instance's rows are read in stream order (the table's sort key starts with the
         # instance, then time), so the window's merge passes the sorted blocks through.
@@ -243,7 +245,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # run of blocks stays one row here (see `_per_block`).
     picked = ", ".join("CAST(n.group_id AS BIGINT) AS group_id" if c == "group_id" else f"n.{c} AS {c}"
                        for c in (c.strip() for c in cols.split(",")))
-    ev = (f"SELECT n.ord AS ord, {picked}, {_ig(d, t, 'n.instance', 'n.group_id')} AS ig,"
+    ev = (f"SELECT n.ord AS ord, {picked}, {ig} AS ig,"
           f" n.block_key AS block_key, n.more_keys AS more_keys FROM ({numbered}) n")
     # Copies held after each write: per tier, whether its last write there left one, summed over
     # tiers; all in one window, one sort. The life is the last event before this one that left
@@ -430,11 +432,14 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
         for cat, _, columns in parts for name, col, none in columns
     )
     names = [name for _, _, columns in parts for name, _, _ in columns]
+    # One array per field, zipped: a tuple's groupArray serializes each value into the arena
+    # (0.35 -> 0.20 s of this statement's grouping on 10M events).
+    zipped = ", ".join(f"groupArray({f})" for f in fields)
     return (
         f"SELECT ig, block_key, ord, life, {', '.join(names)} FROM ("
         f" SELECT ig, block_key, arrayMap(e -> e.1, evs) AS a_ord, lives, {values} FROM ("
         f" SELECT ig, block_key, evs, {life} AS lives, {masks} FROM ("
-        f"   SELECT ig, block_key, arraySort(v -> v.1, groupArray(({', '.join(fields)}))) AS evs FROM ("
+        f"   SELECT ig, block_key, arraySort(v -> v.1, arrayZip({zipped})) AS evs FROM ("
         "    SELECT ord, ig, block_key,"
         f"     toUInt8(indexOf([{', '.join(repr(k) for k in _KIND_CODES)}], kind)) AS kc,"
         f"     if(kind = 'commit', {_IDH}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
