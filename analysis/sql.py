@@ -212,7 +212,10 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
-    number = "CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord"
+    # A row's number needs no frame, but the default one (RANGE) makes ClickHouse compare each
+    # row with the last to find its peers: ROWS spares that (numbering 10M events 0.55 -> 0.30 s).
+    rows = "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
+    number = f"CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq {rows}) AS BIGINT) AS ord"
     ig = _ig(d, t, "n.instance", "n.group_id")
     if d.clickhouse and not fleet:
         # Without the fleet view no statement compares two instances' events (objects, requests
@@ -224,7 +227,8 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         # whole statement.
         code = d.lookup(t.it, "instance", "code", "instance")
         numbered = (f"SELECT CAST({code} * {1 << 40} + row_number() OVER (PARTITION BY instance"
-                    f" ORDER BY ts_ns, source_id, seq) AS BIGINT) AS ord, {cols}, block_key, more_keys FROM {source}")
+                    f" ORDER BY ts_ns, source_id, seq {rows}) AS BIGINT) AS ord, {cols}, block_key, more_keys"
+                    f" FROM {source}")
         ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
     elif d.clickhouse and in_order:
         # One instance's rows are read in stream order (the table's sort key starts with the
