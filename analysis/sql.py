@@ -214,7 +214,6 @@ class _Plan:
 
 def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
                   bare: str = "", fleet: bool = False) -> tuple[list[tuple[str, str]], str]:
-    ids = ", ".join(_IDENTITY_STR)
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
@@ -268,16 +267,17 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         f"({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 0)"
         for tier in TIER_ORDER
     ]
-    writes = (
-        "SELECT *, coalesce(last_value(CASE WHEN copies = 0 AND kind <> 'invalidate' THEN ord END IGNORE NULLS)"
-        f" OVER ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS life FROM ("
-        f" SELECT *, {' + '.join(last)} AS copies FROM ("
-        f"  SELECT ord, ig, block_key, kind, tenant, {ids}, epoch, nbytes, checksum, lease_expiry_ns,"
-        f"   {_WRITTEN_TIER} AS wtier,"
-        "   CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
-        f"  FROM {_object_events(d, t)}))"
+    life = ("coalesce(last_value(CASE WHEN copies = 0 AND kind <> 'invalidate' THEN ord END IGNORE NULLS)"
+            f" OVER ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)")
+    copies = (
+        f"SELECT *, {' + '.join(last)} AS copies FROM ("
+        f" SELECT ord, ig, block_key, kind, CASE WHEN kind = 'commit' THEN {_idh(d)} ELSE 0 END AS idh,"
+        "  nbytes, checksum, lease_expiry_ns,"
+        f"  {_WRITTEN_TIER} AS wtier,"
+        "  CASE WHEN kind = 'evict' THEN 0 ELSE 1 END AS present"
+        f" FROM {_object_events(d, t)})"
     )
-    writes = _writes_with_arrays(d, t) if d.clickhouse else _state_with_windows(writes, obj)
+    writes = _writes_with_arrays(d, t) if d.clickhouse else _state_with_windows(copies, life, obj)
     requests = (
         "SELECT e.ord AS ord, r.kind AS kind, r.ts_ns AS ts_ns, r.source_id AS source_id, r.seq AS seq,"
         " r.instance AS instance, r.engine AS engine, r.request_id AS request_id, r.tenant AS tenant, "
@@ -303,10 +303,10 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         " WHERE kind = 'lookup'"
     )
     steps = [(t.ev, ev), (t.rq, requests), (t.lk, lookups)]
-    if d.clickhouse:  # the commits' distinct tenants and identities, by the number the state carries
-        named = ", ".join((*_IDENTITY_STR, "epoch"))
-        steps.append((t.ids, f"SELECT {_IDH} AS idh, tenant, {named} FROM (SELECT DISTINCT tenant, {named}"
-                             f" FROM {d.table(t.ev)} WHERE kind = 'commit')"))
+    # The commits' distinct tenants and identities, by the number the state carries.
+    named = ", ".join((*_IDENTITY_STR, "epoch"))
+    steps.append((t.ids, f"SELECT {_idh(d)} AS idh, tenant, {named} FROM (SELECT DISTINCT tenant, {named}"
+                         f" FROM {d.table(t.ev)} WHERE kind = 'commit')"))
     return steps, writes
 
 
@@ -354,10 +354,9 @@ def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts
     last write on each tier, the last commit, the last lease and the object's own last
     invalidation, each column as (name, source column, value when there is none). One as-of
     join to these rows then replaces one per category (each hashing the whole write table) at
-    every evaluation point. `c` spells a column in the conditions. `numeric` is ClickHouse's
-    form: kinds and tiers as codes (`_KIND_CODES`, `TIER_ORDER`) and the commit's tenant and
-    identity as one number (`idh`, see `_IDH`), read back at the points from the few distinct
-    ones.
+    every evaluation point. `c` spells a column in the conditions. The commit's tenant and
+    identity are one number (`idh`, see `_idh`), read back at the points from the few distinct
+    ones. `numeric` is ClickHouse's form: kinds and tiers as codes (`_KIND_CODES`, `TIER_ORDER`).
 
     Each category keeps its event's `ord`: with the object's `life` (where its current life
     began, see `_steps_events`), that says whether the commit and the lease belong to it."""
@@ -375,11 +374,8 @@ def _state_parts(c: Callable[[str], str] = str, numeric: bool = False) -> _Parts
            ("ck", "checksum", "0")) if n != "nb" or tier is not Tier.DEVICE])
         for i, tier in enumerate(TIER_ORDER, 1)
     ]
-    identity = ([("c_id", "idh", "0")] if numeric else
-                [("c_tenant0", "tenant", "''"),
-                 *((f"c_{f}", f, "0" if f == "epoch" else "''") for f in (*_IDENTITY_STR, "epoch"))])
     parts.append(("c", is_kind("commit"),
-                  [("c_ord", "ord", "0"), *identity, ("c_ck0", "checksum", "0"), ("c_nb0", "nbytes", "0")]))
+                  [("c_ord", "ord", "0"), ("c_id", "idh", "0"), ("c_ck0", "checksum", "0"), ("c_nb0", "nbytes", "0")]))
     parts.append(("le", lease, [("le_ord", "ord", "0"), ("le_ns0", "lease_expiry_ns", "0")]))
     parts.append(("o", is_kind("invalidate"), [("o_ord", "ord", "0")]))  # the object's own, on every tier
     return parts
@@ -392,14 +388,19 @@ _WRITTEN_TIER = "CASE WHEN kind IN ('offload', 'load') THEN dst_tier WHEN kind =
 """The tier an object event leaves a copy on (or removes it from: evict); none for an invalidation,
 which applies to every tier's copy written before it."""
 
-_IDH = "cityHash64(tenant, " + ", ".join((*_IDENTITY_STR, "epoch")) + ")"
-"""A commit's tenant and identity as one number: the state carries it instead of eight strings
-(the ClickHouse run checks that no two distinct identities share one)."""
+def _idh(d: Dialect) -> str:
+    """A commit's tenant and identity as one number: the state carries it instead of eight strings
+    (each run checks that no two distinct identities share one: `_check_identities`). In DuckDB's
+    windows the strings cost as much as the rest of the state: `w` 3.3 -> 1.8 s on 10M events."""
+    named = ", ".join(("tenant", *_IDENTITY_STR, "epoch"))
+    return f"cityHash64({named})" if d.clickhouse else f"hash({named})"
 
 
-def _state_with_windows(writes: str, obj: str) -> str:
+def _state_with_windows(rows: str, life: str, obj: str) -> str:
     """Per object event, the state after it: each category's last event so far, one struct per
-    category carried forward by `last_value(... IGNORE NULLS)` over the object's one sort."""
+    category carried forward by `last_value(... IGNORE NULLS)` over the object's one sort, with
+    the `life` window in the same select (it reads the copies, not the state: one window level
+    fewer, `w` 3.3 -> 2.9 s on 10M events)."""
     carried, flat = [], []
     for cat, cond, columns in _state_parts():
         fields = ", ".join(f"{name} := {col}" for name, col, _ in columns)
@@ -407,7 +408,7 @@ def _state_with_windows(writes: str, obj: str) -> str:
                        f" ({obj} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s_{cat}")
         flat.extend(f"s_{cat}.{name} AS {name}" for name, _, _ in columns)
     return (f"SELECT ig, block_key, ord, life, {', '.join(flat)} FROM ("
-            f" SELECT ig, block_key, ord, life, {', '.join(carried)} FROM ({writes}))")
+            f" SELECT ig, block_key, ord, {life} AS life, {', '.join(carried)} FROM ({rows}))")
 
 
 def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
@@ -452,7 +453,7 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
         f"   SELECT ig, block_key, arraySort(v -> v.1, arrayZip({zipped})) AS evs FROM ("
         "    SELECT ord, ig, block_key,"
         f"     toUInt8(indexOf([{', '.join(repr(k) for k in _KIND_CODES)}], kind)) AS kc,"
-        f"     if(kind = 'commit', {_IDH}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
+        f"     if(kind = 'commit', {_idh(d)}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
         f"     toUInt8(indexOf([{', '.join(repr(t.value) for t in TIER_ORDER)}],"
         f"      {_WRITTEN_TIER})) AS wt,"
         "     toInt64(kind != 'evict') AS present"
@@ -508,22 +509,21 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # get a row: a block without is missing at that point, and every later step reads a block
     # without a row as missing (most of a long prompt's blocks are new: 2.55M of the 3.56M
     # point-blocks of the 10M-event benchmark, which no longer go through `pc` and `bs`).
-    # ClickHouse: kinds stay codes (0: none; see `_kind_is`), the commit's tenant and identity
-    # one number (`_IDH`).
+    # The commit's tenant and identity stay one number (`_idh`): its tenant and adapter (the
+    # bulk invalidations' scope) are read back from the few distinct ones, and its identity is
+    # judged once per point in `im`. ClickHouse: kinds stay codes (0: none; see `_kind_is`).
     numeric = d.clickhouse
     state = [(name, none) for _, _, columns in _state_parts(numeric=numeric) for name, _, none in columns]
     state.append(("life", "0"))
     columns = ", ".join(name for name, _ in state)
     keys = "s.s_ig = p.ig AND s.s_k = p.key"
     point, nulls = "p.*", ""
+    tenants = (f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, adapter AS c_adapter FROM {d.table(t.ids)}) i"
+               " ON i.i_id = s.c_id")
     if d.clickhouse:
-        # A hash as-of join: the state rides along; then the commit's tenant and adapter (the
-        # bulk invalidations' scope). Its identity stays a hash, judged per point in `im`, and
-        # the lookup's identity is left behind with it.
+        # A hash as-of join: the state rides along; the lookup's identity is left behind.
         found = (f"{d.table(t.pb)} p ASOF JOIN (SELECT ig AS s_ig, block_key AS s_k,"
-                 f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord"
-                 f" LEFT JOIN (SELECT idh AS i_id, tenant AS c_tenant0, adapter AS c_adapter FROM {d.table(t.ids)}) i"
-                 " ON i.i_id = s.c_id")
+                 f" ord AS s_ord, {columns} FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord{tenants}")
         # Every state column's "none" is its type's default (0, and '' for the commit's tenant
         # and adapter), which is what a row without a match gets when the join makes no NULLs:
         # the state's ~25 Nullable columns, each then coalesced, cost ~0.25 s of `pc`'s 1.1 on
@@ -535,9 +535,8 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
         kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, ig, key, i"
         point = ", ".join(f"p.{c} AS {c}" for c in kept.split(", "))
     else:
-        commit_ids = {f"c_{f}" for f in (*_IDENTITY_STR, "epoch")}  # read only where the commit is live
-        picked = [f"s.{name} AS {name}" if name in commit_ids else f"coalesce(s.{name}, {none}) AS {name}"
-                  for name, none in state]
+        picked = [f"coalesce(s.{name}, {none}) AS {name}" for name, none in state]
+        picked += ["coalesce(i.c_tenant0, '') AS c_tenant0", "coalesce(i.c_adapter, '') AS c_adapter"]
         # DuckDB's as-of join sorts everything it carries: carrying the state made it 7x slower
         # than finding the state's row alone and fetching it by its rowid (one row each, even
         # where an event names a block twice).
@@ -545,7 +544,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             f"(SELECT p.*, s.s_row AS s_row FROM {d.table(t.pb)} p"
             f"  ASOF JOIN (SELECT ig AS s_ig, block_key AS s_k, ord AS s_ord,"
             f"  rowid AS s_row FROM {d.table(t.w)}) s ON {keys} AND p.at_ord > s.s_ord) p"
-            f" JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row"
+            f" JOIN (SELECT rowid AS s_at, {columns} FROM {d.table(t.w)}) s ON s.s_at = p.s_row{tenants}"
         )
     po = f"SELECT {point}, {', '.join(picked)} FROM {found}{nulls}"
     # The commit's facts and the lease, when they belong to the object's current life: after
@@ -584,8 +583,8 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # The objects the points read come first, each with its last point: the state is computed
     # for them alone.
     ob = f"SELECT ig, key AS block_key, max(at_ord) AS upto FROM {d.table(t.pb)} GROUP BY ig, key"
-    pairs = [(t.im, _identity_pairs(d, t))] if d.clickhouse else []
-    return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), *pairs, (t.bk, bk), *_steps_status(d, t, policy)]
+    return [*fleet, (t.pb, pb), (t.ob, ob), (t.w, writes), (t.pc, pc), (t.im, _identity_pairs(d, t)), (t.bk, bk),
+            *_steps_status(d, t, policy)]
 
 
 _WRITE_KINDS = "('create', 'commit', 'offload', 'load')"
@@ -640,7 +639,7 @@ def _identity_checks(have: str, want: str) -> list[tuple[str, str, str]]:
 
 
 def _identity_pairs(d: Dialect, t: _Plan) -> str:
-    """ClickHouse: the first identity field in which each point's live commits differ from the
+    """The first identity field in which each point's live commits differ from the
     point's lookup, once per distinct (commit identity, point), a few rows, rather than comparing
     eight strings on every point-block (`pc` carries the commit's identity as its hash)."""
     checks = _identity_checks("i.c_", "r.r_")
@@ -680,14 +679,13 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
                         f" THEN {inv} ELSE 0 END")
     ps = (
         f"SELECT p.*, {', '.join(status)}, greatest({', '.join(inv_pick)}) AS inv_ord"
-        + (", im.id_field AS id_field, im.id_detail AS id_detail" if d.clickhouse else "")
+        + ", im.id_field AS id_field, im.id_detail AS id_detail"
         # (the joined tables' columns renamed: ClickHouse qualifies a `p.*` column named like one)
         + f" FROM {d.table(t.pc)} p LEFT JOIN (SELECT instance AS k_i, at_ord AS k_at, c_tenant AS k_t, c_adp AS k_a,"
         f" {', '.join(f'bulk_{tier.value[:3]}' for tier in TIER_ORDER)} FROM {d.table(t.bk)}) bk"
         " ON bk.k_i = p.instance AND bk.k_at = p.at_ord AND bk.k_t = p.c_tenant AND bk.k_a = p.c_adp"
-        + (" LEFT JOIN (SELECT c_id AS m_id, lid AS m_lid, phase AS m_phase, id_field, id_detail"
-           f" FROM {d.table(t.im)}) im ON im.m_id = p.c_id AND im.m_lid = p.lid AND im.m_phase = p.phase"
-           if d.clickhouse else "")
+        + " LEFT JOIN (SELECT c_id AS m_id, lid AS m_lid, phase AS m_phase, id_field, id_detail"
+        f" FROM {d.table(t.im)}) im ON im.m_id = p.c_id AND im.m_lid = p.lid AND im.m_phase = p.phase"
     )
     shared = (
         f"p.c_tenant NOT IN ({', '.join(d.quote(s) for s in sorted(policy.shared_tenants))})"
@@ -712,14 +710,10 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
     ]
     epoch_reason = (f"CASE WHEN comp = '{ComponentKind.INDEXER.value}' THEN '{GapReason.INDEXER_OUT_OF_SYNC.value}'"
                     f" ELSE '{GapReason.IDENTITY_MISMATCH.value}' END")
-    if d.clickhouse:  # judged once per (commit identity, point) in `im`
-        field = "coalesce(p.id_field, '')"
-        code += [f"WHEN {field} = 'epoch' THEN {epoch_reason}",
-                 f"WHEN {field} <> '' THEN '{GapReason.IDENTITY_MISMATCH.value}'"]
-        detail.append(f"WHEN {field} <> '' THEN p.id_detail")
-    for f, differs, shown in ([] if d.clickhouse else _identity_checks("p.c_", "p.r_")):
-        code.append(f"WHEN {differs} THEN {epoch_reason if f == 'epoch' else repr(GapReason.IDENTITY_MISMATCH.value)}")
-        detail.append(f"WHEN {differs} THEN '{f}: ' || {shown}")
+    field = "coalesce(p.id_field, '')"  # judged once per (commit identity, point) in `im`
+    code += [f"WHEN {field} = 'epoch' THEN {epoch_reason}",
+             f"WHEN {field} <> '' THEN '{GapReason.IDENTITY_MISMATCH.value}'"]
+    detail.append(f"WHEN {field} <> '' THEN p.id_detail")
     code.append(f"WHEN p.lease <> 0 AND p.lease <= p.at_ts THEN '{GapReason.LEASE_EXPIRED.value}'")
     detail.append("WHEN 1 = 1 THEN ''")
     restore_tier = (
@@ -1026,9 +1020,9 @@ def _check_commits(d: Dialect, source: str, recipes: RecipeBook, read: Reader) -
 
 
 def _check_identities(d: Dialect, t: _Plan, read: Reader) -> None:
-    """The state carries a commit's tenant and identity as a 64-bit hash (`_IDH`): refuse the
+    """The state carries a commit's tenant and identity as a 64-bit hash (`_idh`): refuse the
     run, rather than judge with the wrong strings, if two distinct ones ever shared a hash."""
-    clashes = int(read(f"SELECT count() - uniqExact(idh) AS n FROM {d.table(t.ids)}").item())
+    clashes = int(read(f"SELECT count(*) - count(DISTINCT idh) AS n FROM {d.table(t.ids)}").item())
     if clashes:
         raise RuntimeError(f"{clashes} commit identities share a hash with another; the SQL path cannot tell them"
                            " apart: use the streaming path (`kvtrace analyze --path stream`)")
@@ -1117,8 +1111,7 @@ def _run(
             step(name, select)
         recipes = timed_call("(attach recipes)", lambda: _published(d, source, recipes, read))
         timed_call("(check commits)", lambda: _check_commits(d, source, recipes, read))
-        if d.clickhouse:
-            timed_call("(check identities)", lambda: _check_identities(d, t, read))
+        timed_call("(check identities)", lambda: _check_identities(d, t, read))
         triples = timed_read("(lookup sources)", f"SELECT DISTINCT source_id, engine, model FROM {d.table(t.lk)}")
         keyed = recipes.keyed(sorted((int(src), str(engine), str(model)) for src, engine, model in triples.iter_rows()))
         chosen = dict(keyed.values())
