@@ -34,6 +34,7 @@ division, arrays, explode, ordered lists).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -302,7 +303,11 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         f" FROM {d.table(t.rq)})"
         " WHERE kind = 'lookup'"
     )
-    steps = [(t.ev, ev), (t.rq, requests), (t.lk, lookups)]
+    # The invalidations, few, in a table of their own: read after the object state, they would
+    # keep `ev` (10M events: ~1 GB) alive past its last big reader (see `_run`).
+    invalidations = (f"SELECT ord, instance, tier, tenant, adapter, reason, block_key FROM {d.table(t.ev)}"
+                     " WHERE kind = 'invalidate'")
+    steps = [(t.ev, ev), (t.rq, requests), (t.lk, lookups), (t.iv, invalidations)]
     # The commits' distinct tenants and identities, by the number the state carries.
     named = ", ".join((*_IDENTITY_STR, "epoch"))
     steps.append((t.ids, f"SELECT {_idh(d)} AS idh, tenant, {named} FROM (SELECT DISTINCT tenant, {named}"
@@ -567,7 +572,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
     # They depend on the block only through its point and its commit's tenant and adapter: found
     # once per distinct (instance, point, tenant, adapter), a few per point, not per block; only
     # instances that had one are read.
-    bulk = f"{d.table(t.ev)} WHERE kind = 'invalidate' AND block_key = 0"
+    bulk = f"{d.table(t.iv)} WHERE block_key = 0"
     bk = (
         f"SELECT p.instance AS instance, p.at_ord AS at_ord, p.c_tenant AS c_tenant, p.c_adp AS c_adp, {bulk_cols}"
         f" FROM (SELECT DISTINCT instance, at_ord, c_tenant, c_adp FROM {d.table(t.pc)}"
@@ -731,7 +736,7 @@ def _steps_status(d: Dialect, t: _Plan, policy: Policy) -> list[tuple[str, str]]
         "   SELECT p.*, CASE WHEN best > 0 THEN 1 ELSE 0 END AS present,"
         f"    CASE {' '.join(code)} ELSE '' END AS code, CASE {' '.join(detail)} END AS detail FROM ("
         f"     SELECT *, greatest(st_dev, st_hos, st_dis, st_rem) AS best FROM ({ps})) p"
-        f"   LEFT JOIN (SELECT ord AS ir_ord, reason FROM {d.table(t.ev)} WHERE kind = 'invalidate') ir"
+        f"   LEFT JOIN (SELECT ord AS ir_ord, reason FROM {d.table(t.iv)}) ir"
         "   ON ir.ir_ord = p.inv_ord))"
     )
     # The running "last bad block" indices per point and group, in a narrow table of their own:
@@ -1123,9 +1128,16 @@ def _run(
             if rows:
                 execute(f"INSERT INTO {d.table(table)} VALUES {rows}")
         fleet = _steps_fleet_view(d, t) if policy.fleet else []
-        for name, select in (*_steps_blocks(d, t, policy, writes), *_steps_boundaries(d, t), *fleet):
+        rest = [*_steps_blocks(d, t, policy, writes), *_steps_boundaries(d, t), *fleet]
+        final = _final(d, t, policy.fleet)
+        for k, (name, select) in enumerate(rest):
             step(name, select)
-        return conform_results(timed_read("(final)", _final(d, t, policy.fleet)))
+            if not keep_tables:  # each scratch table goes once nothing after reads it: the run's peak is smaller
+                later = " ".join([*(sql for _, sql in rest[k + 1:]), final])
+                for done in [c for c in created if not re.search(re.escape(d.table(c)) + r"\b", later)]:
+                    execute(d.drop(done))
+                    created.remove(done)
+        return conform_results(timed_read("(final)", final))
     finally:
         if not keep_tables:
             for name in reversed(created):
