@@ -502,9 +502,9 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             f" JOIN {d.table(t.rc)} r ON r.model = m.rkey WHERE {cond}"
         )
     pg = " UNION ALL ".join(points)
-    cols = "lid, phase, at_ord, at_ts, instance, tenant, " + ", ".join(
-        f"r_{f}" for f in (*_IDENTITY_STR, "epoch")
-    ) + ", g, comp, b, win, ratio, len, cap"
+    # A point-block carries its point's own columns; the lookup's identity stays with the point
+    # (`pg`), where `im` reads it once per point.
+    cols = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap"
     pb = d.explode_chain(cols + ", ig", f"(SELECT p.*, {_ig(d, t, 'p.instance', 'p.g')} AS ig FROM {d.table(t.pg)} p)")
     fleet = _steps_fleet_points(d, t, pg, cols) if policy.fleet else [(t.pg, pg)]
 
