@@ -142,7 +142,10 @@ class Dialect:
         return "'" + text.replace("'", "''") + "'"
 
 
-CLICKHOUSE_SETTINGS = {"join_use_nulls": 1, "allow_experimental_analyzer": 1}
+CLICKHOUSE_SETTINGS = {"join_use_nulls": 1, "allow_experimental_analyzer": 1, "max_block_size": 262144}
+"""`max_block_size`: the per-object arrays and the joins work on blocks of 256k rows, not 64k
+(10M events, alternating: 4.17-4.38 s against 4.34-4.69 s; 1M-row blocks were slower, 4.75-5.22 s;
+32k events unchanged)."""
 
 _JOINS_AS_WRITTEN = {"query_plan_optimize_join_order_limit": 0, "query_plan_join_swap_table": "false"}
 """Each join runs as written, its right side the hash table: the statements put the few rows
