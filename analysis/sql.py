@@ -424,11 +424,13 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
     functions instead of window sorts, which ClickHouse runs on one thread (about half of the
     whole analysis on 10M events before this). The arrays hold numbers only (`numeric` in
     `_state_parts`), which made this statement ~2x faster than with the strings."""
-    fields = ["ord", "kc", "idh", "nbytes", "checksum", "lease_expiry_ns", "wt", "present"]
+    fields = ["ord", "kc", "idh", "nbytes", "checksum", "lease_expiry_ns", "wt"]
     n = {name: i + 1 for i, name in enumerate(fields)}
     n["kind"], n["wtier"] = n["kc"], n["wt"]  # as numbers: see _KIND_CODES
+    evict = _KIND_CODES.index("evict") + 1
+    # Per tier, whether its last write left a copy (1), took it away (0: an evict) or none yet (-1).
     filled = [
-        f"arrayFill(v -> v >= 0, arrayMap(e -> if(e.{n['wtier']} = {code}, e.{n['present']}, -1), evs))"
+        f"arrayFill(v -> v >= 0, arrayMap(e -> if(e.{n['wtier']} = {code}, toInt8(e.{n['kind']} != {evict}), -1), evs))"
         for code, _ in enumerate(TIER_ORDER, 1)
     ]
     copies = (
@@ -463,8 +465,7 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
         f"     toUInt8(indexOf([{', '.join(repr(k) for k in _KIND_CODES)}], kind)) AS kc,"
         f"     if(kind = 'commit', {_idh(d)}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
         f"     toUInt8(indexOf([{', '.join(repr(t.value) for t in TIER_ORDER)}],"
-        f"      {_WRITTEN_TIER})) AS wt,"
-        "     toInt64(kind != 'evict') AS present"
+        f"      {_WRITTEN_TIER})) AS wt"
         f"    FROM {_object_events(d, t)})"
         "   GROUP BY ig, block_key)))"
         f" ARRAY JOIN a_ord AS ord, lives AS life, {', '.join(f'a_{name} AS {name}' for name in names)}"
@@ -540,7 +541,7 @@ def _steps_blocks(d: Dialect, t: _Plan, policy: Policy, writes: str) -> list[tup
             raise AssertionError("a ClickHouse state column's none is not its type's default")
         picked = [f"s.{name} AS {name}" for name, _ in state] + ["i.c_tenant0 AS c_tenant0", "i.c_adapter AS c_adapter"]
         nulls = " SETTINGS join_use_nulls = 0"
-        kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, ig, key, i"
+        kept = "lid, phase, at_ord, at_ts, instance, tenant, g, comp, b, win, ratio, len, cap, i"
         point = ", ".join(f"p.{c} AS {c}" for c in kept.split(", "))
     else:
         picked = [f"coalesce(s.{name}, {none}) AS {name}" for name, none in state]
