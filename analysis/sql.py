@@ -18,11 +18,14 @@ written as "the last event of some kind before this point", which is an as-of jo
 3. explode each point into the request's blocks per cache group, and as-of join every block
    to its object's state at its last event before the point (one join, not one per tier and
    kind: the point count times the event count is what a fleet-scale run pays for; the
-   object's own invalidations are events of it too), plus the bulk invalidations that match it;
-4. classify each block (missing, unusable for a reason, usable, resident), then scan the
-   candidate boundaries of each point with running "last bad block" indices, which makes every
-   group's completeness rule one comparison: the needed blocks [start, p/b) are all usable iff
-   the last unusable block below p/b is before start.
+   object's own invalidations are events of it too), plus the bulk invalidations that match it.
+   Only the blocks with a state keep a row: one without is missing, and most are (a request's
+   new blocks, named by its lookup before it writes them);
+4. classify each block (unusable for a reason, usable, resident), then scan the candidate
+   boundaries of each point with running "last bad block" indices, which makes every group's
+   completeness rule one comparison: the needed blocks [start, p/b) are all usable iff the last
+   unusable block below p/b is before start (a gap between two blocks' rows is missing blocks,
+   so bad ones).
 
 Every step read twice is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a
 CTE at each reference; a step read once is a subquery of its reader, as each table of the
