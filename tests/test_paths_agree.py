@@ -204,3 +204,35 @@ def test_a_commit_from_an_object_s_earlier_life_counts_in_no_path(store: Store, 
     bs = DENSE.groups[0].block_size
     assert (row["logical_hit_tokens"], row["recoverable_hit_tokens"]) == (2 * bs, bs)
     assert (row["reason"], row["reason_detail"]) == (GapReason.UNCOMMITTED.value, "no commit seen")
+
+
+@pytest.mark.parametrize("hole", [0, 1])
+def test_a_block_never_written_inside_the_chain_breaks_the_prefix_in_every_path(
+        store: Store, tmp_path: Path, hole: int) -> None:
+    """The SQL paths give a block a row only when its object has a state; one without is missing.
+    Here full attention lacks one block (the first, or the second) below a boundary that the Mamba
+    group's checkpoint reaches: the hash hit is the checkpoint's, the recoverable prefix stops
+    before the hole, and the reason is the missing block, in all three paths."""
+    from kvtrace.schema.recipes import GroupSpec, Recipe
+
+    bs = 2
+    hybrid = Recipe(name="fa-mamba", groups=(
+        GroupSpec(group_id=0, component=ComponentKind.FULL_ATTENTION, block_size=bs),
+        GroupSpec(group_id=1, component=ComponentKind.MAMBA, block_size=bs)))
+    t0 = 1_750_000_000 * 10**9
+    fa, mamba = [101, 102, 103], [201, 202, 203]
+    common = dict(source_id=1, engine="vllm", instance="i0", model="fm")
+    written = [(0, k) for i, k in enumerate(fa) if i != hole] + [(1, mamba[0]), (1, mamba[1])]
+    events = [Event(kind=EventKind.COMMIT, ts_ns=t0 + n, seq=n, block_key=key, group_id=group, tier=Tier.DEVICE,
+                    component=ComponentKind.FULL_ATTENTION if group == 0 else ComponentKind.MAMBA, nbytes=64,
+                    **common)
+              for n, (group, key) in enumerate(written)]
+    events.append(Event(kind=EventKind.LOOKUP, ts_ns=t0 + 10, seq=10, request_id="r", prompt_tokens=3 * bs + 1,
+                        group_block_keys=[fa, mamba], **common))
+    frames = three_paths(store, tmp_path, events, recipes=RecipeBook({"fm": hybrid}))
+    assert_same(frames)
+    row = frames[0].row(0, named=True)
+    # Mamba's checkpoints reach 2 blocks (its third was never written); full attention's hole
+    # leaves `hole` blocks before it.
+    assert (row["logical_hit_tokens"], row["recoverable_hit_tokens"]) == (2 * bs, hole * bs)
+    assert (row["reason"], row["reason_group"]) == (GapReason.MISSING_BLOCK.value, 0)
