@@ -792,11 +792,9 @@ def _running(d: Dialect, t: _Plan) -> str:
     return (
         f"SELECT {keys}, i, lb, lr, lq, if(nb0 < 0, len, nb0) AS nb FROM ("
         f" SELECT {keys}, a_i, {arrays} FROM ("
-        f"  SELECT {keys}, a, a_i, arrayPushFront(arrayPopBack(a_i), -1) AS a_pv,"
-        "   arrayPushBack(arrayPopFront(a_i), len) AS a_nx"
-        f"  FROM (SELECT {keys}, a, arrayMap(x -> x.1, a) AS a_i FROM ("
-        f"   SELECT {keys}, arraySort(x -> x.1, arrayZip(groupArray(i), {zipped})) AS a"
-        f"   FROM {d.table(t.bs)} GROUP BY {keys}))))"
+        f"  SELECT {keys}, arraySort(x -> x.1, arrayZip(groupArray(i), {zipped})) AS a, arrayMap(x -> x.1, a) AS a_i,"
+        "   arrayPushFront(arrayPopBack(a_i), -1) AS a_pv, arrayPushBack(arrayPopFront(a_i), len) AS a_nx"
+        f"  FROM {d.table(t.bs)} GROUP BY {keys}))"
         " ARRAY JOIN a_i AS i, a_lb AS lb, a_lr AS lr, a_lq AS lq, a_nb AS nb0"
     )
 
