@@ -226,7 +226,10 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     cols = _EVENT_COLUMNS
     # A row's number needs no frame, but the default one (RANGE) makes ClickHouse compare each
     # row with the last to find its peers: ROWS spares that (numbering 10M events 0.55 -> 0.30 s).
-    rows = "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
+    # A frame starting at the current row lets ClickHouse free each block once it is numbered; one
+    # starting at the partition's first row holds every row of the partition (one instance's whole
+    # stream, every column `ev` carries) until its last: `ev` 1.63 -> 1.40 s, mean of 4 alternating.
+    rows = "ROWS BETWEEN CURRENT ROW AND CURRENT ROW"
     number = f"CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq {rows}) AS BIGINT) AS ord"
     ig = _ig(d, t, "n.instance", "n.group_id")
     if d.clickhouse and not fleet:
@@ -314,10 +317,16 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     invalidations = (f"SELECT ord, instance, tier, tenant, adapter, reason, block_key FROM {d.table(t.ev)}"
                      " WHERE kind = 'invalidate'")
     steps = [(t.ev, ev), (t.rq, requests), (t.lk, lookups), (t.iv, invalidations)]
-    # The commits' distinct tenants and identities, by the number the state carries.
-    named = ", ".join((*_IDENTITY_STR, "epoch"))
-    steps.append((t.ids, f"SELECT {_idh(d)} AS idh, tenant, {named} FROM (SELECT DISTINCT tenant, {named}"
-                         f" FROM {d.table(t.ev)} WHERE kind = 'commit')"))
+    # The commits' tenants and identities, one row per number the state carries. Grouped by
+    # that number, not by the strings (a DISTINCT on eight strings, 0.15 s of 10M events, 0.09 s
+    # so): a group whose rows differ in any field (its least and greatest value differ) is two
+    # identities sharing a hash (`_check_identities`).
+    fields = ("tenant", *_IDENTITY_STR, "epoch")
+    picked = ", ".join(f"min(v_{f}) AS {f}" for f in fields)
+    clash = " OR ".join(f"min(v_{f}) <> max(v_{f})" for f in fields)
+    steps.append((t.ids, f"SELECT idh, {picked}, CASE WHEN {clash} THEN 1 ELSE 0 END AS clash FROM"
+                         f" (SELECT {_idh(d)} AS idh, {', '.join(f'{f} AS v_{f}' for f in fields)}"
+                         f" FROM {d.table(t.ev)} WHERE kind = 'commit') GROUP BY idh"))
     return steps, writes
 
 
@@ -1032,10 +1041,10 @@ def _check_commits(d: Dialect, source: str, recipes: RecipeBook, read: Reader) -
 def _check_identities(d: Dialect, t: _Plan, read: Reader) -> None:
     """The state carries a commit's tenant and identity as a 64-bit hash (`_idh`): refuse the
     run, rather than judge with the wrong strings, if two distinct ones ever shared a hash."""
-    clashes = int(read(f"SELECT count(*) - count(DISTINCT idh) AS n FROM {d.table(t.ids)}").item())
+    clashes = int(read(f"SELECT count(*) AS n FROM {d.table(t.ids)} WHERE clash = 1").item())
     if clashes:
-        raise RuntimeError(f"{clashes} commit identities share a hash with another; the SQL path cannot tell them"
-                           " apart: use the streaming path (`kvtrace analyze --path stream`)")
+        raise RuntimeError(f"{clashes} hash(es) stand for more than one commit identity; the SQL path cannot tell"
+                           " them apart: use the streaming path (`kvtrace analyze --path stream`)")
 
 
 def _recipe_rows(d: Dialect, recipes: Mapping[str, Recipe]) -> str:

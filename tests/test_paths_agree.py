@@ -236,3 +236,30 @@ def test_a_block_never_written_inside_the_chain_breaks_the_prefix_in_every_path(
     # leaves `hole` blocks before it.
     assert (row["logical_hit_tokens"], row["recoverable_hit_tokens"]) == (2 * bs, hole * bs)
     assert (row["reason"], row["reason_group"]) == (GapReason.MISSING_BLOCK.value, 0)
+
+
+def test_commit_identities_sharing_a_hash_are_refused_not_confused(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SQL paths carry a commit's tenant and identity as one hash; two commits whose
+    identities differ but hash alike would be judged with each other's strings. A run that meets
+    such a pair refuses, naming the streaming path. A 64-bit hash does not collide in a test, so
+    a weak one (the tenant's alone) stands in for it: two model revisions of one tenant."""
+    from kvtrace.analysis import sql
+
+    t0 = 1_750_000_000 * 10**9
+    common = dict(source_id=1, engine="vllm", instance="i0", model="dense", component=ComponentKind.FULL_ATTENTION,
+                  tier=Tier.DEVICE, nbytes=64, tenant="t1")
+    events = [Event(kind=EventKind.COMMIT, ts_ns=t0, seq=1, block_key=101, model_revision="a", **common),
+              Event(kind=EventKind.COMMIT, ts_ns=t0 + 1, seq=2, block_key=102, model_revision="b", **common),
+              Event(kind=EventKind.LOOKUP, ts_ns=t0 + 2, seq=3, source_id=1, engine="vllm", instance="i0",
+                    model="dense", model_revision="a", tenant="t1", request_id="r", prompt_tokens=5,
+                    group_block_keys=[[101, 102]])]
+    frames = three_paths(store, tmp_path, events)  # the real hash tells the two apart
+    assert_same(frames)
+    assert frames[0]["reason"].to_list() == [GapReason.IDENTITY_MISMATCH.value]
+    parquet = tmp_path / "events.parquet"
+    monkeypatch.setattr(sql, "_idh", lambda d: "cityHash64(CAST(tenant AS String))" if d.clickhouse else "hash(tenant)")
+    with pytest.raises(RuntimeError, match=r"1 hash\(es\) stand for more than one commit identity.*--path stream"):
+        clickhouse_results(store, BOOK)
+    with pytest.raises(RuntimeError, match=r"1 hash\(es\) stand for more than one commit identity.*--path stream"):
+        duckdb_results(parquet, BOOK)
