@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from kvtrace.collector.intake import no_gc
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record
+from kvtrace.collector.spool import Chunk, DurableSpool, SpoolRecord, decode_record, joined_columns
 from kvtrace.schema.arrow import arrow_schema, conform, to_arrow
 from kvtrace.schema.clickhouse import EMITTER_STATS, EVENTS, QUARANTINE
 from kvtrace.schema.events import Event
@@ -34,6 +34,7 @@ from kvtrace.schema.wire import FRAME_OVERHEAD
 from kvtrace.store.client import Store
 
 log = logging.getLogger("kvtrace.collector.drain")
+_SCHEMA = arrow_schema()
 _decode_events = msgspec.json.Decoder(Event).decode_lines
 
 
@@ -183,9 +184,17 @@ class Drain:
                 log.exception("live reconstruction failed on a chunk; ingest continues")
 
     def _store(self, chunk: Chunk) -> tuple[pa.Table | None, list[tuple[str, int]]]:
-        records, tables, rejections = self._records(chunk)
+        # The columns go to the store as they were spooled (`joined_columns`); they are read into
+        # tables only for live verdicts, or where a record's stream cannot pass as it is (read
+        # one by one then, so one that cannot be read at all is quarantined).
+        live = self.on_stored is not None
+        records, tables, rejections = self._records(chunk, read=live)
+        streams = [r.columns for r in records if r.columns]
+        joined = joined_columns(streams, _SCHEMA) if streams else None
+        if streams and joined is None and not live:
+            records, tables, rejections = self._records(chunk, read=True)
         lines = b"".join(r.lines for r in records)
-        columns = pa.concat_tables(tables or [arrow_schema().empty_table()])
+        columns = pa.concat_tables(tables or [_SCHEMA.empty_table()])
         stats: dict[int, EmitterStats] = {}
         for r in records:
             rejections.extend(r.rejections)
@@ -194,7 +203,10 @@ class Drain:
         self.store.insert_json_lines(EVENTS.name, lines, dedup_token=chunk.token)
         # A second insert into the same table needs a token of its own, or it would be dropped
         # as a repeat of the first.
-        self.store.insert_arrow(EVENTS.name, columns, dedup_token=f"{chunk.token}:columns")
+        if joined is not None:
+            self.store.insert_arrow_stream(EVENTS.name, joined, _SCHEMA.names, dedup_token=f"{chunk.token}:columns")
+        else:
+            self.store.insert_arrow(EVENTS.name, columns, dedup_token=f"{chunk.token}:columns")
         if rejections:
             self.store.insert_arrow(QUARANTINE.name, to_arrow(rejections, Rejection), dedup_token=chunk.token)
         if stats:
@@ -315,11 +327,11 @@ class Drain:
     unblamed_rounds_before_quarantine = 10
     _unblamed = 0  # rows of it refused alone by an error that does not blame their data
 
-    def _records(self, chunk: Chunk) -> tuple[list[SpoolRecord], list[pa.Table], list[Rejection]]:
-        """The chunk's records, and the events of those that came as columns (in the current
-        schema, whatever schema version spooled them). One that cannot be read back (a spool
-        from another version, a bug) is quarantined whole instead of blocking the drain forever
-        (a poison frame)."""
+    def _records(self, chunk: Chunk, read: bool = True) -> tuple[list[SpoolRecord], list[pa.Table], list[Rejection]]:
+        """The chunk's records, and (when `read`) the events of those that came as columns, in
+        the current schema, whatever schema version spooled them. One that cannot be read back
+        (a spool from another version, a bug) is quarantined whole instead of blocking the drain
+        forever (a poison frame)."""
         records: list[SpoolRecord] = []
         tables: list[pa.Table] = []
         bad: list[Rejection] = []
@@ -328,7 +340,7 @@ class Drain:
             try:
                 record = decode_record(payload)
                 self._sizes[record.origin.split(":", 1)[0]] += len(payload) + FRAME_OVERHEAD
-                table = conform(pa.ipc.open_stream(record.columns).read_all()) if record.columns else None
+                table = conform(pa.ipc.open_stream(record.columns).read_all()) if read and record.columns else None
             except Exception as exc:  # noqa: BLE001
                 log.error("spooled record %s#%d cannot be stored; quarantined: %s", chunk.token, i, exc)
                 bad.append(Rejection(received_ns=time.time_ns(), origin=f"spool:{chunk.token}", row=i + 1, field="",

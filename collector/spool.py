@@ -68,6 +68,36 @@ def spool_columns(table: pa.Table) -> bytes:
     return write_stream(table, compression="lz4")
 
 
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def joined_columns(streams: list[bytes], schema: pa.Schema) -> pa.Buffer | None:
+    """Records' `columns` as one Arrow IPC stream, their compressed batches passed through as
+    they were spooled: the store reads them (and inflates the LZ4) itself, so the drain neither
+    reads them into tables nor writes them out again (400k events in 60k-event chunks, in one
+    process: 5.1-5.5 us per event stored read back and `insert_arrow`ed, 3.6-3.9 so; 3.8-4.1
+    when live verdicts still read them). None when a stream cannot
+    pass as it is: fields other than `schema`'s (a spool from another schema version, read and
+    conformed instead), a dictionary batch, or bytes that are not a stream at all."""
+    out = pa.BufferOutputStream()
+    try:
+        for i, stream in enumerate(streams):
+            reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(stream))
+            head = reader.read_next_message()
+            if head.type != "schema" or not pa.ipc.read_schema(head).equals(schema, check_metadata=False):
+                return None
+            if i == 0:
+                out.write(head.serialize())
+            for message in reader:
+                if message.type != "record batch":
+                    return None
+                out.write(message.serialize())
+    except (pa.ArrowException, OSError, ValueError, StopIteration):
+        return None
+    out.write(_END_OF_STREAM)
+    return out.getvalue()
+
+
 class SpoolFull(RuntimeError):
     """The spool is at its bound; the caller should answer 429 and retry later."""
 

@@ -421,6 +421,17 @@ class Store:
                 self.client.insert_arrow(f"{self.db}.{table}", data, settings=settings)
         return data.num_rows
 
+    def insert_arrow_stream(self, table: str, stream: bytes | pa.Buffer, columns: Sequence[str],
+                            dedup_token: str = "") -> None:
+        """Insert an Arrow IPC stream as it is (its buffers may be LZ4- or zstd-compressed):
+        ClickHouse reads it, where `insert_arrow` would first write the table out again."""
+        settings = dict(self.INSERT_SETTINGS)
+        if dedup_token:
+            settings["insert_deduplication_token"] = dedup_token
+        with self._lock:
+            self.client.raw_insert(f"{self.db}.{table}", list(columns), insert_block=stream, settings=settings,
+                                   fmt="ArrowStream")
+
     def insert_json_lines(self, table: str, lines: bytes, dedup_token: str = "") -> None:
         """Insert rows given as JSON lines (JSONEachRow), parsed by ClickHouse itself: for
         validated events this is about twice as fast as building Arrow columns in Python."""

@@ -12,11 +12,13 @@ import pytest
 
 from kvtrace.collector.auth import OPEN, AuthConfigError, TokenTable
 from kvtrace.collector.intake import JSON_TYPE, IntakeError, decompress, intake_batch, intake_otlp
-from kvtrace.collector.spool import DurableSpool, SpoolFull
-from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns
+from kvtrace.collector.spool import DurableSpool, SpoolFull, joined_columns, spool_columns
+from kvtrace.schema.arrow import arrow_schema, from_arrow, to_arrow
+from kvtrace.schema.arrow_wire import ARROW_TYPE, Envelope, encode_columns, write_stream
 from kvtrace.schema.events import Event
 from kvtrace.schema.kinds import EventKind, Reason, Tier
 from kvtrace.schema.wire import CONTENT_TYPE, Batch, encode_batch
+from kvtrace.store.client import Store
 
 
 def lookup(seq: int, tenant: str = "", **kw: object) -> Event:
@@ -113,6 +115,25 @@ def test_torn_tail_is_cut_at_restart_and_appends_continue(tmp_path: Path) -> Non
         chunks += c.payloads
         again.done(c)
     assert chunks == [b"kept", b"after"]
+
+
+def test_spooled_columns_pass_to_the_store_as_one_stream(store: Store) -> None:
+    """The drain hands the store the records' compressed streams joined, unread: the store
+    reads the same events; a stream that cannot pass as it is (another schema's fields, a
+    dictionary batch, not a stream) gives None, and the drain reads and conforms it instead."""
+    a = to_arrow([lookup(i, tenant="t1") for i in range(5)])
+    b = to_arrow([lookup(i, tenant="t2", model_revision="r2") for i in range(5, 12)])
+    joined = joined_columns([spool_columns(a), spool_columns(b)], arrow_schema())
+    assert joined is not None
+    assert pa.ipc.open_stream(joined).read_all().equals(pa.concat_tables([a, b]))
+    store.insert_arrow_stream("events", joined, arrow_schema().names)
+    back = sorted((e for t in store.iter_event_batches() for e in from_arrow(t)), key=lambda e: e.seq)
+    assert back == [lookup(i, tenant="t1") for i in range(5)] + [lookup(i, tenant="t2", model_revision="r2")
+                                                                 for i in range(5, 12)]
+    older = spool_columns(a.drop_columns(["noise_floor"]))
+    coded = a.set_column(a.schema.get_field_index("tenant"), "tenant", a.column("tenant").dictionary_encode())
+    for bad in (older, write_stream(coded, compression="lz4"), b"not an Arrow stream"):
+        assert joined_columns([spool_columns(a), bad], arrow_schema()) is None
 
 
 def test_spool_refuses_past_its_bound(tmp_path: Path) -> None:
