@@ -76,9 +76,9 @@ def joined_columns(streams: list[bytes], schema: pa.Schema) -> pa.Buffer | None:
     they were spooled: the store reads them (and inflates the LZ4) itself, so the drain neither
     reads them into tables nor writes them out again (400k events in 60k-event chunks, in one
     process: 5.1-5.5 us per event stored read back and `insert_arrow`ed, 3.6-3.9 so; 3.8-4.1
-    when live verdicts still read them). None when a stream cannot
-    pass as it is: fields other than `schema`'s (a spool from another schema version, read and
-    conformed instead), a dictionary batch, or bytes that are not a stream at all."""
+    when live verdicts still read them). None when a stream cannot pass as it is: fields other
+    than `schema`'s (a spool from another schema version, read and conformed instead), a
+    dictionary batch, or bytes that are not a stream at all."""
     out = pa.BufferOutputStream()
     try:
         for i, stream in enumerate(streams):

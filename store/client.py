@@ -414,34 +414,32 @@ class Store:
         """Insert rows; with `dedup_token`, a repeat of the same token's insert is dropped by the
         server (the collector's exactly-once drain)."""
         if data.num_rows:
-            settings = dict(self.INSERT_SETTINGS)
-            if dedup_token:
-                settings["insert_deduplication_token"] = dedup_token
             with self._lock:
-                self.client.insert_arrow(f"{self.db}.{table}", data, settings=settings)
+                self.client.insert_arrow(f"{self.db}.{table}", data, settings=self._insert_settings(dedup_token))
         return data.num_rows
+
+    def _insert_settings(self, dedup_token: str, **more: Any) -> dict[str, Any]:
+        settings = {**self.INSERT_SETTINGS, **more}
+        if dedup_token:
+            settings["insert_deduplication_token"] = dedup_token
+        return settings
 
     def insert_arrow_stream(self, table: str, stream: bytes | pa.Buffer, columns: Sequence[str],
                             dedup_token: str = "") -> None:
         """Insert an Arrow IPC stream as it is (its buffers may be LZ4- or zstd-compressed):
         ClickHouse reads it, where `insert_arrow` would first write the table out again."""
-        settings = dict(self.INSERT_SETTINGS)
-        if dedup_token:
-            settings["insert_deduplication_token"] = dedup_token
         with self._lock:
-            self.client.raw_insert(f"{self.db}.{table}", list(columns), insert_block=stream, settings=settings,
-                                   fmt="ArrowStream")
+            self.client.raw_insert(f"{self.db}.{table}", list(columns), insert_block=stream,
+                                   settings=self._insert_settings(dedup_token), fmt="ArrowStream")
 
     def insert_json_lines(self, table: str, lines: bytes, dedup_token: str = "") -> None:
         """Insert rows given as JSON lines (JSONEachRow), parsed by ClickHouse itself: for
         validated events this is about twice as fast as building Arrow columns in Python."""
         if lines:
             # Parse in parallel from 1 MiB pieces (the default waits for 10 MiB): +25 % rows/s.
-            settings = {**self.INSERT_SETTINGS, "min_chunk_bytes_for_parallel_parsing": 1 << 20}
+            settings = self._insert_settings(dedup_token, min_chunk_bytes_for_parallel_parsing=1 << 20)
             if table in _ZERO_WHEN_OMITTED:
                 settings["input_format_defaults_for_omitted_fields"] = 0
-            if dedup_token:
-                settings["insert_deduplication_token"] = dedup_token
             with self._lock:
                 self.client.raw_insert(f"{self.db}.{table}", insert_block=lines, settings=settings,
                                        fmt="JSONEachRow")
