@@ -79,6 +79,9 @@ class LocalJudges:
     def open(self, slot: str) -> None:
         self.slots[slot] = _Slot(Reconstructor(self.recipes, self.policy))
 
+    def ping(self) -> None:
+        """Nothing: a call that answers once the judge is up (`ProcessJudges.warm`)."""
+
     def forget(self, slot: str) -> None:
         self.slots.pop(slot, None)
 
@@ -277,7 +280,7 @@ class ProcessJudges:
         self.policy = policy
         self.restarts = 0
         self._ctx = multiprocessing.get_context("spawn")  # never fork: the collector has threads and a store open
-        self._proc: Any = None  # started by the first call
+        self._proc: Any = None  # started by `spawn`, or else by the first call
         self._shared: tuple[_Shared, _Shared] | None = None
 
     def _start(self) -> None:
@@ -289,6 +292,19 @@ class ProcessJudges:
         child.close()
         for one in self._shared or ():
             reduction.send_handle(self._conn, one.fd, self._proc.pid)
+
+    def spawn(self) -> None:
+        """Start the process now, without waiting for it (`warm` waits). The collector starts
+        its judge with itself: one started by the first events spends its start-up (~0.4-0.5 s
+        of CPU: the interpreter, pyarrow and the reconstructor imported) while those events
+        flow, taking it from ingest, and the first verdicts wait for it."""
+        if self._proc is None:
+            self._start()
+
+    def warm(self) -> None:
+        """Start the process if need be and wait until it answers. Raises `JudgeLost` when it
+        dies starting; the next call starts another."""
+        self._call("ping")
 
     @property
     def pid(self) -> int | None:

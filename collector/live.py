@@ -240,6 +240,16 @@ class LiveReconstruction:
             self.metrics.live_instances.set(len(self._seen))
             return self._write(verdicts)
 
+    def warm(self, wait: bool = True) -> None:
+        """Start the judge process now, if it has one (`ProcessJudges.spawn`), and with `wait`
+        wait until it answers. One that does not start is logged, not fatal: ingest goes on,
+        and the first events start another."""
+        if isinstance(self.judges, ProcessJudges):
+            try:
+                self.judges.warm() if wait else self.judges.spawn()
+            except (JudgeLost, OSError) as exc:
+                log.warning("the live judge process did not start (%s); the first events start another", exc)
+
     def close(self) -> None:
         """End the judge process, if it has one (after the last tick)."""
         if isinstance(self.judges, ProcessJudges):

@@ -106,7 +106,11 @@ class Collector:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Create the schema if needed and start draining (what a restart left in the spool first)."""
+        """Start the live judge, create the schema if needed and start draining (what a restart
+        left in the spool first). Ready means judging too: the judge process is up before the
+        first batch (`LiveReconstruction.warm`)."""
+        if self.live is not None:
+            self.live.warm(wait=False)  # it starts while the store opens
         try:
             self.store.init()
         except Exception as exc:  # noqa: BLE001 - start anyway: the spool takes batches until the store is back
@@ -118,6 +122,8 @@ class Collector:
         if not self.config.tokens.enabled:
             log.warning("no collector tokens configured: authentication is OFF (every request may write "
                         "and read every tenant); set KVTRACE_COLLECTOR_TOKENS or a token file in production")
+        if self.live is not None:
+            self.live.warm()
         if self.live_worker is not None:
             self.live_worker.start()
         self.drain.start()

@@ -179,12 +179,14 @@ def _serve(url: str, first: int, n: int, start_ns: int) -> None:
 
 
 def test_the_collector_replaces_a_killed_judge_and_leaves_none_behind(tmp_path: Path) -> None:
-    """`kvtrace collector` as operators run it: its judge process SIGKILLed mid-load is replaced
-    (every lookup still gets the offline verdict), SIGTERM stops the judge with the collector,
-    and a SIGKILLed collector's judge exits by itself."""
+    """`kvtrace collector` as operators run it: its judge process is up once the collector is
+    ready, before any batch; SIGKILLed mid-load it is replaced (every lookup still gets the
+    offline verdict), SIGTERM stops the judge with the collector, and a SIGKILLed collector's
+    judge exits by itself."""
     proc = CollectorProcess(tmp_path, "--recipe", "mamba-hybrid", "--lateness-ms", "200")
     proc.start()
     assert proc.proc is not None
+    assert len(_judges(proc.proc.pid)) == 1, "no judge process when the collector said it was ready"
     t0 = time.time_ns()
     _serve(proc.url, 0, 20, t0)
     deadline = time.monotonic() + 60
