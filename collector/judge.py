@@ -26,7 +26,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing import reduction
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import pyarrow as pa
@@ -282,6 +282,7 @@ class ProcessJudges:
         self._ctx = multiprocessing.get_context("spawn")  # never fork: the collector has threads and a store open
         self._proc: Any = None  # started by `spawn`, or else by the first call
         self._shared: tuple[_Shared, _Shared] | None = None
+        self._late = 0  # pings `warm` stopped waiting for: their answers are read before the next call's
 
     def _start(self) -> None:
         self._conn, child = self._ctx.Pipe()
@@ -301,10 +302,24 @@ class ProcessJudges:
         if self._proc is None:
             self._start()
 
-    def warm(self) -> None:
-        """Start the process if need be and wait until it answers. Raises `JudgeLost` when it
-        dies starting; the next call starts another."""
-        self._call("ping")
+    def warm(self, timeout_s: float = 60.0) -> bool:
+        """Start the process if need be and wait, at most `timeout_s`, until it answers. False
+        when it has not answered by then (a machine too loaded to start it, an import that
+        hangs): the collector serves anyway, and the next call takes the late answer first.
+        Raises `JudgeLost` when it dies starting; the next call starts another."""
+        if self._late:
+            return False
+        try:
+            if self._proc is None:
+                self._start()
+            self._conn.send(("ping", ()))
+            if not self._conn.poll(timeout_s):
+                self._late += 1
+                return False
+            self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._lost(exc)
+        return True
 
     @property
     def pid(self) -> int | None:
@@ -314,6 +329,9 @@ class ProcessJudges:
         try:
             if self._proc is None:
                 self._start()
+            while self._late:  # the answer to a ping `warm` stopped waiting for
+                self._conn.recv()
+                self._late -= 1
             inbound, outbound = self._shared or (None, None)
             self._conn.send((name, tuple(_mark(a, inbound) if isinstance(a, pa.Table) else a for a in args)))
             for table in args:
@@ -323,17 +341,22 @@ class ProcessJudges:
             if isinstance(reply, Judged) and isinstance(reply.verdicts, _Stream):
                 reply.verdicts = _take(self._conn, reply.verdicts, outbound)
         except (EOFError, OSError) as exc:
-            self._proc.join(1)
-            code = self._proc.exitcode
-            log.error("the live judge process died (exit code %s, %s); starting another: instances rebuild "
-                      "their state from the store", code, type(exc).__name__)
-            self.close()
-            self.restarts += 1
-            self._proc = None  # the next call starts another
-            raise JudgeLost(f"the live judge process died (exit code {code})") from None
+            self._lost(exc)
         if isinstance(reply, _Error):
             raise RuntimeError(f"live judging failed in its process:\n{reply.text}")
         return reply
+
+    def _lost(self, exc: BaseException) -> NoReturn:
+        code = None
+        if self._proc is not None:
+            self._proc.join(1)
+            code = self._proc.exitcode
+        log.error("the live judge process died (exit code %s, %s); starting another: instances rebuild "
+                  "their state from the store", code, type(exc).__name__)
+        self.close()
+        self.restarts += 1
+        self._proc = None  # the next call starts another
+        raise JudgeLost(f"the live judge process died (exit code {code})") from None
 
     def open(self, slot: str) -> None:
         self._call("open", slot)
@@ -353,6 +376,9 @@ class ProcessJudges:
     def close(self) -> None:
         """End the process (it ends by itself when the pipe closes; killed if it does not)."""
         if self._proc is None:
+            for one in self._shared or ():
+                one.close()
+            self._shared = None
             return
         self._conn.close()
         self._proc.join(5)
@@ -360,6 +386,7 @@ class ProcessJudges:
             self._proc.kill()
             self._proc.join(5)
         self._proc = None
+        self._late = 0
         for one in self._shared or ():
             one.close()
         self._shared = None

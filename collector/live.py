@@ -240,13 +240,18 @@ class LiveReconstruction:
             self.metrics.live_instances.set(len(self._seen))
             return self._write(verdicts)
 
-    def warm(self, wait: bool = True) -> None:
+    def warm(self, wait: bool = True, timeout_s: float = 60.0) -> None:
         """Start the judge process now, if it has one (`ProcessJudges.spawn`), and with `wait`
-        wait until it answers. One that does not start is logged, not fatal: ingest goes on,
-        and the first events start another."""
+        wait until it answers, at most `timeout_s`. One that does not start or answer in time
+        is logged, not fatal: ingest goes on, and the first events start another or take the
+        late answer first."""
         if isinstance(self.judges, ProcessJudges):
             try:
-                self.judges.warm() if wait else self.judges.spawn()
+                if not wait:
+                    self.judges.spawn()
+                elif not self.judges.warm(timeout_s):
+                    log.warning("the live judge process has not answered in %.0f s; serving without waiting for it",
+                                timeout_s)
             except (JudgeLost, OSError) as exc:
                 log.warning("the live judge process did not start (%s); the first events start another", exc)
 

@@ -71,6 +71,28 @@ def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(st
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
+def test_a_judge_not_waited_for_at_start_answers_late_and_judges_as_ever(store: Store) -> None:
+    """The collector waits for its judge's first answer only so long (a loaded machine, an import
+    that hangs must not keep it from serving): the ping it stopped waiting for is answered later,
+    and that answer is read before the next call's, so no call takes another's reply."""
+    events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
+    try:
+        assert live.judges.warm(timeout_s=0) is False  # a fresh process cannot have answered yet
+        assert live.judges.warm(timeout_s=0) is False  # still owed: not asked twice
+        for a in range(0, len(events), 200):
+            live.feed(events[a:a + 200])
+        live.tick(force=True)
+        assert live.judges.restarts == 0
+    finally:
+        live.close()
+    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    assert_frame_equal(got, streaming(events), check_exact=True)
+
+
 def _fed_then_judge_killed(store: Store) -> tuple[list[Event], LiveReconstruction]:
     """Two instances' events, each without its last request's adopt (a lookup left waiting),
     stored and fed to a live reconstruction whose judge process is then SIGKILLed."""
