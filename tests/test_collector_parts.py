@@ -238,6 +238,34 @@ def test_zstd_decompression_is_bounded_too() -> None:
     assert decompress(pa.compress(b"hello", "zstd", asbytes=True), "ZSTD", 100) == b"hello"
 
 
+def _stated_size(frame: bytes, size: int) -> bytes:
+    """The frame with its header's content size replaced (a 2-byte field, stored less 256)."""
+    descriptor = frame[4]
+    assert descriptor >> 6 == 1 and not descriptor & 3  # the layout pyarrow writes for these sizes
+    at = 5 if descriptor & 0x20 else 6  # a single-segment frame has no window byte
+    return frame[:at] + (size - 256).to_bytes(2, "little") + frame[at + 2:]
+
+
+def test_zstd_read_in_one_call_where_the_frame_states_its_size_and_as_a_stream_otherwise() -> None:
+    """A frame stating its size is inflated in one call (a third of the stream's CPU); what that
+    cannot read (frames after the first, a stated size that lies) goes through the stream,
+    which reads it whole or names the fault, within the limit as before."""
+    one, two = b"abc" * 1000, b"xyz" * 500
+    first = pa.compress(one, "zstd", asbytes=True)
+    assert decompress(first, "zstd", 1 << 20) == one
+    assert decompress(first + pa.compress(two, "zstd", asbytes=True), "zstd", 1 << 20) == one + two
+    for lie in (len(one) - 10, len(one) + 10):
+        with pytest.raises(IntakeError) as err:
+            decompress(_stated_size(first, lie), "zstd", 1 << 20)
+        assert err.value.status == 400 and "not valid zstd" in err.value.message
+    # A small first frame, then one that inflates past the limit: the size the first states is
+    # within it, the body is not.
+    bomb = pa.compress(b"\x00" * (8 << 20), "zstd", asbytes=True)
+    with pytest.raises(IntakeError) as err:
+        decompress(first + bomb, "zstd", 1 << 20)
+    assert err.value.status == 413
+
+
 def test_otlp_logs_carry_events_in_protobuf_and_json() -> None:
     from google.protobuf import json_format
     from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
