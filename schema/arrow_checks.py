@@ -95,8 +95,8 @@ def _lit(arr: pa.Array, value: object) -> pa.Scalar:
 
 
 def _true(mask: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A boolean compute result as numpy, null counted as false."""
-    return np.asarray(pc.fill_null(mask, False))
+    """A boolean compute result as numpy, null counted as false (most have no null to fill)."""
+    return np.asarray(pc.fill_null(mask, False) if mask.null_count else mask)
 
 
 def _empty(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
@@ -116,7 +116,9 @@ def clean_rows(table: pa.Table) -> np.ndarray:
     n = table.num_rows
     if not n:
         return np.zeros(0, dtype=bool)
-    col = {name: table.column(name).combine_chunks() for name in table.column_names}
+    # A batch read from one IPC message is one chunk a column: taken as it is (combining copies).
+    col = {name: (c.chunk(0) if (c := table.column(name)).num_chunks == 1 else c.combine_chunks())
+           for name in table.column_names}
     specs = {s.name: s for s in field_specs(Event)}
     bad = np.zeros(n, dtype=bool)
 
