@@ -47,13 +47,23 @@ def test_a_judge_process_writes_the_streaming_rows(store: Store, events: list[Ev
     assert_frame_equal(got, streaming(events, policy), check_exact=True)
 
 
+def _stored_alone(store: Store, events: list[Event]) -> None:
+    """The store holding these events alone, and no verdicts: the collector stores every batch
+    before it is judged, and a rebuilt instance reads them back."""
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(events)
+
+
+def _live_verdicts(store: Store) -> pl.DataFrame:
+    return conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+
+
 def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(store: Store) -> None:
     """SIGKILL the judge between batches and while it judges: a fresh one reads each instance's
     judged events back from the store, and the rows are the full run's."""
     events = sorted(fleet_events(instances=3, requests=40), key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    store.insert_events(events)  # the collector stores every batch before it is judged
+    _stored_alone(store, events)
     live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
     try:
         batches = [events[a:a + 300] for a in range(0, len(events), 300)]
@@ -67,7 +77,7 @@ def test_a_judge_process_killed_mid_stream_is_replaced_and_no_verdict_changes(st
         assert live.judges.restarts == 2 and live.rebuilt_events > 0
     finally:
         live.close()
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    got = _live_verdicts(store)
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
@@ -76,9 +86,7 @@ def test_a_judge_not_waited_for_at_start_answers_late_and_judges_as_ever(store: 
     that hangs must not keep it from serving): the ping it stopped waiting for is answered later,
     and that answer is read before the next call's, so no call takes another's reply."""
     events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    store.insert_events(events)
+    _stored_alone(store, events)
     live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
     try:
         assert live.judges.warm(timeout_s=0) is False  # a fresh process cannot have answered yet
@@ -89,7 +97,7 @@ def test_a_judge_not_waited_for_at_start_answers_late_and_judges_as_ever(store: 
         assert live.judges.restarts == 0
     finally:
         live.close()
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    got = _live_verdicts(store)
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
@@ -99,9 +107,7 @@ def _fed_then_judge_killed(store: Store) -> tuple[list[Event], LiveReconstructio
     events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
     last = {e.instance: e.request_id for e in events if e.kind is EventKind.LOOKUP}  # each instance's last request
     events = [e for e in events if not (e.kind is EventKind.ADOPT and last.get(e.instance) == e.request_id)]
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    store.insert_events(events)
+    _stored_alone(store, events)
     live = LiveReconstruction(store, BOOK, CollectorMetrics(), lateness_ns=0, own_process=True)
     try:
         for a in range(0, len(events), 300):
@@ -115,7 +121,7 @@ def _fed_then_judge_killed(store: Store) -> tuple[list[Event], LiveReconstructio
 
 
 def _rows_equal_streaming(store: Store, events: list[Event]) -> None:
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    got = _live_verdicts(store)
     want = streaming(events)
     assert want.filter(pl.col("adopt_seen") == 0).height >= 2  # the two lookups left waiting
     assert_frame_equal(got, want, check_exact=True)
@@ -260,9 +266,7 @@ def test_a_judge_lost_while_a_new_instance_starts_loses_no_other_instances_rows(
     held, judged, and give the full run's rows."""
     events = sorted(fleet_events(instances=2, requests=30), key=lambda e: (e.ts_ns, e.source_id, e.seq))
     a, b = sorted({e.instance for e in events})
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
-    store.insert_events(events)
+    _stored_alone(store, events)
     half = len(events) // 2
     first = [e for e in events[:half] if e.instance == a]  # only A is known before the loss
     rest = sorted([e for e in events[:half] if e.instance == b] + events[half:],
@@ -277,7 +281,7 @@ def test_a_judge_lost_while_a_new_instance_starts_loses_no_other_instances_rows(
         assert live.judges.restarts == 1
     finally:
         live.close()
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    got = _live_verdicts(store)
     assert_frame_equal(got, streaming(events), check_exact=True)
 
 
@@ -311,7 +315,7 @@ def test_a_model_whose_events_contradict_its_given_recipe_gets_no_more_verdicts(
     finally:
         live.close()
     assert ("vllm", "hybrid") in live.refused and "8" in live.refused[("vllm", "hybrid")]
-    got = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    got = _live_verdicts(store)
     dense = [e for e in events if e.model == "dense"]
     assert_frame_equal(got.filter(pl.col("model") == "dense"), streaming(dense), check_exact=True)
     hybrid = got.filter(pl.col("model") == "hybrid")["request_id"].to_list()
