@@ -252,7 +252,7 @@ class LiveReconstruction:
                 elif not self.judges.warm(timeout_s):
                     log.warning("the live judge process has not answered in %.0f s; serving without waiting for it",
                                 timeout_s)
-            except (JudgeLost, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a judge that cannot start must not stop ingest
                 log.warning("the live judge process did not start (%s); the first events start another", exc)
 
     def close(self) -> None:
