@@ -224,36 +224,30 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # Stream order for every event, carrying only the narrow columns object state needs: the
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
-    # A row's number needs no frame, but the default one (RANGE) makes ClickHouse compare each
-    # row with the last to find its peers: ROWS spares that (numbering 10M events 0.55 -> 0.30 s).
-    # A frame starting at the current row lets ClickHouse free each block once it is numbered; one
-    # starting at the partition's first row holds every row of the partition (one instance's whole
-    # stream, every column `ev` carries) until its last: `ev` 1.63 -> 1.40 s, mean of 4 alternating.
-    rows = "ROWS BETWEEN CURRENT ROW AND CURRENT ROW"
-    number = f"CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq {rows}) AS BIGINT) AS ord"
     ig = _ig(d, t, "n.instance", "n.group_id")
-    if d.clickhouse and not fleet:
+    if d.clickhouse and (not fleet or in_order):
         # Without the fleet view no statement compares two instances' events (objects, requests
-        # and bulk invalidations are all the instance's own), so each instance is numbered on its
-        # own, above its code's multiple of 2^40: its rows are read in stream order (the table's
-        # sort key starts with the instance, then time: `_WINDOWS_IN_TABLE_ORDER`) and the
-        # window sorts nothing. 4M events of 64 instances: 0.78-1.03 s numbered across
-        # instances (a narrow copy sorted, the rest joined back), 0.52-0.53 s so, with the
-        # whole statement.
+        # and bulk invalidations are all the instance's own): each instance's rows are numbered
+        # above its code's multiple of 2^40, in stream order. They are read in the table's own
+        # order (its sort key starts with the instance, then time), which the sort takes as it
+        # is, and numbered outside it, the way ClickHouse documents for `rowNumberInAllBlocks`:
+        # the sorted rows reach it as one stream. A window (`row_number() OVER (PARTITION BY
+        # instance ...)`) numbered the same rows on one thread: 10M events, `ev` 0.85-0.90 ->
+        # 0.69-0.77 s, alternating, the numbers equal. One instance's rows (`in_order`, the
+        # fleet view's case without a second instance) are its stream order as well.
         code = d.lookup(t.it, "instance", "code", "instance")
-        numbered = (f"SELECT CAST({code} * {1 << 40} + row_number() OVER (PARTITION BY instance"
-                    f" ORDER BY ts_ns, source_id, seq {rows}) AS BIGINT) AS ord, {cols}, block_key, more_keys"
-                    f" FROM {source}")
+        numbered = (f"SELECT CAST({code} * {1 << 40} + rowNumberInAllBlocks() + 1 AS BIGINT) AS ord, {cols},"
+                    f" block_key, more_keys FROM (SELECT {cols}, block_key, more_keys FROM {source}"
+                    " ORDER BY instance, ts_ns, source_id, seq)")
         ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
-    elif d.clickhouse and in_order:
-        # One instance's rows are read in stream order (the table's sort key starts with the
-        # instance, then time), so the window's merge passes the sorted blocks through.
-        numbered = f"SELECT {number}, {cols}, block_key, more_keys FROM {source}"
     else:
         # Several instances' rows interleave in time: the window's sort then merges every column
         # it carries row by row (4M events of 64 instances: 4.8 s, of which the numbers alone
         # 0.4 s; DuckDB's sorts them too, 10.9 s of 10M): number a narrow copy, join the rest
-        # back by (source_id, seq), 1.2 s.
+        # back by (source_id, seq), 1.2 s. The number needs no frame, but the default one (RANGE)
+        # makes ClickHouse compare each row with the last to find its peers: ROWS spares that.
+        number = ("CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq ROWS BETWEEN CURRENT ROW AND"
+                  " CURRENT ROW) AS BIGINT) AS ord")
         numbered = (
             f"SELECT o.ord AS ord, {', '.join(f'e.{c} AS {c}' for c in (c.strip() for c in cols.split(',')))},"
             f" e.block_key AS block_key, e.more_keys AS more_keys"
