@@ -448,33 +448,39 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
     life = ("arrayPushFront(arrayPopBack(arrayFill(x -> x > 0,"
             f" arrayMap((e, c) -> if(c = 0 AND e.{n['kind']} != {_KIND_CODES.index('invalidate') + 1},"
             f" e.{n['ord']}, 0), evs, {copies}))), 0)")
-    # Per category, a mask of its events; each state column is that category's value where the
-    # mask is set, carried forward over the rest by arrayFill. No array is indexed by another:
-    # a lambda that captures one, or an ARRAY JOIN that keeps one, copies it for every element.
+    # Per category, a mask of its events; its state is one tuple of its columns, that
+    # category's values where the mask is set, carried forward over the rest by arrayFill. No
+    # array is indexed by another: a lambda that captures one, or an ARRAY JOIN that keeps one,
+    # copies it for every element. One tuple per category, not one array per column: two
+    # lambdas per category instead of two per column (10M events: 1.19-1.23 -> 1.11-1.14 s).
     parts = _state_parts(lambda col: f"e.{n[col]}", numeric=True)
     masks = ", ".join(f"arrayMap(e -> toUInt8({cond}), evs) AS m_{cat}" for cat, cond, _ in parts)
-    values = ", ".join(
-        f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, e.{n[col]}, {none}), evs, m_{cat}), m_{cat})"
-        f" AS a_{name}"
-        for cat, _, columns in parts for name, col, none in columns
-    )
-    names = [name for _, _, columns in parts for name, _, _ in columns]
+    values = []
+    for cat, _, cols in parts:
+        picked, none = (", ".join(f"e.{n[col]}" for _, col, _ in cols)), ", ".join(none for _, _, none in cols)
+        values.append(f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, tuple({picked}), tuple({none})),"
+                      f" evs, m_{cat}), m_{cat}) AS a_{cat}")
+    names = [f"s_{cat}.{i} AS {name}" for cat, _, cols in parts for i, (name, _, _) in enumerate(cols, 1)]
     # One array per field, zipped: a tuple's groupArray serializes each value into the arena
     # (0.35 -> 0.20 s of this statement's grouping on 10M events).
     zipped = ", ".join(f"groupArray({f})" for f in fields)
+    # The written tier (`_WRITTEN_TIER`) as its code, each `indexOf` reading one LowCardinality
+    # column, which ClickHouse computes once per distinct value (a CASE over three of them makes
+    # every row's string first).
+    tiers = f"[{', '.join(repr(t.value) for t in TIER_ORDER)}]"
     return (
         f"SELECT ig, block_key, ord, life, {', '.join(names)} FROM ("
-        f" SELECT ig, block_key, arrayMap(e -> e.1, evs) AS a_ord, lives, {values} FROM ("
+        f" SELECT ig, block_key, arrayMap(e -> e.1, evs) AS a_ord, lives, {', '.join(values)} FROM ("
         f" SELECT ig, block_key, evs, {life} AS lives, {masks} FROM ("
         f"   SELECT ig, block_key, arraySort(v -> v.1, arrayZip({zipped})) AS evs FROM ("
         "    SELECT ord, ig, block_key,"
         f"     toUInt8(indexOf([{', '.join(repr(k) for k in _KIND_CODES)}], kind)) AS kc,"
         f"     if(kind = 'commit', {_idh(d)}, 0) AS idh, nbytes, checksum, lease_expiry_ns,"
-        f"     toUInt8(indexOf([{', '.join(repr(t.value) for t in TIER_ORDER)}],"
-        f"      {_WRITTEN_TIER})) AS wt"
+        f"     toUInt8(if(kind IN ('offload', 'load'), indexOf({tiers}, dst_tier),"
+        f"      if(kind = 'invalidate', 0, indexOf({tiers}, tier)))) AS wt"
         f"    FROM {_object_events(d, t)})"
         "   GROUP BY ig, block_key)))"
-        f" ARRAY JOIN a_ord AS ord, lives AS life, {', '.join(f'a_{name} AS {name}' for name in names)}"
+        f" ARRAY JOIN a_ord AS ord, lives AS life, {', '.join(f'a_{cat} AS s_{cat}' for cat, _, _ in parts)}"
     )
 
 
