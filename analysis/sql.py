@@ -246,13 +246,17 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         # 0.4 s; DuckDB's sorts them too, 10.9 s of 10M): number a narrow copy, join the rest
         # back by (source_id, seq), 1.2 s. The number needs no frame, but the default one (RANGE)
         # makes ClickHouse compare each row with the last to find its peers: ROWS spares that.
-        number = ("CAST(row_number() OVER (ORDER BY ts_ns, source_id, seq ROWS BETWEEN CURRENT ROW AND"
-                  " CURRENT ROW) AS BIGINT) AS ord")
+        # ClickHouse numbers the sorted copy outside its sort instead, as above: 10M events
+        # 0.42-0.44 -> 0.12-0.13 s, the numbers equal.
+        order = "ts_ns, source_id, seq"
+        narrow = (f"SELECT o_src, o_seq, CAST(rowNumberInAllBlocks() + 1 AS BIGINT) AS ord FROM (SELECT source_id"
+                  f" AS o_src, seq AS o_seq FROM {source} ORDER BY {order})" if d.clickhouse else
+                  f"SELECT source_id AS o_src, seq AS o_seq, CAST(row_number() OVER (ORDER BY {order}"
+                  f" ROWS BETWEEN CURRENT ROW AND CURRENT ROW) AS BIGINT) AS ord FROM {source}")
         numbered = (
             f"SELECT o.ord AS ord, {', '.join(f'e.{c} AS {c}' for c in (c.strip() for c in cols.split(',')))},"
             f" e.block_key AS block_key, e.more_keys AS more_keys"
-            f" FROM {source} e JOIN (SELECT source_id AS o_src, seq AS o_seq, {number} FROM {source}) o"
-            " ON o.o_src = e.source_id AND o.o_seq = e.seq"
+            f" FROM {source} e JOIN ({narrow}) o ON o.o_src = e.source_id AND o.o_seq = e.seq"
         )
     # Each event also names its object's instance and group as one number (`ig`, see `_ig`). A
     # run of blocks stays one row here (see `_per_block`).
