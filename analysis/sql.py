@@ -158,19 +158,13 @@ scratch tables are new, so it had none and built its hash tables from the millio
 -> 0.06 s, `cd` 0.43-0.46 -> 0.23-0.25 s, `rs` 0.19-0.23 -> 0.08-0.09 s on 10M events. Sent only
 to servers that know them (older ones run joins as written anyway)."""
 
-_WINDOWS_IN_TABLE_ORDER = {"optimize_read_in_window_order": 1}
-"""A window over the stored events whose PARTITION BY and ORDER BY start the table's sort key
-(`ev`'s numbering per instance) reads the table in that order instead of sorting it (off by
-default in ClickHouse 26): 10M events of one instance 1.19 -> 0.61 s, 4M of 64 0.33 -> 0.32 s
-(the partitions then sort on both cores), against 0.80 and 1.98 s numbered across instances."""
-
 _NO_JIT = {"compile_expressions": 0, "compile_aggregate_expressions": 0, "compile_sort_description": 0}
 """Expressions are not compiled to machine code: an expression is compiled once it has run a
 few times, and a run's ~30 statements, each planned once, pay for compiling and gain little
 (an analysis of 32k events 0.47-1.23 s with it, 0.41-0.44 s without; of 10M events 4.19-4.94 s
 against 4.21-4.54 s, alternating)."""
 
-_IF_KNOWN = {**_JOINS_AS_WRITTEN, **_WINDOWS_IN_TABLE_ORDER, **_NO_JIT}
+_IF_KNOWN = {**_JOINS_AS_WRITTEN, **_NO_JIT}
 """Settings sent only to servers that know them."""
 
 
