@@ -226,9 +226,9 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         # order (its sort key starts with the instance, then time), which the sort takes as it
         # is, and numbered outside it, the way ClickHouse documents for `rowNumberInAllBlocks`:
         # the sorted rows reach it as one stream. A window (`row_number() OVER (PARTITION BY
-        # instance ...)`) numbered the same rows on one thread: 10M events, `ev` 0.85-0.90 ->
-        # 0.69-0.77 s, alternating, the numbers equal. One instance's rows (`in_order`, the
-        # fleet view's case without a second instance) are its stream order as well.
+        # instance ...)`) numbered the same rows on one thread, in 0.67-1.01 s of 10M events
+        # (it varied between processes), this in 0.66-0.72 s; the numbers equal. One instance's
+        # rows (`in_order`, the fleet view's case without a second instance) are its stream order.
         code = d.lookup(t.it, "instance", "code", "instance")
         numbered = (f"SELECT CAST({code} * {1 << 40} + rowNumberInAllBlocks() + 1 AS BIGINT) AS ord, {cols},"
                     f" block_key, more_keys FROM (SELECT {cols}, block_key, more_keys FROM {source}"
@@ -450,13 +450,14 @@ def _writes_with_arrays(d: Dialect, t: _Plan) -> str:
     # category's values where the mask is set, carried forward over the rest by arrayFill. No
     # array is indexed by another: a lambda that captures one, or an ARRAY JOIN that keeps one,
     # copies it for every element. One tuple per category, not one array per column: two
-    # lambdas per category instead of two per column (10M events: 1.19-1.23 -> 1.11-1.14 s).
+    # lambdas per category instead of two per column (10M events, the statement unwritten:
+    # 1.19-1.23 -> 1.11-1.14 s).
     parts = _state_parts(lambda col: f"e.{n[col]}", numeric=True)
     masks = ", ".join(f"arrayMap(e -> toUInt8({cond}), evs) AS m_{cat}" for cat, cond, _ in parts)
     values = []
     for cat, _, cols in parts:
-        picked, none = (", ".join(f"e.{n[col]}" for _, col, _ in cols)), ", ".join(none for _, _, none in cols)
-        values.append(f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, tuple({picked}), tuple({none})),"
+        picked, nones = ", ".join(f"e.{n[col]}" for _, col, _ in cols), ", ".join(none for _, _, none in cols)
+        values.append(f"arrayFill((v, m) -> m = 1, arrayMap((e, m) -> if(m = 1, tuple({picked}), tuple({nones})),"
                       f" evs, m_{cat}), m_{cat}) AS a_{cat}")
     names = [f"s_{cat}.{i} AS {name}" for cat, _, cols in parts for i, (name, _, _) in enumerate(cols, 1)]
     # One array per field, zipped: a tuple's groupArray serializes each value into the arena
