@@ -310,8 +310,7 @@ class ProcessJudges:
         if self._late:
             return False
         try:
-            if self._proc is None:
-                self._start()
+            self.spawn()
             self._conn.send(("ping", ()))
             if not self._conn.poll(timeout_s):
                 self._late += 1
