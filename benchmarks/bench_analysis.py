@@ -215,7 +215,7 @@ def stream(parquet: Path, recipe_name: str) -> None:
 def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-untyped-def]
     import duckdb
 
-    from kvtrace.analysis.sql import StatementTiming, clickhouse_results, duckdb_results
+    from kvtrace.analysis.sql import StatementTiming, clickhouse_results, duckdb_results, placed_events
 
     scan_ch = (f"SELECT count(), sum(nbytes), uniqExact(block_key), max(length(group_block_keys)) "
                f"FROM {store.db}.events FINAL")
@@ -226,19 +226,29 @@ def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-u
     # connection closed (4.76-4.86 s against 4.45-4.66 s alone, 10M events, 2026-12-05), and one
     # kept open holds its buffers (~10 GB here): 1.6x slower. Each DuckDB round gets a
     # connection of its own, closed after it.
-    ch, ch_scan, dd, dd_scan = [], [], [], []
+    # The table is merged (one part per day, as `main` leaves it), so ClickHouse numbers the
+    # events where they lie; each round also runs the sorted numbering that a table with fresh,
+    # unmerged parts takes (`in_place=False`), and its rows must be the same.
+    ch, ch_sorted, ch_scan, dd, dd_scan = [], [], [], [], []
+    placed = bool(placed_events(store).parts)
     for _ in range(rounds):
         ch_scan.append(timed(lambda: store.query_arrow(scan_ch)))
         ch.append(timed(lambda: clickhouse_results(store, recipe)))
+        ch_sorted.append(timed(lambda: clickhouse_results(store, recipe, in_place=False)))
+    key = ["ts_ns", "source_id", "seq"]
+    placed_rows, sorted_rows = (clickhouse_results(store, recipe, in_place=flag).sort(key) for flag in (True, False))
+    assert placed_rows.equals(sorted_rows), "numbered in place and sorted, the ClickHouse rows differ"
     for _ in range(rounds):
         with duckdb.connect() as con:
             dd_scan.append(timed(lambda: con.execute(scan_dd).fetchall()))
             dd.append(timed(lambda: duckdb_results(parquet, recipe, connection=con)))
     print(f"\nSQL paths, median of {rounds} rounds (each path's rounds: scan, analysis, alternating)")
     print(f"{'path':<11} {'analysis s':>11} {'full scan s':>12} {'ratio':>7}")
-    for name, a, s in (("clickhouse", ch, ch_scan), ("duckdb", dd, dd_scan)):
+    for name, a, s in (("clickhouse", ch, ch_scan), ("ch sorted", ch_sorted, ch_scan), ("duckdb", dd, dd_scan)):
         ma, ms = statistics.median(a), statistics.median(s)
         print(f"{name:<11} {ma:>11.2f} {ms:>12.2f} {ma / ms:>6.1f}x")
+    print(f"clickhouse: events numbered {'in place (every day one merged part)' if placed else 'by sorting'};"
+          " ch sorted: numbered by sorting, as on unmerged parts; rows equal")
 
     # One more run of each with per-statement timings (each step then also counts its rows,
     # which the timed rounds above do not), to say where the time goes.

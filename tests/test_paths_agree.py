@@ -12,12 +12,20 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
 from lifecycle import DENSE, RECIPES, first_stream, lifecycle_streams
+from msgspec.structs import replace
 from polars.testing import assert_frame_equal
 
+from kvtrace.analysis import sql
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
-from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
+from kvtrace.analysis.sql import (
+    clickhouse_results,
+    conform_results,
+    duckdb_results,
+    placed_events,
+    placed_parts,
+)
 from kvtrace.schema import ComponentKind, Event, EventKind, Tier
 from kvtrace.schema.recipes import RecipeBook, UnknownModel
 from kvtrace.schema.verdicts import GapReason
@@ -39,17 +47,21 @@ def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy 
     store.insert_events(events)
     parquet = folder / "events.parquet"
     export_events(store, parquet)
-    return [
+    frames = [
         streaming(events, policy, recipes),
         clickhouse_results(store, recipes, policy).sort(SORT),
         duckdb_results(parquet, recipes, policy).sort(SORT),
     ]
+    # Merged, every partition is one part: ClickHouse numbers the events where they lie, unsorted.
+    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    assert placed_events(store).parts
+    return [*frames, clickhouse_results(store, recipes, policy).sort(SORT)]
 
 
 def assert_same(frames: list[pl.DataFrame]) -> None:
-    py, ch, dd = frames
-    assert_frame_equal(ch, py, check_exact=True)
-    assert_frame_equal(dd, py, check_exact=True)
+    py, *others = frames
+    for other in others:
+        assert_frame_equal(other, py, check_exact=True)
 
 
 @settings(
@@ -127,7 +139,53 @@ def test_every_event_stored_twice_is_judged_once(store: Store) -> None:
     store.insert_events(events[:half])
     store.insert_events(events[half:])
     assert store.scalar(f"SELECT count() FROM {store.db}.events") == 2 * len(events)
+    assert not placed_events(store).parts  # unmerged parts: numbered by sorting, FINAL merging the copies
     assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
+    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")  # the merge keeps one copy of each
+    assert placed_events(store).parts
+    assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
+
+
+def test_which_parts_number_events_where_they_lie() -> None:
+    """Only a table whose every partition is one merged part (level above 0) is numbered in
+    place; each part's base is the rows of the partitions before it, in day order."""
+    merged = [("20250616", "20250616_3_9_2", 2, 40), ("20250615", "20250615_1_2_1", 1, 100)]
+    assert placed_parts(merged) == (("20250615_1_2_1", 0), ("20250616_3_9_2", 100))
+    assert placed_parts([*merged, ("20250616", "20250616_10_10_0", 0, 5)]) == ()  # two parts in a day
+    assert placed_parts([("20250615", "20250615_1_1_0", 0, 7)]) == ()  # never merged: may hold copies
+    assert placed_parts([]) == ()
+
+
+def test_events_of_several_days_and_instances_numbered_in_place_agree(store: Store) -> None:
+    """Three days (three partitions, each merged to one part) of two instances' events: each
+    instance's events in the later days number above its earlier ones."""
+    events = first_stream(lambda evs: len({e.instance for e in evs if e.kind is EventKind.LOOKUP}) == 2
+                          and sum(e.kind is EventKind.LOOKUP for e in evs) >= 4, max_ops=30)
+    day = 86_400 * 10**9
+    third = len(events) // 3
+    shifted = [replace(e, ts_ns=e.ts_ns + day * (min(i // third, 2))) for i, e in enumerate(events)]
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(shifted)
+    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    parts = placed_events(store).parts
+    assert len(parts) == 3 and parts[0][1] == 0 < parts[1][1] < parts[2][1]
+    assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(shifted), check_exact=True)
+
+
+def test_a_part_merged_during_the_run_falls_back_to_sorting(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts listed before a merge or an insert name no longer what the run reads: the
+    numbering refuses such rows and the run numbers by sorting, with the same rows."""
+    events = first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3, max_ops=30)
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    listed = placed_events(store).parts
+    assert listed
+    monkeypatch.setattr(sql, "placed_parts", lambda rows: (("20250615_1_1_0", 0),))  # the part before the merge
+    timings: list[sql.StatementTiming] = []
+    assert_frame_equal(clickhouse_results(store, BOOK, timings=timings).sort(SORT), streaming(events),
+                       check_exact=True)
+    assert [s.name for s in timings][:3] == ["it", "(parts moved)", "ev"]
 
 
 def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: Path) -> None:
