@@ -14,7 +14,9 @@ million events of every shard, which stay flat when the work splits
 linearly (the shards are as even as the instances' hashes make them: see each shard's events).
 The rows of every N, in every round, are checked equal to one store's. Each shard's time is
 the fastest of `--rounds` runs, the one-shard baseline's too: on this shared machine one
-shard's time moved by up to 0.9 s between two runs of the same code.
+shard's time moved by up to 0.9 s between two runs of the same code. The source store and
+every shard are merged (each day one part, as a settled store is), so each numbers its events
+where they lie (`analysis.sql.placed_events`).
 
     .venv/bin/python benchmarks/bench_shards.py [--events 1000000] [--instances 16] [--shards 1,2,4] [--rounds 2]
 """
@@ -100,6 +102,7 @@ def main() -> None:
     from polars.testing import assert_frame_equal
 
     from kvtrace.analysis.shards import ShardRun, sharded_results
+    from kvtrace.analysis.sql import placed_events
     from kvtrace.schema.recipes import BUILTIN
     from kvtrace.store.client import Store
     from kvtrace.store.shards import route_to_shards
@@ -124,6 +127,9 @@ def main() -> None:
             for s in shards:
                 s.command(f"TRUNCATE TABLE {s.db}.events")
             route_to_shards(store, shards)
+        for s in shards:  # settled, as the source store: each day one merged part (numbered in place)
+            if not placed_events(s).parts:
+                s.command(f"OPTIMIZE TABLE {s.db}.events FINAL")
         best: list[float] = []
         for _ in range(args.rounds):
             runs: list[ShardRun] = []
