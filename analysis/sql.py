@@ -214,56 +214,91 @@ class _Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a ClickHouse table's events can be numbered without sorting them (`placed_parts`).
+    A merged part (the only one of its partition, level above 0) stores its rows in the sort
+    order, de-duplicated: each row's offset there is its place. `parts` gives each such part
+    its base (the numbers before it); `days` gives each other partition (several parts, or one
+    never merged: `FINAL` must merge them) its base and `span` the numbers each may use, where
+    its rows are numbered by sorting. Bases follow the partitions' order, which is time's
+    (partitions are days, `schema.clickhouse`)."""
+
+    parts: tuple[tuple[str, int], ...] = ()
+    days: tuple[tuple[str, int], ...] = ()
+    span: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Placed:
-    """A ClickHouse table whose every partition is one merged part (see `placed_parts`): there
-    each row's place in its part is its place in the sort order, so events are numbered as
-    they are read, with no sort. `rows` selects the rows (the run's `where`) with their part
-    (`kvt_part`) and their offset in it (`kvt_off`); `parts` gives each part, in partition (day)
-    order, the count of the rows of the parts before it."""
+    """The stored events of a ClickHouse `table` (`where` selects them) and their `layout`."""
 
-    rows: str
-    parts: tuple[tuple[str, int], ...]
+    table: str
+    where: str
+    layout: Layout
 
 
-PARTS_MOVED = "kvtrace: a part of the events table was merged or written during the run"
-"""What the in-place numbering raises on a row of a part it was not given (see `_run`)."""
+PARTS_MOVED = "kvtrace: the events table's parts changed during the run"
+"""What the in-place numbering raises on a row of a part or partition it was not given, or on
+more rows of an unmerged day than its span (merged or written since the parts were listed;
+see `_run`)."""
 
 
-def placed_parts(partitions: Iterable[tuple[str, str, int, int]]) -> tuple[tuple[str, int], ...]:
-    """The numbering base of each part from the table's active parts, (partition, part, level,
-    rows) each, or none where a partition has several parts or one not yet merged (level 0),
-    which `FINAL` must merge. The same rule lets ClickHouse's own `FINAL` skip a partition
-    (`do_not_merge_across_partitions_select_final`): a merge already de-duplicated the rows of
-    the part it wrote. Partitions are days (`schema.clickhouse`), so their ids' order is time's."""
+def placed_parts(partitions: Iterable[tuple[str, str, int, int]]) -> Layout:
+    """The table's layout from its active parts, (partition, part, level, rows) each. A merged
+    partition is numbered in place by the rule ClickHouse's own `FINAL` uses to skip merging
+    one (`do_not_merge_across_partitions_select_final`): a merge already de-duplicated the rows
+    of the part it wrote. With none merged, or more rows than the numbers below 2^40 hold, the
+    layout is empty: the whole table is numbered by sorting. Each unmerged day may use twice
+    the unmerged rows and 2^20 more (rows written during the run)."""
     by_partition: dict[str, list[tuple[str, int, int]]] = {}
     for partition, part, level, rows in partitions:
         by_partition.setdefault(partition, []).append((part, level, rows))
-    bases, seen = [], 0
-    for partition in sorted(by_partition):
-        (only, *more) = by_partition[partition]
-        if more or only[1] == 0:
-            return ()
-        bases.append((only[0], seen))
-        seen += only[2]
-    return tuple(bases)
+    merged = {day: held[0] for day, held in by_partition.items() if len(held) == 1 and held[0][1] > 0}
+    if not merged:
+        return Layout()
+    unmerged = sum(rows for day, held in by_partition.items() if day not in merged for _, _, rows in held)
+    span = 2 * unmerged + (1 << 20) if len(merged) < len(by_partition) else 0
+    parts, days, base = [], [], 0
+    for day in sorted(by_partition):
+        if day in merged:
+            parts.append((merged[day][0], base))
+            base += merged[day][2]
+        else:
+            days.append((day, base))
+            base += span
+    return Layout(tuple(parts), tuple(days), span) if base < 1 << 40 else Layout()
 
 
 def _numbered_in_place(d: Dialect, t: _Plan, placed: Placed, cols: str) -> str:
     """Each instance's events numbered above its code's multiple of 2^40 in stream order, as
-    `_steps_events` numbers them, from where each row lies: the rows of a part are stored in
-    the sort order (instance, then time), and the parts of one instance's rows follow each other
-    by day, so a row's part's base plus its offset there orders it among its instance's rows.
-    The numbers have gaps (other instances' rows), which nothing reads. No sort, no merge: 10M
+    `_steps_events` numbers them, from where each row lies: a part's rows are stored in the
+    sort order (instance, then time), and the parts of one instance's rows follow each other by
+    day, so a row's part's base plus its offset there orders it among its instance's rows. The
+    numbers have gaps (other instances' rows), which nothing reads. No sort, no merge: 10M
     events, 0.64-0.71 -> 0.42-0.44 s for `ev` (the sorted read passed every column through
-    FINAL's merge and the merge of the sorted ranges, row by row). A row of a part not given
-    (merged or written since the parts were listed) fails the statement (`PARTS_MOVED`)."""
-    names = ", ".join(d.quote(name) for name, _ in placed.parts)
-    bases = ", ".join(str(base) for _, base in placed.parts)
-    base = f"transform(kvt_part, [{names}], CAST([{bases}] AS Array(Int64)), toInt64(-1))"
+    FINAL's merge and the merge of the sorted ranges, row by row). The unmerged days (a live
+    store's newest) are read sorted, as without a layout, each numbered above its base. A row
+    of a part or day not given, or past its day's span, fails the statement (`PARTS_MOVED`)."""
+    layout, moved = placed.layout, d.quote(PARTS_MOVED)
     code = d.lookup(t.it, "instance", "code", "instance")
-    return (f"SELECT CAST({code} * {1 << 40} + base + kvt_off + 1 + throwIf(base < 0, {d.quote(PARTS_MOVED)})"
-            f" AS BIGINT) AS ord, {cols}, block_key, more_keys FROM"
-            f" (SELECT {cols}, block_key, more_keys, {base} AS base, kvt_off FROM {placed.rows})")
+
+    def base(column: str, named: tuple[tuple[str, int], ...]) -> str:
+        names, bases = ", ".join(d.quote(n) for n, _ in named), ", ".join(str(b) for _, b in named)
+        return f"transform({column}, [{names}], CAST([{bases}] AS Array(Int64)), toInt64(-1))"
+
+    days = ", ".join(d.quote(day) for day, _ in layout.days)
+    rest = f" AND _partition_id NOT IN ({days})" if days else ""
+    numbered = (f"SELECT CAST({code} * {1 << 40} + base + _part_offset + 1 + throwIf(base < 0, {moved})"
+                f" AS BIGINT) AS ord, {cols}, block_key, more_keys FROM (SELECT {cols}, block_key, more_keys,"
+                f" {base('_part', layout.parts)} AS base, _part_offset FROM {placed.table}"
+                f" WHERE ({placed.where}){rest})")
+    if not days:
+        return numbered
+    return (f"{numbered} UNION ALL SELECT CAST({code} * {1 << 40} + base + rn"
+            f" + throwIf(rn > {layout.span}, {moved}) AS BIGINT) AS ord, {cols}, block_key, more_keys FROM"
+            f" (SELECT *, rowNumberInAllBlocks() + 1 AS rn FROM (SELECT {cols}, block_key, more_keys,"
+            f" {base('_partition_id', layout.days)} AS base FROM {placed.table} FINAL"
+            f" WHERE ({placed.where}) AND _partition_id IN ({days}) ORDER BY instance, ts_ns, source_id, seq))")
 
 
 def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
@@ -273,7 +308,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
     ig = _ig(d, t, "n.instance", "n.group_id")
-    if d.clickhouse and (not fleet or in_order) and placed is not None and placed.parts:
+    if d.clickhouse and (not fleet or in_order) and placed is not None and placed.layout.parts:
         numbered = _numbered_in_place(d, t, placed, cols)
         ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
     elif d.clickhouse and (not fleet or in_order):
@@ -1250,13 +1285,11 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def placed_events(store: Any, table: str = "events", where: str = "1") -> Placed:
-    """The stored events of `table` (`where` selects them) with where each lies, and its parts'
-    bases when every partition is one merged part (else none: the run sorts)."""
+    """The stored events of `table` (`where` selects them) and their layout (`placed_parts`)."""
     parts = store.query_polars(
         "SELECT partition_id, name, level, rows FROM system.parts"
         " WHERE database = {db:String} AND table = {table:String} AND active", {"db": store.db, "table": table})
-    return Placed(f"(SELECT *, _part AS kvt_part, _part_offset AS kvt_off FROM {store.db}.{table} WHERE {where})",
-                  placed_parts(parts.iter_rows()))
+    return Placed(f"{store.db}.{table}", where, placed_parts(parts.iter_rows()))
 
 
 def clickhouse_results(

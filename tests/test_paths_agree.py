@@ -6,6 +6,8 @@ test also covers de-duplication, ordering and type round trips on the way to eac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -20,6 +22,7 @@ from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.funnel import results_frame
 from kvtrace.analysis.reconstruct import Reconstructor
 from kvtrace.analysis.sql import (
+    Layout,
     clickhouse_results,
     conform_results,
     duckdb_results,
@@ -54,7 +57,8 @@ def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy 
     ]
     # Merged, every partition is one part: ClickHouse numbers the events where they lie, unsorted.
     store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
-    assert placed_events(store).parts
+    layout = placed_events(store).layout
+    assert layout.parts and not layout.days
     return [*frames, clickhouse_results(store, recipes, policy).sort(SORT)]
 
 
@@ -139,53 +143,89 @@ def test_every_event_stored_twice_is_judged_once(store: Store) -> None:
     store.insert_events(events[:half])
     store.insert_events(events[half:])
     assert store.scalar(f"SELECT count() FROM {store.db}.events") == 2 * len(events)
-    assert not placed_events(store).parts  # unmerged parts: numbered by sorting, FINAL merging the copies
+    assert placed_events(store).layout == Layout()  # unmerged parts: numbered by sorting, FINAL merging the copies
     assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
     store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")  # the merge keeps one copy of each
-    assert placed_events(store).parts
+    assert placed_events(store).layout.parts
     assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
 
 
 def test_which_parts_number_events_where_they_lie() -> None:
-    """Only a table whose every partition is one merged part (level above 0) is numbered in
-    place; each part's base is the rows of the partitions before it, in day order."""
+    """A partition that is one merged part (level above 0) is numbered in place, each part
+    above the numbers of the days before it; another day (several parts, or one never merged)
+    is numbered by sorting, in a span of its own; with no merged day, all of it is."""
     merged = [("20250616", "20250616_3_9_2", 2, 40), ("20250615", "20250615_1_2_1", 1, 100)]
-    assert placed_parts(merged) == (("20250615_1_2_1", 0), ("20250616_3_9_2", 100))
-    assert placed_parts([*merged, ("20250616", "20250616_10_10_0", 0, 5)]) == ()  # two parts in a day
-    assert placed_parts([("20250615", "20250615_1_1_0", 0, 7)]) == ()  # never merged: may hold copies
-    assert placed_parts([]) == ()
+    assert placed_parts(merged) == Layout((("20250615_1_2_1", 0), ("20250616_3_9_2", 100)))
+    two = [("20250617", "20250617_10_10_0", 0, 5), ("20250617", "20250617_11_11_0", 0, 7)]  # two parts in a day
+    span = 2 * 12 + (1 << 20)
+    assert placed_parts([*merged, *two]) == Layout((("20250615_1_2_1", 0), ("20250616_3_9_2", 100)),
+                                                   (("20250617", 140),), span)
+    fresh = ("20250614", "20250614_1_1_0", 0, 7)  # never merged: may hold copies
+    assert placed_parts([fresh, *merged]) == Layout((("20250615_1_2_1", 2 * 7 + (1 << 20)),
+                                                     ("20250616_3_9_2", 2 * 7 + (1 << 20) + 100)),
+                                                    (("20250614", 0),), 2 * 7 + (1 << 20))
+    assert placed_parts([fresh, *two]) == Layout()
+    assert placed_parts([]) == Layout()
+    assert placed_parts([("20250615", "20250615_1_9_3", 3, 1 << 40)]) == Layout()  # past the numbers' room
+
+
+def _three_days(events: list[Event]) -> list[Event]:
+    day, third = 86_400 * 10**9, len(events) // 3
+    return [replace(e, ts_ns=e.ts_ns + day * min(i // third, 2)) for i, e in enumerate(events)]
 
 
 def test_events_of_several_days_and_instances_numbered_in_place_agree(store: Store) -> None:
-    """Three days (three partitions, each merged to one part) of two instances' events: each
-    instance's events in the later days number above its earlier ones."""
-    events = first_stream(lambda evs: len({e.instance for e in evs if e.kind is EventKind.LOOKUP}) == 2
-                          and sum(e.kind is EventKind.LOOKUP for e in evs) >= 4, max_ops=30)
-    day = 86_400 * 10**9
-    third = len(events) // 3
-    shifted = [replace(e, ts_ns=e.ts_ns + day * (min(i // third, 2))) for i, e in enumerate(events)]
-    store.command(f"TRUNCATE TABLE {store.db}.events")
-    store.insert_events(shifted)
-    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
-    parts = placed_events(store).parts
-    assert len(parts) == 3 and parts[0][1] == 0 < parts[1][1] < parts[2][1]
-    assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(shifted), check_exact=True)
-
-
-def test_a_part_merged_during_the_run_falls_back_to_sorting(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parts listed before a merge or an insert name no longer what the run reads: the
-    numbering refuses such rows and the run numbers by sorting, with the same rows."""
-    events = first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3, max_ops=30)
+    """Three days (three partitions) of two instances' events: each instance's events in a
+    later day number above its earlier ones, merged or not. Then the last day is stored twice
+    more (fresh parts, copies): it is numbered by sorting, the others in place."""
+    events = _three_days(first_stream(lambda evs: len({e.instance for e in evs if e.kind is EventKind.LOOKUP}) == 2
+                                      and sum(e.kind is EventKind.LOOKUP for e in evs) >= 4, max_ops=30))
     store.command(f"TRUNCATE TABLE {store.db}.events")
     store.insert_events(events)
     store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
-    listed = placed_events(store).parts
-    assert listed
-    monkeypatch.setattr(sql, "placed_parts", lambda rows: (("20250615_1_1_0", 0),))  # the part before the merge
-    timings: list[sql.StatementTiming] = []
-    assert_frame_equal(clickhouse_results(store, BOOK, timings=timings).sort(SORT), streaming(events),
-                       check_exact=True)
-    assert [s.name for s in timings][:3] == ["it", "(parts moved)", "ev"]
+    layout = placed_events(store).layout
+    assert len(layout.parts) == 3 and not layout.days
+    assert layout.parts[0][1] == 0 < layout.parts[1][1] < layout.parts[2][1]
+    assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
+    last = [e for e in events if e.ts_ns >= events[-1].ts_ns - 10**9]
+    with merges_stopped(store):
+        store.insert_events(last[: len(last) // 2])
+        store.insert_events(last[len(last) // 2:])
+        layout = placed_events(store).layout
+        assert len(layout.parts) == 2 and len(layout.days) == 1
+        assert_frame_equal(clickhouse_results(store, BOOK).sort(SORT), streaming(events), check_exact=True)
+
+
+@contextmanager
+def merges_stopped(store: Store) -> Iterator[None]:
+    """No background merge while a test holds unmerged parts (one would make them a merged one)."""
+    store.command(f"SYSTEM STOP MERGES {store.db}.events")
+    try:
+        yield
+    finally:
+        store.command(f"SYSTEM START MERGES {store.db}.events")
+
+
+def test_parts_changed_during_the_run_fall_back_to_sorting(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts listed before a merge or an insert no longer describe what the run reads: the
+    numbering refuses a row of a part it was not given, or past its day's span, and the run
+    numbers by sorting, with the same rows."""
+    events = _three_days(first_stream(lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 3, max_ops=30))
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.insert_events(events)
+    store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
+    with merges_stopped(store):
+        store.insert_events(events[-3:])  # the last day: two parts
+        listed = placed_events(store).layout
+        assert listed.parts and listed.days
+        stale = [Layout((("20250615_1_1_0", 0), *listed.parts[1:]), listed.days, listed.span),  # a part since merged
+                 Layout(listed.parts, listed.days, 1)]  # more rows in the day than its span
+        for layout in stale:
+            monkeypatch.setattr(sql, "placed_parts", lambda rows, layout=layout: layout)
+            timings: list[sql.StatementTiming] = []
+            assert_frame_equal(clickhouse_results(store, BOOK, timings=timings).sort(SORT), streaming(events),
+                               check_exact=True)
+            assert [s.name for s in timings][:3] == ["it", "(parts moved)", "ev"]
 
 
 def test_duckdb_reads_exports_from_before_runs_existed(store: Store, tmp_path: Path) -> None:
