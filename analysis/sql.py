@@ -1181,8 +1181,8 @@ def _run(
     placed: Placed | None = None,
 ) -> pl.DataFrame:
     """`bare`: the stored rows without de-duplication (ClickHouse's table without `FINAL`),
-    for the reads whose answer repeats cannot change. `placed`: the table's merged parts, where
-    events are numbered as they lie (`_numbered_in_place`)."""
+    for the reads whose answer repeats cannot change. `placed`: the table and its layout, whose
+    merged days' events are numbered as they lie (`_numbered_in_place`)."""
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 
