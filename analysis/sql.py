@@ -308,10 +308,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     # request-side lists are fetched for lookups and adopts alone (a few rows, not millions).
     cols = _EVENT_COLUMNS
     ig = _ig(d, t, "n.instance", "n.group_id")
-    if d.clickhouse and (not fleet or in_order) and placed is not None and placed.layout.parts:
-        numbered = _numbered_in_place(d, t, placed, cols)
-        ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
-    elif d.clickhouse and (not fleet or in_order):
+    if d.clickhouse and (not fleet or in_order):
         # Without the fleet view no statement compares two instances' events (objects, requests
         # and bulk invalidations are all the instance's own): each instance's rows are numbered
         # above its code's multiple of 2^40, in stream order. They are read in the table's own
@@ -321,8 +318,10 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         # instance ...)`) numbered the same rows on one thread, in 0.67-1.01 s of 10M events
         # (it varied between processes), this in 0.66-0.72 s; the numbers equal. One instance's
         # rows (`in_order`, the fleet view's case without a second instance) are its stream order.
+        # Merged days need no sort at all (`_numbered_in_place`).
         code = d.lookup(t.it, "instance", "code", "instance")
-        numbered = (f"SELECT CAST({code} * {1 << 40} + rowNumberInAllBlocks() + 1 AS BIGINT) AS ord, {cols},"
+        numbered = (_numbered_in_place(d, t, placed, cols) if placed is not None and placed.layout.parts else
+                    f"SELECT CAST({code} * {1 << 40} + rowNumberInAllBlocks() + 1 AS BIGINT) AS ord, {cols},"
                     f" block_key, more_keys FROM (SELECT {cols}, block_key, more_keys FROM {source}"
                     " ORDER BY instance, ts_ns, source_id, seq)")
         ig = f"CAST(intDiv(n.ord, {1 << 40}) * 65536 + n.group_id AS BIGINT)"  # the instance's code, as `_ig`
