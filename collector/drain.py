@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -218,7 +218,7 @@ class Drain:
             for tenant, count in r.tenants.items():
                 self.metrics.stored.labels(tenant).inc(count)
         self.stored_events += n
-        ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
+        ended = _finished(stats.values())
         if self.on_stored is None or not (lines or columns.num_rows):
             return None, ended
         return _stored_table(lines, [columns]), ended
@@ -282,7 +282,7 @@ class Drain:
         for tenant, count in per_tenant.items():
             if count > 0:
                 self.metrics.stored.labels(tenant).inc(count)
-        ended = [(st.instance, st.source_id) for st in stats.values() if st.ended is not Ending.RUNNING]
+        ended = _finished(stats.values())
         if self.on_stored is None or not stored:
             return None, ended
         return _stored_table(b"\n".join(lines_kept), tables_kept), ended
@@ -351,3 +351,11 @@ class Drain:
             if table is not None:
                 tables.append(table)
         return records, tables, bad
+
+
+def _finished(stats: Iterable[EmitterStats]) -> list[tuple[str, int]]:
+    """(instance, source id) of the emitters whose stats say they ended with nothing left to
+    send. Why the depth too: a dead emitter's journal is shipped in as many batches as it takes,
+    each with the stats (ended unclean) and the depth still to go; closing its lookups at the
+    first batch judged those whose adopt was in the next without it."""
+    return [(st.instance, st.source_id) for st in stats if st.ended is not Ending.RUNNING and not st.queue_depth]

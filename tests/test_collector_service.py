@@ -461,6 +461,48 @@ def test_a_dead_emitters_open_lookups_get_their_verdicts_when_its_end_arrives(st
     # stopping closes the rest
     assert store.scalar(f"SELECT count() FROM {store.db}.verdicts FINAL") == 5
 
+def test_a_dead_emitters_journal_shipped_in_several_batches_keeps_every_adopt(store: Store, store_dsn: str,
+                                                                           tmp_path: Path) -> None:
+    """The shipper of a killed engine's journal sends it in batches, each with the dead
+    emitter's stats (ended unclean) and the depth still to go. A lookup in the first batch whose
+    adopt is in the second keeps it, however long the second takes; the source's open lookups
+    are closed only by the stats with nothing left to send."""
+    from kvtrace.schema.kinds import Ending
+    from kvtrace.schema.records import EmitterStats
+
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), recipes=load_recipe("dense"),
+                             lateness_ns=50_000_000)
+    t = time.time_ns()
+    base = {"source_id": 41, "instance": "eng", "engine": "vllm", "model": "m"}
+    commit = Event(kind=EventKind.COMMIT, ts_ns=t, seq=0, block_size=16, component=ComponentKind.FULL_ATTENTION,
+                   block_key=11, tier=Tier.DEVICE, token_end=16, **base)
+    lookups = [Event(kind=EventKind.LOOKUP, ts_ns=t + 1 + i, seq=1 + i, request_id=f"r{i}", prompt_tokens=20,
+                     reported_hit_tokens=16, group_block_keys=[[11]], group_hit_tokens=[16], **base) for i in range(2)]
+    adopt = Event(kind=EventKind.ADOPT, ts_ns=t + 3, seq=3, request_id="r0", reused_tiers=[Tier.DEVICE],
+                  reused_tokens=[16], recomputed_tokens=4, **base)
+
+    def shipped(evs: list[Event], seq: int, depth: int) -> bytes:
+        stats = EmitterStats(ts_ns=time.time_ns(), source_id=41, instance="eng", engine="vllm", emitted=4,
+                             exported=seq * 2, recovered=seq * 2, queue_depth=depth, ended=Ending.UNCLEAN,
+                             ended_ns=t + 3)
+        return encode_batch(Batch(source_id=41, batch_seq=seq, sent_ns=time.time_ns(), events=evs, stats=stats))
+
+    headers = {"Content-Type": CONTENT_TYPE}
+    with Served(config) as s, s.client() as client:
+        assert client.post("/v1/batches", content=shipped([commit, *lookups], 1, 1), headers=headers).status_code == 200
+        time.sleep(1.0)  # ticks past the lateness window: the first batch's rows all judged
+        assert s.collector.live.verdicts_written == 0  # the source ended, but has more to send
+        assert client.post("/v1/batches", content=shipped([adopt], 2, 0), headers=headers).status_code == 200
+        deadline = time.monotonic() + 30
+        while s.collector.live.verdicts_written < 2:
+            assert time.monotonic() < deadline, s.collector.live.verdicts_written
+            time.sleep(0.05)
+        written = store.query_arrow(f"SELECT request_id, adopt_seen, adopted_tokens FROM {store.db}.verdicts FINAL")
+    assert sorted(written.to_pylist(), key=lambda r: r["request_id"]) == [
+        {"request_id": "r0", "adopt_seen": True, "adopted_tokens": 16},
+        {"request_id": "r1", "adopt_seen": False, "adopted_tokens": 0}]
+
+
 def test_live_reconstruction_judges_a_canarys_probe_against_its_re_run(store: Store) -> None:
     """A probe arrives after its re-run's adopt: the verdict and the probe make one verification row."""
     from kvtrace.collector.live import LiveReconstruction

@@ -327,7 +327,7 @@ def test_a_process_killed_right_after_emit_loses_nothing(tmp_path: Path, end: st
     the shipper the emitter started ships every event under the dead emitter's source id, then
     its final stats, marked unclean, and removes the journal."""
     n = 3000
-    source, code = run_child(tmp_path, str(n), "--end", end)
+    source, code = run_child(tmp_path, str(n), "--end", end, KVTRACE_MAX_EXPORT_BATCH_SIZE="512")
     assert code == -(signal.SIGKILL if end == "kill" else signal.SIGTERM)
     assert wait_until_slow(lambda: not journals_left(tmp_path)), (tmp_path / "child.log").read_text()
     got = spooled(tmp_path / "spool")[source]
@@ -337,6 +337,10 @@ def test_a_process_killed_right_after_emit_loses_nothing(tmp_path: Path, end: st
     assert (final.emitted, final.exported, final.recovered, final.dropped) == (n, n, n, 0)
     assert (final.instance, final.engine) == ("child-1", "test")
     assert got.batch_seqs == sorted(got.batch_seqs)
+    # Every batch the shipper sent says the emitter ended, and how much is still to go: only
+    # the last says nothing (the collector closes the dead emitter's open lookups at that one).
+    depths = [st.queue_depth for st in got.stats if st.ended is Ending.UNCLEAN]
+    assert depths == sorted(depths, reverse=True) and depths[-1] == 0 and depths[0] > 0, depths
 
 
 def test_the_shipper_is_outside_the_engines_process_tree(tmp_path: Path) -> None:
