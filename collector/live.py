@@ -7,7 +7,9 @@ seq) order once they are older than the newest event seen minus `lateness_ns` (o
 instance goes quiet, once that much wall time has passed). The buffer is also bounded by count
 (`max_held` per instance): a sender whose clock runs slow, or a burst of many events within the
 window, releases its oldest early (counted) instead of filling memory. An event later than what
-was already released is still used, and counted.
+was already released is still used, and counted. Delivery is at least once: the rows a source
+had delivered before (a batch sent again after its answer was lost) are dropped as they arrive
+(collector.redelivery), so a lookup is never opened twice.
 
 The buffer holds the stored Arrow columns, not events: a release sorts them (Arrow's stable
 sort, so equal keys keep their arrival order) and hands the released rows to the
@@ -39,12 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.judge import Judged, JudgeLost, LocalJudges, ProcessJudges
 from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.collector.redelivery import redelivered
 from kvtrace.collector.reorder import Key, ReorderBuffer, count_before, first_key, last_key
 from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
@@ -74,6 +78,8 @@ class _Instance:
     first: tuple[int, int, int] | None = None  # its first row's key, until its judge slot is opened
     last_seen_s: float = 0.0
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
+    # instance -> source -> the highest seq it delivered (collector.redelivery: copies are dropped)
+    delivered: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 class LiveReconstruction:
@@ -99,6 +105,7 @@ class LiveReconstruction:
         self._seen: dict[str, float] = {}  # instance -> when its last batch came (monotonic seconds)
         self._lock = threading.Lock()
         self.late_events = 0
+        self.redelivered_events = 0  # rows a source had delivered before (collector.redelivery)
         self.rebuilt_events = 0
         self.verdicts_written = 0
         self.verifications_written = 0
@@ -134,10 +141,16 @@ class LiveReconstruction:
                     parts = {names[0]: table}
                 else:
                     parts = {name: table.filter(pc.equal(table["instance"], name)) for name in names}
-                for slot, part in parts.items():
+                for slot, part in list(parts.items()):
                     inst = self._instances.get(slot)
+                    new = inst is None
                     if inst is None:
-                        inst = self._instances[slot] = _Instance(first=first_key(part))
+                        inst = self._instances[slot] = _Instance()
+                    part = parts[slot] = self._new_rows(inst, part, names if self.policy.fleet else [slot])
+                    if not part.num_rows:  # all delivered before (a new instance's first rows never are)
+                        continue
+                    if new:
+                        inst.first = first_key(part)
                     inst.buffer.add(part)
                     newest = part.group_by("instance").aggregate([("ts_ns", "max")]) if self.policy.fleet \
                         else pa.table({"instance": [slot], "ts_ns_max": [pc.max(part["ts_ns"]).as_py()]})
@@ -160,6 +173,28 @@ class LiveReconstruction:
                         self._instances[slot].last_seen_s = done
             self.metrics.live_instances.set(len(self._seen))
             return self._write(verdicts, hold=True)
+
+    def _new_rows(self, inst: _Instance, part: pa.Table, names: list[str]) -> pa.Table:
+        """The part without the rows its sources delivered before (collector.redelivery)."""
+        delivered = inst.delivered
+        sources, seqs = part["source_id"].to_numpy(), part["seq"].to_numpy()
+        if len(names) == 1:
+            again = redelivered(sources, seqs, delivered.setdefault(names[0], {}))
+        else:
+            again = None
+            column = part["instance"]
+            for name in names:
+                rows = np.flatnonzero(pc.equal(column, name).to_numpy(zero_copy_only=False))
+                mine = redelivered(sources[rows], seqs[rows], delivered.setdefault(name, {}))
+                if mine is not None:
+                    again = np.zeros(part.num_rows, dtype=bool) if again is None else again
+                    again[rows[mine]] = True
+        if again is None:
+            return part
+        n = int(again.sum())
+        self.redelivered_events += n
+        self.metrics.live_skipped.labels("redelivered").inc(n)
+        return part.filter(pa.array(~again))
 
     def _run_pass(self, one_pass: Callable[[], None], verdicts: list[pa.Table], tries: int = 3) -> None:
         """Run a pass over the instances; when the judge is lost in it, recover (a fresh judge,
@@ -186,8 +221,9 @@ class LiveReconstruction:
         return (min(active) if active else max(inst.newest.values(), default=0)) - self.lateness_ns
 
     def ended(self, sources: list[tuple[str, int]]) -> int:
-        """(instance, source id) of emitters whose last stats say they ended, cleanly or not:
-        their lookups still without an adopt never get one (a server killed mid-load), so their
+        """(instance, source id) of emitters whose last stats say they ended, cleanly or not, with
+        nothing left to send: their lookups still without an adopt never get one (a server
+        killed mid-load), so their
         verdicts are written once the source's events are all released, not when the instance
         has been idle for `idle_s`. Returns rows written."""
         with self._lock:

@@ -39,5 +39,6 @@ class CollectorMetrics:
         self.live_skipped = Counter(
             _P + "live_events_skipped",
             "Events live reconstruction did not judge from its buffer, by reason: unknown_model, recipe_mismatch; "
-            "rebuilt (judged already, read back from the store when its state was rebuilt); late (older than "
+            "rebuilt (judged already, read back from the store when its state was rebuilt); redelivered (a "
+            "copy of an event its emitter had delivered before: delivery is at least once); late (older than "
             "what it had judged: still judged, out of order).", ["reason"], registry=r)

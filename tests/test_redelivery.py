@@ -1,0 +1,127 @@
+"""Delivery is at least once: a batch whose answer was lost comes again (the emitter's retry, its
+journal's shipper after a kill). The store keeps one copy of each event; the live verdicts must
+be those of one copy too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lifecycle import lifecycle_streams
+from polars.testing import assert_frame_equal
+from test_paths_agree import BOOK, SORT, streaming
+
+from kvtrace.analysis.evaluate import Policy
+from kvtrace.analysis.sql import conform_results
+from kvtrace.collector.live import LiveReconstruction
+from kvtrace.collector.metrics import CollectorMetrics
+from kvtrace.collector.redelivery import redelivered
+from kvtrace.schema import Event
+from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
+from kvtrace.schema.recipes import load_recipe
+from kvtrace.store.client import Store
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> list[list[tuple[int, int]]]:
+    """Batches of (source, seq) as a collector receives them: each source's events in the order
+    it numbered them, some batches sent again, whole or from a point on (the emitter's retry
+    resends the batch; a journal's taker, everything after the last answer it saw)."""
+    sent: list[list[tuple[int, int]]] = []
+    nxt = {s: draw(st.integers(0, 5)) for s in range(draw(st.integers(1, 4)))}
+    for _ in range(draw(st.integers(1, 12))):
+        if sent and draw(st.booleans()):
+            again = draw(st.sampled_from(sent))
+            sent.append(again[draw(st.integers(0, len(again) - 1)):])
+            continue
+        batch = []
+        for _ in range(draw(st.integers(1, 8))):
+            source = draw(st.sampled_from(sorted(nxt)))
+            batch.append((source, nxt[source]))
+            nxt[source] += draw(st.integers(1, 3))  # gaps: events dropped or sampled out
+        sent.append(batch)
+    return sent
+
+
+@given(sent=deliveries())
+def test_exactly_the_copies_are_found(sent: list[list[tuple[int, int]]]) -> None:
+    seen: set[tuple[int, int]] = set()
+    newest: dict[int, int] = {}
+    for batch in sent:
+        want = []
+        for row in batch:
+            want.append(row in seen)
+            seen.add(row)
+        mask = redelivered(np.array([s for s, _ in batch], dtype=np.uint64),
+                           np.array([q for _, q in batch], dtype=np.uint64), newest)
+        assert (mask.tolist() if mask is not None else [False] * len(batch)) == want, batch
+
+
+def _live(store: Store, batches: list[list[Event]], policy: Policy) -> tuple[pl.DataFrame, int]:
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    live = LiveReconstruction(store, BOOK, CollectorMetrics(), policy, lateness_ns=0)
+    try:
+        for batch in batches:
+            live.feed(batch)
+        live.tick(force=True)
+    finally:
+        live.close()
+    rows = conform_results(store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")).sort(SORT)
+    return rows, live.redelivered_events
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=lifecycle_streams(), cuts=st.lists(st.floats(0, 1), min_size=1, max_size=4),
+       again=st.lists(st.tuples(st.sampled_from([1, 2]), st.integers(1, 6)), min_size=4, max_size=4),
+       fleet=st.booleans())
+def test_batches_sent_again_change_no_verdict(store: Store, events: list[Event], cuts: list[float],
+                                              again: list[tuple[int, int]], fleet: bool) -> None:
+    """Each batch after the first comes after a copy of one source's last rows, sent again
+    after they were judged (and after the other source's rows that followed them): the
+    verdicts are the stream's own."""
+    for source in {e.source_id for e in events}:  # the premise: a source's events arrive numbered in order
+        seqs = [e.seq for e in events if e.source_id == source]
+        assert seqs == sorted(seqs)
+    bounds = sorted({int(c * len(events)) for c in cuts} | {0, len(events)})
+    batches, copies = [], 0
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        source, k = again[i % len(again)]
+        sent = [e for e in events[:a] if e.source_id == source][-k:]
+        batches.append(sent + events[a:b])
+        copies += len(sent)
+    policy = Policy(fleet=fleet)
+    got, dropped = _live(store, batches, policy)
+    assert dropped == copies
+    assert_frame_equal(got, streaming(events, policy), check_exact=True)
+
+
+def test_a_lookup_sent_again_after_it_was_judged_keeps_its_adopt(store: Store) -> None:
+    """What a server killed mid-load did: the batch ending in a lookup reached the collector, the
+    kill took its answer, and the journal's shipper sent that lookup again with the adopt
+    after it. The lookup's verdict is its adopt's, written once."""
+    t = 1_700_000_000_000_000_000
+    base: dict[str, Any] = dict(instance="eng", engine="vllm", model="m", source_id=7, tenant="t")
+    commit = [Event(kind=EventKind.COMMIT, ts_ns=t + i, seq=i, block_key=100 + i, parent_key=99 + i if i else 0,
+                    token_start=16 * i, token_end=16 * (i + 1), block_size=16, component=ComponentKind.FULL_ATTENTION,
+                    tier=Tier.DEVICE, **base) for i in range(4)]
+    lookup = Event(kind=EventKind.LOOKUP, ts_ns=t + 10, seq=4, request_id="r1", prompt_tokens=70,
+                   group_block_keys=[[100, 101, 102, 103]], group_hit_tokens=[64], reported_hit_tokens=64, **base)
+    adopt = Event(kind=EventKind.ADOPT, ts_ns=t + 11, seq=5, request_id="r1", reused_tiers=[Tier.DEVICE],
+                  reused_tokens=[64], recomputed_tokens=6, **base)
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    live = LiveReconstruction(store, load_recipe("dense"), CollectorMetrics(), lateness_ns=0)
+    try:
+        live.feed([*commit, lookup])  # judged at once (no lateness), waiting for its adopt
+        live.feed([lookup, adopt])  # sent again, with what followed
+        live.ended([("eng", 7)])
+        live.tick(force=True)
+    finally:
+        live.close()
+    rows = store.query_arrow(f"SELECT request_id, adopt_seen, adopted_tokens FROM {store.db}.verdicts").to_pylist()
+    assert rows == [{"request_id": "r1", "adopt_seen": True, "adopted_tokens": 64}]
+    assert getattr(live, "redelivered_events", 1) == 1 and live.late_events == 0
