@@ -9,7 +9,7 @@ instance goes quiet, once that much wall time has passed). The buffer is also bo
 window, releases its oldest early (counted) instead of filling memory. An event later than what
 was already released is still used, and counted. Delivery is at least once: the rows a source
 had delivered before (a batch sent again after its answer was lost) are dropped as they arrive
-(collector.redelivery), so a lookup is never opened twice.
+(collector.redelivery), so a lookup is never opened twice nor a commit applied twice.
 
 The buffer holds the stored Arrow columns, not events: a release sorts them (Arrow's stable
 sort, so equal keys keep their arrival order) and hands the released rows to the
@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.collector.judge import Judged, JudgeLost, LocalJudges, ProcessJudges
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.redelivery import redelivered
+from kvtrace.collector.redelivery import Delivered, redelivered
 from kvtrace.collector.reorder import Key, ReorderBuffer, count_before, first_key, last_key
 from kvtrace.schema.arrow import conform, to_arrow
 from kvtrace.schema.clickhouse import VERDICTS, VERIFICATIONS
@@ -78,8 +78,8 @@ class _Instance:
     first: tuple[int, int, int] | None = None  # its first row's key, until its judge slot is opened
     last_seen_s: float = 0.0
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
-    # instance -> source -> the highest seq it delivered (collector.redelivery: copies are dropped)
-    delivered: dict[str, dict[int, int]] = field(default_factory=dict)
+    # instance -> source -> the sequence numbers it delivered (collector.redelivery: copies are dropped)
+    delivered: dict[str, dict[int, Delivered]] = field(default_factory=dict)
 
 
 class LiveReconstruction:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lifecycle import lifecycle_streams
@@ -16,9 +17,10 @@ from test_paths_agree import BOOK, SORT, streaming
 
 from kvtrace.analysis.evaluate import Policy
 from kvtrace.analysis.sql import conform_results
+from kvtrace.collector import redelivery
 from kvtrace.collector.live import LiveReconstruction
 from kvtrace.collector.metrics import CollectorMetrics
-from kvtrace.collector.redelivery import redelivered
+from kvtrace.collector.redelivery import Delivered, redelivered
 from kvtrace.schema import Event
 from kvtrace.schema.kinds import ComponentKind, EventKind, Tier
 from kvtrace.schema.recipes import load_recipe
@@ -27,37 +29,62 @@ from kvtrace.store.client import Store
 
 @st.composite
 def deliveries(draw: st.DrawFn) -> list[list[tuple[int, int]]]:
-    """Batches of (source, seq) as a collector receives them: each source's events in the order
-    it numbered them, some batches sent again, whole or from a point on (the emitter's retry
-    resends the batch; a journal's taker, everything after the last answer it saw)."""
-    sent: list[list[tuple[int, int]]] = []
-    nxt = {s: draw(st.integers(0, 5)) for s in range(draw(st.integers(1, 4)))}
-    for _ in range(draw(st.integers(1, 12))):
-        if sent and draw(st.booleans()):
-            again = draw(st.sampled_from(sent))
-            sent.append(again[draw(st.integers(0, len(again) - 1)):])
-            continue
+    """Batches of (source, seq) as a collector receives them: a source's numbers dense but for
+    holes (events dropped before they were sent), in batches that may arrive in any order (a
+    client sending one source's batches concurrently) and rows out of order within a batch (an
+    emitter's threads queue in either order), some sent again, whole or from a point on."""
+    numbered = {s: iter(range(draw(st.integers(0, 5)), 10**6)) for s in range(draw(st.integers(1, 4)))}
+    made: list[list[tuple[int, int]]] = []
+    for _ in range(draw(st.integers(1, 10))):
         batch = []
         for _ in range(draw(st.integers(1, 8))):
-            source = draw(st.sampled_from(sorted(nxt)))
-            batch.append((source, nxt[source]))
-            nxt[source] += draw(st.integers(1, 3))  # gaps: events dropped or sampled out
+            source = draw(st.sampled_from(sorted(numbered)))
+            for _ in range(draw(st.integers(0, 2))):  # a hole
+                next(numbered[source])
+            batch.append((source, next(numbered[source])))
+        made.append(draw(st.permutations(batch)) if draw(st.booleans()) else batch)
+    sent: list[list[tuple[int, int]]] = []
+    for batch in draw(st.permutations(made)) if draw(st.booleans()) else made:
         sent.append(batch)
+        if draw(st.booleans()):
+            again = draw(st.sampled_from(sent))
+            sent.append(again[draw(st.integers(0, len(again) - 1)):])
     return sent
+
+
+def _found(sent: list[list[tuple[int, int]]]) -> list[list[bool]]:
+    delivered: dict[int, Delivered] = {}
+    return [_mask(redelivered(np.array([s for s, _ in batch], dtype=np.uint64),
+                              np.array([q for _, q in batch], dtype=np.uint64), delivered), len(batch))
+            for batch in sent]
 
 
 @given(sent=deliveries())
 def test_exactly_the_copies_are_found(sent: list[list[tuple[int, int]]]) -> None:
     seen: set[tuple[int, int]] = set()
-    newest: dict[int, int] = {}
+    want = []
     for batch in sent:
-        want = []
+        mask = []
         for row in batch:
-            want.append(row in seen)
+            mask.append(row in seen)
             seen.add(row)
-        mask = redelivered(np.array([s for s, _ in batch], dtype=np.uint64),
-                           np.array([q for _, q in batch], dtype=np.uint64), newest)
-        assert (mask.tolist() if mask is not None else [False] * len(batch)) == want, batch
+        want.append(mask)
+    assert _found(sent) == want
+
+
+def test_holes_that_never_fill_are_forgotten_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source that drops every other event keeps a range per hole, up to the bound; past it
+    the oldest holes count as delivered."""
+    monkeypatch.setattr(redelivery, "MAX_RANGES", 2)
+    d = Delivered()
+    assert d.take(np.array([0, 2, 4, 6], dtype=np.uint64)) is None
+    assert (d.starts.tolist(), d.ends.tolist()) == ([0, 6], [5, 7])
+    assert _mask(d.take(np.array([1, 5, 7], dtype=np.uint64)), 3) == [True, False, False]
+    assert (d.starts.tolist(), d.ends.tolist()) == ([0], [8])
+
+
+def _mask(mask: np.ndarray | None, n: int) -> list[bool]:
+    return mask.tolist() if mask is not None else [False] * n
 
 
 def _live(store: Store, batches: list[list[Event]], policy: Policy) -> tuple[pl.DataFrame, int]:
