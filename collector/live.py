@@ -223,9 +223,8 @@ class LiveReconstruction:
     def ended(self, sources: list[tuple[str, int]]) -> int:
         """(instance, source id) of emitters whose last stats say they ended, cleanly or not, with
         nothing left to send: their lookups still without an adopt never get one (a server
-        killed mid-load), so their
-        verdicts are written once the source's events are all released, not when the instance
-        has been idle for `idle_s`. Returns rows written."""
+        killed mid-load), so their verdicts are written once the source's events are all
+        released, not when the instance has been idle for `idle_s`. Returns rows written."""
         with self._lock:
             verdicts: list[pa.Table] = []
 
