@@ -1233,7 +1233,7 @@ def _run(
                 execute(d.drop(name))
                 if timings is not None:
                     timings.append(StatementTiming("(parts moved)", time.perf_counter() - started, 0))
-                step(name, _steps_events(d, t, source, in_order, bare, policy.fleet)[0][0][1])
+                step(name, dict(_steps_events(d, t, source, in_order, bare, policy.fleet)[0])[name])
         recipes = timed_call("(attach recipes)", lambda: _published(d, source, recipes, read))
         timed_call("(check commits)", lambda: _check_commits(d, source, recipes, read))
         timed_call("(check identities)", lambda: _check_identities(d, t, read))
