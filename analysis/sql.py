@@ -227,6 +227,11 @@ class Layout:
     days: tuple[tuple[str, int], ...] = ()
     span: int = 0
 
+    @property
+    def merged(self) -> bool:
+        """Every day one merged part: every event numbered where it lies."""
+        return bool(self.parts) and not self.days
+
 
 @dataclass(frozen=True, slots=True)
 class Placed:

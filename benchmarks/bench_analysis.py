@@ -230,8 +230,7 @@ def sql(store, parquet: Path, recipe, rounds: int) -> None:  # type: ignore[no-u
     # events where they lie; each round also runs the sorted numbering that a table with fresh,
     # unmerged parts takes (`in_place=False`), and its rows must be the same.
     ch, ch_sorted, ch_scan, dd, dd_scan = [], [], [], [], []
-    layout = placed_events(store).layout
-    placed = bool(layout.parts) and not layout.days
+    placed = placed_events(store).layout.merged
     for _ in range(rounds):
         ch_scan.append(timed(lambda: store.query_arrow(scan_ch)))
         ch.append(timed(lambda: clickhouse_results(store, recipe)))

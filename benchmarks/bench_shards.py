@@ -128,8 +128,7 @@ def main() -> None:
                 s.command(f"TRUNCATE TABLE {s.db}.events")
             route_to_shards(store, shards)
         for s in shards:  # settled, as the source store: each day one merged part (numbered in place)
-            layout = placed_events(s).layout
-            if layout.days or not layout.parts:
+            if not placed_events(s).layout.merged:
                 s.command(f"OPTIMIZE TABLE {s.db}.events FINAL")
         best: list[float] = []
         for _ in range(args.rounds):

@@ -58,7 +58,7 @@ def three_paths(store: Store, folder: Path, events: list[Event], policy: Policy 
     # Merged, every partition is one part: ClickHouse numbers the events where they lie, unsorted.
     store.command(f"OPTIMIZE TABLE {store.db}.events FINAL")
     layout = placed_events(store).layout
-    assert layout.parts and not layout.days
+    assert layout.merged
     return [*frames, clickhouse_results(store, recipes, policy).sort(SORT)]
 
 
