@@ -130,6 +130,25 @@ def test_most_requests_of_a_serving_stream_are_judged_from_the_columns() -> None
     assert sum(r.recoverable_hit_tokens > 0 for r in whole) > 500
 
 
+def test_a_table_that_starts_with_an_engine_attaching_is_judged_from_the_columns_after_it() -> None:
+    # A fresh engine's first events (its attach, then serving) reach the live judge as one table:
+    # the lookups after the attach are judged from the columns, not walked as events.
+    stream = long_stream(requests=3000)
+    first = stream[0]
+    made = attach_events(Event(kind=EventKind.ATTACH), RECIPES["dense"], engine_version="t")
+    attached = [Event(ts_ns=first.ts_ns - 10 + i, source_id=first.source_id, seq=10**6 + i, engine=first.engine,
+                      instance=first.instance, model=first.model, kind=a.kind, engine_version="t", recipe=a.recipe,
+                      tier=a.tier, reason=a.reason)
+                for i, a in enumerate(made)]
+    events = [*attached, *stream]
+    whole = list(Reconstructor(BOOK).run(events))
+    fed: list[Event] = []
+    assert _tables(Reconstructor(BOOK), events, [9000], fed) == whole
+    lookups = sum(e.kind is EventKind.LOOKUP for e in events)
+    assert sum(e.kind is EventKind.ATTACH for e in fed) == 1
+    assert sum(e.kind is EventKind.LOOKUP for e in fed) < lookups // 100
+
+
 def test_what_changes_between_a_lookup_and_its_adopt_is_judged_at_the_adopt() -> None:
     # Per request: its blocks committed (now and then under another tenant, or with a lease
     # that runs out), looked up, now and then a needed block evicted before the adopt.
