@@ -139,13 +139,18 @@ def plan(state: NativeState, batch: pa.RecordBatch, prepared: Prepared, recipes:
     special = np.zeros(len(rows), dtype=bool)
     if is_lookup.any():
         model, engine = (taken.column(c).dictionary_encode() for c in ("model", "engine"))
-        source = taken.column("source_id").to_numpy().astype(np.uint64)
-        parts = np.stack([model.indices.to_numpy(zero_copy_only=False).astype(np.uint64),
-                          engine.indices.to_numpy(zero_copy_only=False).astype(np.uint64), source], axis=1)
-        distinct, where = np.unique(parts[is_lookup], axis=0, return_inverse=True)
+        # (model, engine, source) as one small integer per lookup, from the sources' ranks: two
+        # flat `unique`s instead of one over rows (`axis=0` sorts the rows as bytes: ~5 % of the
+        # live judge's CPU).
+        sources, source = np.unique(taken.column("source_id").to_numpy()[is_lookup], return_inverse=True)
+        n_src, n_eng = len(sources), len(engine.dictionary)
+        combo = ((model.indices.to_numpy(zero_copy_only=False)[is_lookup].astype(np.int64) * n_eng
+                  + engine.indices.to_numpy(zero_copy_only=False)[is_lookup]) * n_src + source.reshape(-1))
+        distinct, where = np.unique(combo, return_inverse=True)
         models, engines = model.dictionary.to_pylist(), engine.dictionary.to_pylist()
         ids = []
-        for m, e, src in distinct.tolist():
+        for c in distinct.tolist():
+            m, e, src = c // (n_eng * n_src), c // n_src % n_eng, int(sources[c % n_src])
             try:
                 recipe = recipes.resolve(models[m], engines[e], src)
             except UnknownModel:
