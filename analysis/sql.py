@@ -29,7 +29,9 @@ written as "the last event of some kind before this point", which is an as-of jo
 
 Every step read twice is materialized (`CREATE TABLE ... AS`), because ClickHouse re-runs a
 CTE at each reference; a step read once is a subquery of its reader, as each table of the
-blocks' rows costs a full copy. Pass `timings` to see where a run's time goes, statement by
+blocks' rows costs a full copy. One exception: where every day of the stored table is one
+merged part, the events' numbers are where the rows lie, so re-reading them costs a read of the
+few columns each reader needs, less than writing all of them once (`_events`). Pass `timings` to see where a run's time goes, statement by
 statement (benchmarks/bench_analysis.py prints them). The statements are written once over a
 small `Dialect` for the few functions that differ between ClickHouse and DuckDB (integer
 division, arrays, explode, ordered lists).
