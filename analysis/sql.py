@@ -1226,32 +1226,23 @@ def _run(
     merged days' events are numbered as they lie (`_numbered_in_place`). A merge or an insert
     after the parts were listed fails the read that meets it (`PARTS_MOVED`): the run starts
     again, numbering by sorting."""
-    args = (d, source, recipes, policy, execute, read, keep_tables, timings, bare)
     if placed is None:
-        return _run_once(*args)
+        return _run_once(d, source, recipes, policy, execute, read, keep_tables, timings, bare)
     started = time.perf_counter()
     try:
-        return _run_once(*args, placed=placed)
+        return _run_once(d, source, recipes, policy, execute, read, keep_tables, timings, bare, placed)
     except Exception as exc:
         if PARTS_MOVED not in str(exc):
             raise
     if timings is not None:
         timings.append(StatementTiming("(parts moved)", time.perf_counter() - started, 0))
-    return _run_once(*args)
+    return _run_once(d, source, recipes, policy, execute, read, keep_tables, timings, bare)
 
 
-def _run_once(
-    d: Dialect,
-    source: str,
-    recipes: RecipeBook,
-    policy: Policy,
-    execute: Executor,
-    read: Reader,
-    keep_tables: bool = False,
-    timings: list[StatementTiming] | None = None,
-    bare: str = "",
-    placed: Placed | None = None,
-) -> pl.DataFrame:
+def _run_once(d: Dialect, source: str, recipes: RecipeBook, policy: Policy, execute: Executor, read: Reader,
+              keep_tables: bool, timings: list[StatementTiming] | None, bare: str,
+              placed: Placed | None = None) -> pl.DataFrame:
+    """One try of `_run`."""
     t = _Plan(f"kvt_{uuid.uuid4().hex[:10]}")
     created: list[str] = []
 
