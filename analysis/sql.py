@@ -398,9 +398,9 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         f" FROM {_object_events(d, t)})"
     )
     writes = _writes_with_arrays(d, t) if d.clickhouse else _state_with_windows(copies, life, obj)
-    asked = ", ".join(("kind", "ts_ns", "source_id", "seq", "instance", "engine", "request_id", "tenant",
-                       *_IDENTITY_STR, "epoch", "group_block_keys", *_REQUEST_SUMS))
-    picked = (", ".join(f"r.{c} AS {c}" for c in (c.strip() for c in asked.split(",")) if c not in _REQUEST_SUMS)
+    asked = ("kind", "ts_ns", "source_id", "seq", "instance", "engine", "request_id", "tenant", *_IDENTITY_STR,
+             "epoch", "group_block_keys", *_REQUEST_SUMS)
+    picked = (", ".join(f"r.{c} AS {c}" for c in asked if c not in _REQUEST_SUMS)
               + ", CAST(r.prompt_tokens AS BIGINT) AS prompt_tokens,"
               " CAST(r.reported_hit_tokens AS BIGINT) AS reported_hit_tokens,"
               f" CAST({d.list_sum('r.reused_tokens')} AS BIGINT) AS adopted,"
@@ -410,7 +410,7 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
         # merged part holds no copies to skip), not read and then joined to the numbered events
         # (10M events, alternating: `rq` 0.38-0.39 -> 0.34-0.35 s).
         assert placed is not None
-        requests = (f"SELECT r.ord AS ord, {picked} FROM ({_numbered_in_place(d, t, placed, asked)}) r"
+        requests = (f"SELECT r.ord AS ord, {picked} FROM ({_numbered_in_place(d, t, placed, ', '.join(asked))}) r"
                     " WHERE r.kind IN ('lookup', 'adopt')")
     else:
         requests = (
