@@ -239,10 +239,11 @@ def _held_stderr() -> Iterator[_Held]:
 
 
 class Store:
-    """Reads and writes kvtrace tables; one instance per process and DSN is enough.
+    """Reads and writes kvtrace tables.
 
-    clickhouse-connect clients are not safe for concurrent calls, so calls are serialized.
-    """
+    clickhouse-connect clients are not safe for concurrent calls, so one instance's calls are
+    serialized. Two instances on the same DSN run side by side: each has its own connection (for
+    the embedded store, its own connection to the process's one engine)."""
 
     def __init__(self, dsn: str | None = None) -> None:
         self.dsn = parse_dsn(dsn or default_dsn())
