@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.analysis.evaluate import Policy
+from kvtrace.collector.drain import StoredEvents
 from kvtrace.collector.judge import Judged, JudgeLost, LocalJudges, ProcessJudges
 from kvtrace.collector.metrics import CollectorMetrics
 from kvtrace.collector.redelivery import Delivered, redelivered
@@ -441,9 +442,10 @@ class LiveWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stored(self, table: pa.Table) -> None:
-        """A chunk just stored: judged in turn. Waits while the queue is full."""
-        self._put("stored", table, table.num_rows)
+    def stored(self, events: StoredEvents | pa.Table) -> None:
+        """A chunk just stored: judged in turn (read into a table on this worker's thread, not
+        the drain's). Waits while the queue is full."""
+        self._put("stored", events, events.num_rows)
 
     def ended(self, sources: list[tuple[str, int]]) -> None:
         self._put("ended", sources, 0)
@@ -488,7 +490,7 @@ class LiveWorker:
                 self._busy = True
             try:
                 if what == "stored":
-                    self.live.feed(item)
+                    self.live.feed(item.table() if isinstance(item, StoredEvents) else item)
                 else:
                     self.live.ended(item)
             except Exception:  # noqa: BLE001 - live analysis must never stop ingest
