@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtrace.cli.running import holding
-    from kvtrace.collector.serve import configure_logging, quiet_gc
+    from kvtrace.collector.serve import configure_logging, quiet_gc, short_gil_turns
     from kvtrace.collector.service import Collector
     from kvtrace.store.client import Store
 
@@ -145,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  url + DASHBOARD_PREFIX, "off" if alerts is None else f"every {args.alert_interval_s} s",
                  collector.store.dsn)
         quiet_gc()
+        short_gil_turns()
         uvicorn.run(serve_app(collector, alerts), host=args.host, port=args.port, log_config=None,
                     access_log=False, log_level=args.log_level,
                     timeout_graceful_shutdown=int(config.drain_timeout_s))

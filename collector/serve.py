@@ -63,6 +63,20 @@ def quiet_gc(young_every_s: float = 5.0, full_every: int = 12) -> threading.Thre
     return thread
 
 
+def short_gil_turns(interval_s: float = 0.0005) -> None:
+    """Hand the GIL to a thread waiting for it after `interval_s` of another's Python, not
+    CPython's default 5 ms.
+
+    Why: the drain is the ingest's bottleneck, and each of its calls into ClickHouse or Arrow
+    lets the GIL go and takes it back after. While the request threads and the live thread ran
+    Python, taking it back waited up to the whole interval, each time. On the collector
+    benchmark (2 vCPUs, live verdicts on, 1M events, runs alternated with the default), the
+    events stored per second rose from 0.59-0.64 of the raw insert to 0.65-0.70 (5 runs each);
+    with live verdicts off, where the drain's path is mostly ClickHouse's, it made no
+    difference that the noise would show."""
+    sys.setswitchinterval(interval_s)
+
+
 def arrow_pool() -> str:
     """Give Arrow's allocations in this process to jemalloc, unless the operator chose a pool
     (`ARROW_DEFAULT_MEMORY_POOL`) or this pyarrow has none; the pool's name.
@@ -99,6 +113,7 @@ def serve(config: CollectorConfig, host: str = "127.0.0.1", port: int = 4318, lo
     collector = Collector(config)
     app = create_app(collector)
     quiet_gc()
+    short_gil_turns()
     # Access logs stay off: request lines carry nothing the metrics do not, and never tokens.
     uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, log_level=log_level,
                 timeout_graceful_shutdown=int(config.drain_timeout_s))
