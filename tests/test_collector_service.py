@@ -295,6 +295,25 @@ def test_live_reconstruction_writes_the_same_verdicts_as_offline_analysis(store:
     assert sum(r["recoverable_hit_tokens"] for r in live) > 0
 
 
+def test_ingest_goes_on_while_the_live_verdicts_store_calls_are_held_up(store: Store, store_dsn: str,
+                                                                        tmp_path: Path) -> None:
+    """The drain stores through a handle of its own: while the live path's calls on the store
+    wait (a long verdict insert, a rebuild reading an instance's history), batches still reach
+    the store, and their verdicts come once the live path goes on."""
+    config = CollectorConfig(dsn=store_dsn, spool_dir=str(tmp_path / "spool"), recipes=load_recipe("mamba-hybrid"),
+                             lateness_ns=0)
+    before = store.scalar(f"SELECT count() FROM {store.db}.verdicts")
+    with Served(config) as s:
+        assert s.collector.live_store is not None
+        with s.collector.live_store._lock, s.client() as c:  # the live path's handle busy
+            assert post(c, events(50, instance="held-up")).status_code == 200
+            s.settle()
+            assert store.scalar(f"SELECT count() FROM {store.db}.events WHERE instance = 'held-up'") == 50
+            assert store.scalar(f"SELECT count() FROM {store.db}.verdicts") == before
+    # stopping waited for the live path, then flushed it: each lookup has its verdict
+    assert store.scalar(f"SELECT count() FROM {store.db}.verdicts FINAL WHERE instance = 'held-up'") == 50
+
+
 def test_every_field_survives_the_collector_exactly(store: Store, store_dsn: str, tmp_path: Path) -> None:
     """Extremes, non-ASCII text, NUL bytes, every kind and enum: stored as sent, whether they
     came as rows or as columns (alternately, so that drain chunks hold both). Timestamps too,
