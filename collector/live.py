@@ -27,7 +27,9 @@ instances over collectors, each judges against the instances it sees.
 A collector that takes over an instance (its previous collector died, or the load balancer
 moved it) has no state for it: before its first events are used, the instance's earlier events
 are read back from the store (within `rebuild_window_ns`) and replayed, so verdicts continue as
-if nothing had happened. Verdict rows are keyed by the lookup's id, so a lookup verdicted twice
+if nothing had happened: the rows read back count as delivered (a copy of one that comes later
+is dropped), and a sender's row that reaches the store only after the read is fed late, as it
+would have been without the takeover. Verdict rows are keyed by the lookup's id, so a lookup verdicted twice
 (by the old collector and again while rebuilding) stays one row.
 """
 
@@ -72,15 +74,32 @@ _HOLD_VERDICTS = 16_384
 class _Instance:
     buffer: ReorderBuffer = field(default_factory=ReorderBuffer)  # rows not yet released
     newest: dict[str, int] = field(default_factory=dict)  # instance -> its newest event's ts_ns
-    released: tuple[int, int, int] = (0, 0, 0)  # the last row fed from the buffer
-    # The last row read back from the store when the state was (re)built: rows up to it that the
-    # buffer still held (stored before the read) were judged then, and are not fed again.
+    released: tuple[int, int, int] = (0, 0, 0)  # the last row fed (from the buffer, or read back)
+    # The last row read back from the store when the state was (re)built (`_rebuilt`).
     rebuilt_to: tuple[int, int, int] = (0, 0, 0)
     first: tuple[int, int, int] | None = None  # its first row's key, until its judge slot is opened
     last_seen_s: float = 0.0
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
     # instance -> source -> the sequence numbers it delivered (collector.redelivery: copies are dropped)
     delivered: dict[str, dict[int, Delivered]] = field(default_factory=dict)
+
+
+def _delivered_again(inst: _Instance, part: pa.Table, names: list[str]) -> np.ndarray | None:
+    """The rows of `part` (of the instances `names`) their sources delivered before, as a mask
+    (None: none); all of them counted delivered from now on."""
+    delivered = inst.delivered
+    sources, seqs = part["source_id"].to_numpy(), part["seq"].to_numpy()
+    if len(names) == 1:
+        return redelivered(sources, seqs, delivered.setdefault(names[0], {}))
+    again = None
+    column = part["instance"]
+    for name in names:
+        rows = np.flatnonzero(pc.equal(column, name).to_numpy(zero_copy_only=False))
+        mine = redelivered(sources[rows], seqs[rows], delivered.setdefault(name, {}))
+        if mine is not None:
+            again = np.zeros(part.num_rows, dtype=bool) if again is None else again
+            again[rows[mine]] = True
+    return again
 
 
 class LiveReconstruction:
@@ -177,19 +196,7 @@ class LiveReconstruction:
 
     def _new_rows(self, inst: _Instance, part: pa.Table, names: list[str]) -> pa.Table:
         """The part without the rows its sources delivered before (collector.redelivery)."""
-        delivered = inst.delivered
-        sources, seqs = part["source_id"].to_numpy(), part["seq"].to_numpy()
-        if len(names) == 1:
-            again = redelivered(sources, seqs, delivered.setdefault(names[0], {}))
-        else:
-            again = None
-            column = part["instance"]
-            for name in names:
-                rows = np.flatnonzero(pc.equal(column, name).to_numpy(zero_copy_only=False))
-                mine = redelivered(sources[rows], seqs[rows], delivered.setdefault(name, {}))
-                if mine is not None:
-                    again = np.zeros(part.num_rows, dtype=bool) if again is None else again
-                    again[rows[mine]] = True
+        again = _delivered_again(inst, part, names)
         if again is None:
             return part
         n = int(again.sum())
@@ -308,12 +315,27 @@ class LiveReconstruction:
         assert inst.first is not None
         self.judges.open(slot)
         if self.rebuild:
-            inst.rebuilt_to = self._replay(slot, inst.first, False, verdicts) or inst.rebuilt_to
+            self._rebuilt(inst, self._replay(slot, inst, inst.first, False, verdicts))
         inst.first = None
 
-    def _replay(self, slot: str, bound: Key, inclusive: bool, verdicts: list[pa.Table]) -> Key | None:
+    def _rebuilt(self, inst: _Instance, last: Key | None) -> None:
+        """After a replay that fed the stored rows up to `last`: the rows the buffer holds up to
+        there were among them (stored before they were held), so they are dropped now; any
+        that comes later is new to the store (a sender's late row) and is fed as late, or is
+        a copy (dropped as one: the replayed rows count as delivered)."""
+        if last is None:
+            return
+        inst.rebuilt_to = last
+        judged = inst.buffer.drop_through(last)
+        if judged:
+            self.metrics.live_skipped.labels("rebuilt").inc(judged)
+        inst.released = max(inst.released, last)
+
+    def _replay(self, slot: str, inst: _Instance, bound: Key, inclusive: bool, verdicts: list[pa.Table]) -> Key | None:
         """Feed the slot's stored events up to `bound` (within the rebuild window; and the
-        engines' attach events, however old); the last key fed."""
+        engines' attach events, however old); the last key fed. Each row fed counts as
+        delivered by its source: a copy of it arriving later (the retry of a batch whose answer
+        the collector that died never sent) is dropped as any copy is."""
         since = bound[0] - self.rebuild_window_ns
         mine = "instance = {i:String} AND " if slot else ""
         # The engine's own recipe is in its attach event, however long ago it attached.
@@ -327,6 +349,7 @@ class LiveReconstruction:
         last: Key | None = None
         read = 0
         for table in self.store.iter_event_batches(where, params):
+            _delivered_again(inst, table, table["instance"].unique().to_pylist())
             self._absorb(self.judges.feed(slot, table), verdicts)
             read += table.num_rows
             last = last_key(table)
@@ -350,7 +373,7 @@ class LiveReconstruction:
                     if self.rebuild:
                         bound = max(inst.released, inst.rebuilt_to)
                         if bound != (0, 0, 0):
-                            inst.rebuilt_to = self._replay(slot, bound, True, verdicts) or inst.rebuilt_to
+                            self._rebuilt(inst, self._replay(slot, inst, bound, True, verdicts))
                 return
             except JudgeLost:
                 log.error("the live judge process died again while rebuilding (%d of %d)", attempt + 1, attempts)
@@ -365,13 +388,6 @@ class LiveReconstruction:
             self.metrics.live_released_early.inc(early)
         if out is None:
             return
-        if inst.rebuilt_to != (0, 0, 0):  # judged already, when read back from the store
-            again = count_before(out, (inst.rebuilt_to[0], inst.rebuilt_to[1], inst.rebuilt_to[2] + 1))
-            if again:
-                self.metrics.live_skipped.labels("rebuilt").inc(again)
-                if again == out.num_rows:
-                    return
-                out = out.slice(again)
         cut = out.num_rows
         late = count_before(out, inst.released)
         if late:

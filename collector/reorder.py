@@ -138,6 +138,19 @@ class ReorderBuffer:
             return None, early
         return (parts[0] if len(parts) == 1 else _merged(parts)), early
 
+    def drop_through(self, key: Key) -> int:
+        """Drop the rows at or before `key` (a prefix of each run); how many."""
+        after = (key[0], key[1], key[2] + 1)
+        kept, dropped = [], 0
+        for r in self.runs:
+            k = count_before(r.table, after)
+            dropped += k
+            if k < len(r.ts):
+                kept.append(_Run(r.table.slice(k), r.ts[k:]) if k else r)
+        self.runs = kept
+        self.count -= dropped
+        return dropped
+
     def _merge(self) -> _Run:
         table = _merged(self.tables()).combine_chunks()
         run = _Run(table, table["ts_ns"].to_numpy())

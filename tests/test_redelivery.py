@@ -152,3 +152,59 @@ def test_a_lookup_sent_again_after_it_was_judged_keeps_its_adopt(store: Store) -
     rows = store.query_arrow(f"SELECT request_id, adopt_seen, adopted_tokens FROM {store.db}.verdicts").to_pylist()
     assert rows == [{"request_id": "r1", "adopt_seen": True, "adopted_tokens": 64}]
     assert getattr(live, "redelivered_events", 1) == 1 and live.late_events == 0
+
+
+def _judged(store: Store, stored: list[Event], batches: list[list[Event]]) -> tuple[list[dict], LiveReconstruction]:
+    """Verdicts of a collector that meets `stored` already in the store (another collector's
+    ingest) and then stores and judges each of `batches`, as its drain would."""
+    store.command(f"TRUNCATE TABLE {store.db}.events")
+    store.command(f"TRUNCATE TABLE {store.db}.verdicts")
+    store.insert_events(stored)
+    live = LiveReconstruction(store, load_recipe("dense"), CollectorMetrics(), lateness_ns=0)
+    try:
+        for batch in batches:
+            store.insert_events(batch)
+            live.feed(batch)
+        live.ended([("eng", 7), ("eng", 8)])
+        live.tick(force=True)
+    finally:
+        live.close()
+    rows = store.query_arrow(f"SELECT request_id, logical_hit_tokens, recoverable_hit_tokens, verdict "
+                             f"FROM {store.db}.verdicts FINAL ORDER BY ts_ns").to_pylist()
+    return rows, live
+
+
+def test_a_collector_taking_over_drops_copies_of_what_it_read_back_and_feeds_late_rows(store: Store) -> None:
+    """The new collector reads the instance's stored rows back. A copy of one of them arriving
+    afterwards (the retry of a batch the collector that died never answered) is dropped; another
+    process's rows older than those read back, but stored only after the read (that process
+    fell behind), are fed, late, as the collector that never died would have fed them. Its
+    verdicts are that collector's."""
+    t = 1_700_000_000_000_000_000
+    base: dict[str, Any] = dict(instance="eng", engine="vllm", model="m", tenant="t")
+
+    def commit(src: int, seq: int, ts: int, key: int, i: int) -> Event:
+        return Event(kind=EventKind.COMMIT, ts_ns=t + ts, source_id=src, seq=seq, block_key=key,
+                     parent_key=key - 1 if i else 0, token_start=16 * i, token_end=16 * (i + 1), block_size=16,
+                     component=ComponentKind.FULL_ATTENTION, tier=Tier.DEVICE, **base)
+
+    def asked(seq: int, ts: int, rid: str, keys: list[int]) -> list[Event]:
+        n = 16 * len(keys)
+        return [Event(kind=EventKind.LOOKUP, ts_ns=t + ts, source_id=7, seq=seq, request_id=rid, prompt_tokens=n + 6,
+                      group_block_keys=[keys], group_hit_tokens=[n], reported_hit_tokens=n, **base),
+                Event(kind=EventKind.ADOPT, ts_ns=t + ts + 1, source_id=7, seq=seq + 1, request_id=rid,
+                      reused_tiers=[Tier.DEVICE], reused_tokens=[n], recomputed_tokens=6, **base)]
+
+    before = [commit(7, i, 2 * i, 100 + i, i) for i in range(4)]  # stored by the collector that died
+    first = [*asked(4, 10, "r1", [100, 101, 102, 103]),
+             Event(kind=EventKind.EVICT, ts_ns=t + 12, source_id=7, seq=6, block_key=103, tier=Tier.DEVICE,
+                   component=ComponentKind.FULL_ATTENTION, **base)]
+    late = [commit(8, 0, 1, 200, 0), commit(8, 1, 3, 201, 1)]  # older than what was read back
+    copy = [before[3]]  # commits block 103 again, after its eviction, if it were fed
+    after = [*asked(7, 20, "r2", [200, 201]), *asked(9, 22, "r3", [100, 101, 102, 103])]
+
+    taken_over, live = _judged(store, before, [first, late, copy, after])
+    assert live.redelivered_events == 1 and live.late_events == 2 and live.rebuilt_events == 4
+    never_died, _ = _judged(store, [], [before, first, late, copy, after])
+    assert taken_over == never_died
+    assert [(r["request_id"], r["recoverable_hit_tokens"]) for r in taken_over] == [("r1", 64), ("r2", 32), ("r3", 48)]
