@@ -74,9 +74,9 @@ _HOLD_VERDICTS = 16_384
 class _Instance:
     buffer: ReorderBuffer = field(default_factory=ReorderBuffer)  # rows not yet released
     newest: dict[str, int] = field(default_factory=dict)  # instance -> its newest event's ts_ns
-    released: tuple[int, int, int] = (0, 0, 0)  # the last row fed (from the buffer, or read back)
-    # The last row read back from the store when the state was (re)built (`_rebuilt`).
-    rebuilt_to: tuple[int, int, int] = (0, 0, 0)
+    # The last row fed, from the buffer or read back from the store when the state was (re)built
+    # (`_rebuilt`); it only grows.
+    released: tuple[int, int, int] = (0, 0, 0)
     first: tuple[int, int, int] | None = None  # its first row's key, until its judge slot is opened
     last_seen_s: float = 0.0
     ended: set[tuple[str, int]] = field(default_factory=set)  # (instance, source) of emitters that ended
@@ -325,7 +325,6 @@ class LiveReconstruction:
         a copy (dropped as one: the replayed rows count as delivered)."""
         if last is None:
             return
-        inst.rebuilt_to = last
         judged = inst.buffer.drop_through(last)
         if judged:
             self.metrics.live_skipped.labels("rebuilt").inc(judged)
@@ -371,9 +370,8 @@ class LiveReconstruction:
                         continue
                     self.judges.open(slot)
                     if self.rebuild:
-                        bound = max(inst.released, inst.rebuilt_to)
-                        if bound != (0, 0, 0):
-                            self._rebuilt(inst, self._replay(slot, inst, bound, True, verdicts))
+                        if inst.released != (0, 0, 0):
+                            self._rebuilt(inst, self._replay(slot, inst, inst.released, True, verdicts))
                 return
             except JudgeLost:
                 log.error("the live judge process died again while rebuilding (%d of %d)", attempt + 1, attempts)
