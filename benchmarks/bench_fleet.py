@@ -1,7 +1,7 @@
 """What the fleet view costs the streaming reconstructor, on one fleet's events, in one run.
 
     .venv/bin/python benchmarks/bench_fleet.py [--events 1000000] [--instances 8] [--route round_robin]
-                                               [--recipe mamba-hybrid] [--rounds 3] [--sql]
+                                               [--recipe mamba-hybrid] [--rounds 3] [--sql [--statements]]
 
 A Mooncake trace (default the synthetic one, whose requests share long prefixes across
 sessions: the fleet view's worst case, as most lookups find other instances holding some of
@@ -14,7 +14,7 @@ with / without, the instances judged per lookup and the rows' fleet totals. The 
 checked against the simulators' truth for every lookup, so the figure is for correct answers.
 With `--sql`, the ClickHouse path (on the store) and the DuckDB path (on the Parquet file) are
 timed without and with the fleet view the same way, their rows checked equal to the streaming
-rows.
+rows; `--statements` then times each of their statements once without and with it.
 """
 
 from __future__ import annotations
@@ -94,14 +94,15 @@ def feed(recipe, parquet: Path, policy: Policy):  # type: ignore[no-untyped-def]
     return seconds + time.perf_counter() - started, rows
 
 
-def sql_paths(store, parquet: Path, recipe, expected, rounds: int) -> None:  # type: ignore[no-untyped-def]
+def sql_paths(store, parquet: Path, recipe, expected, rounds: int,  # type: ignore[no-untyped-def]
+              statements: bool = False) -> None:
     from kvtrace.analysis.funnel import results_frame
     from kvtrace.analysis.sql import clickhouse_results, conform_results, duckdb_results
 
     key = ["ts_ns", "source_id", "seq"]
     want = conform_results(results_frame(expected)).sort(key)
-    paths = {"clickhouse": lambda p: clickhouse_results(store, recipe, p),
-             "duckdb": lambda p: duckdb_results(parquet, recipe, p)}
+    paths = {"clickhouse": lambda p, timings=None: clickhouse_results(store, recipe, p, timings=timings),
+             "duckdb": lambda p, timings=None: duckdb_results(parquet, recipe, p, timings=timings)}
     for name, run in paths.items():
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(rounds):
@@ -114,6 +115,27 @@ def sql_paths(store, parquet: Path, recipe, expected, rounds: int) -> None:  # t
         off, on = statistics.median(times[False]), statistics.median(times[True])
         print(f"{name}: without {off:.2f} s, with {on:.2f} s: {on / off:.3f}x (rounds "
               + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times[False], times[True], strict=True)) + ")")
+        if statements:
+            statement_times(name, run)
+
+
+def statement_times(name: str, run) -> None:  # type: ignore[no-untyped-def]
+    """One more run of the path without and with the fleet view, each statement timed: where
+    the fleet view's extra time goes. (Each step then also counts its rows, so these runs are
+    slower than the timed rounds.)"""
+    from kvtrace.analysis.sql import StatementTiming
+
+    steps: dict[bool, dict[str, float]] = {}
+    for fleet in (False, True):
+        timed: list[StatementTiming] = []
+        run(Policy(fleet=fleet), timed)
+        steps[fleet] = {}
+        for step in timed:
+            steps[fleet][step.name] = steps[fleet].get(step.name, 0.0) + step.seconds
+    print(f"{name}, per statement (s): without, with, difference")
+    for step in dict.fromkeys([*steps[False], *steps[True]]):
+        off, on = steps[False].get(step, 0.0), steps[True].get(step, 0.0)
+        print(f"  {step:<24} {off:7.3f} {on:7.3f} {on - off:+7.3f}")
 
 
 def main() -> None:
@@ -125,6 +147,8 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACES / "mooncake_synthetic_trace.jsonl")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sql", action="store_true", help="also time the ClickHouse and DuckDB paths")
+    ap.add_argument("--statements", action="store_true",
+                    help="with --sql: then time each path's statements once without and with the fleet view")
     args = ap.parse_args()
     started = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="kvtrace-bench-fleet-"))
@@ -150,7 +174,7 @@ def main() -> None:
           + ", ".join(f"{s:.2f}" for s in times[True]))
     print(f"ratio with / without: {on / off:.3f}x")
     if args.sql:
-        sql_paths(store, parquet, recipe, rows[True], args.rounds)
+        sql_paths(store, parquet, recipe, rows[True], args.rounds, args.statements)
     shutil.rmtree(folder, ignore_errors=True)
     fleet_rows = rows[True]
     beyond = sum(r.seen_anywhere_tokens > r.logical_hit_tokens for r in fleet_rows)
