@@ -754,15 +754,26 @@ def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[
     # The candidates' models are compared after the blocks' join, on its few distinct rows: DuckDB
     # joined the eight-row table of instances first, which multiplied the lookups' blocks by the
     # instances before the join with the writes (1M events of 8 instances: `fc` 0.32-0.38 -> 0.07-0.09 s).
+    # Only an instance that still holds one of the blocks at the lookup can win either number:
+    # one whose copies of them were all evicted has a hash hit and a recoverable prefix of 0, and
+    # ties go to the lookup's own instance. A block is held on a tier while that tier's last write
+    # of it is later than its last eviction there. The streaming path's candidates are the same
+    # (its index of live objects). 10M events of 8 instances: 567 (lookup, instance) pairs wrote
+    # a block before the lookup, 225 held one; `w` and `pc` read the others' objects for nothing.
+    acts = _per_block(d, t, f"instance, group_id, ord, {_WRITTEN_TIER} AS wtier,"
+                            " CASE WHEN kind = 'evict' THEN 0 ELSE ord END AS w_ord,"
+                            " CASE WHEN kind = 'evict' THEN ord ELSE 0 END AS x_ord",
+                      "kind IN ('create', 'commit', 'offload', 'load', 'evict')")
     fc = (
-        f"SELECT DISTINCT x.lid AS lid, x.instance AS instance FROM ("
-        " SELECT DISTINCT p.lid AS lid, e.instance AS instance, p.want AS want FROM ("
+        "SELECT DISTINCT x.lid AS lid, x.instance AS instance FROM ("
+        " SELECT p.lid AS lid, e.instance AS instance, p.want AS want, max(e.w_ord) AS w_ord, max(e.x_ord) AS x_ord"
+        " FROM ("
         f"  SELECT b.*, coalesce(oi.model, b.scope) AS want FROM ({blocks}) b"
         f"  LEFT JOIN {d.table(t.fi)} oi ON oi.instance = b.instance AND oi.first_ord < b.at_ord WHERE b.key <> 0) p"
-        f" JOIN {_per_block(d, t, 'instance, group_id, ord', f'kind IN {_WRITE_KINDS}')} e"
-        "  ON e.group_id = p.g AND e.block_key = p.key"
-        "  WHERE e.ord < p.at_ord AND e.instance <> p.instance) x"
-        f" JOIN {d.table(t.fi)} ci ON ci.instance = x.instance WHERE ci.model = x.want"
+        f" JOIN {acts} e ON e.group_id = p.g AND e.block_key = p.key"
+        " WHERE e.ord < p.at_ord AND e.instance <> p.instance"
+        " GROUP BY p.lid, e.instance, p.want, p.g, p.key, e.wtier) x"
+        f" JOIN {d.table(t.fi)} ci ON ci.instance = x.instance WHERE ci.model = x.want AND x.w_ord > x.x_ord"
     )
     names = [c.strip() for c in _PG_COLUMNS.split(",")]
     swap = {"phase": "1 + c.idx AS phase", "instance": "c.instance AS instance"}

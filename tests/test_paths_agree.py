@@ -104,6 +104,39 @@ def test_the_fleet_view_agrees_where_another_instance_held_more(store: Store, tm
     assert (frames[0]["best_instance"] != frames[0]["instance"]).any()
 
 
+def test_the_fleet_view_judges_only_instances_that_still_hold_a_block(store: Store, tmp_path: Path) -> None:
+    """i1 wrote the prompt's blocks and evicted them all before the lookup on i0: it can win
+    nothing, and the SQL paths no longer judge it (the streaming path never did). i2 evicted its
+    device copies but kept host copies of both: it still holds them and is the best instance."""
+    t0 = 1_750_000_000 * 10**9
+    keys = [101, 102]
+    seq = iter(range(1, 100))
+
+    def ev(kind: EventKind, instance: str, **kw: object) -> Event:
+        n = next(seq)
+        return Event(kind=kind, ts_ns=t0 + n, seq=n, source_id=ord(instance[-1]), engine="vllm",
+                     instance=instance, model="dense", **kw)  # type: ignore[arg-type]
+
+    blocks = dict(component=ComponentKind.FULL_ATTENTION, block_key=keys[0], more_keys=keys[1:])
+    events = [
+        ev(EventKind.COMMIT, "i1", tier=Tier.DEVICE, nbytes=64, **blocks),
+        ev(EventKind.EVICT, "i1", tier=Tier.DEVICE, **blocks),
+        ev(EventKind.COMMIT, "i2", tier=Tier.DEVICE, nbytes=64, **blocks),
+        ev(EventKind.OFFLOAD, "i2", src_tier=Tier.DEVICE, dst_tier=Tier.HOST, nbytes=64, **blocks),
+        ev(EventKind.EVICT, "i2", tier=Tier.DEVICE, **blocks),
+        ev(EventKind.LOOKUP, "i0", request_id="r", prompt_tokens=2 * DENSE.groups[0].block_size + 1,
+           group_block_keys=[keys]),
+    ]
+    frames = three_paths(store, tmp_path, events, FLEET)
+    assert_same(frames)
+    row = frames[0].row(0, named=True)
+    assert row["best_instance"] == "i2"
+    assert row["recoverable_anywhere_tokens"] == 2 * DENSE.groups[0].block_size
+    timings: list[sql.StatementTiming] = []
+    clickhouse_results(store, BOOK, FLEET, timings=timings)
+    assert {t.name: t.rows for t in timings}["fc"] == 1  # (the lookup, i2): i1 holds nothing
+
+
 def test_shared_tenant_policy_agrees(store: Store, tmp_path: Path) -> None:
     events = first_stream(
         lambda evs: sum(e.kind is EventKind.LOOKUP for e in evs) >= 2 and len({e.tenant for e in evs}) >= 2)
