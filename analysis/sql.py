@@ -759,20 +759,26 @@ def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[
     # ties go to the lookup's own instance. A block is held on a tier while that tier's last write
     # of it is later than its last eviction there. The streaming path's candidates are the same
     # (its index of live objects). 10M events of 8 instances: 567 (lookup, instance) pairs wrote
-    # a block before the lookup, 225 held one; `w` and `pc` read the others' objects for nothing.
-    acts = _per_block(d, t, f"instance, group_id, ord, {_WRITTEN_TIER} AS wtier,"
-                            " CASE WHEN kind = 'evict' THEN 0 ELSE ord END AS w_ord,"
-                            " CASE WHEN kind = 'evict' THEN ord ELSE 0 END AS x_ord",
-                      "kind IN ('create', 'commit', 'offload', 'load', 'evict')")
+    # a block before the lookup, 225 held one. DuckDB judged the others' points for nothing (`w`
+    # and `pc`: 18.5 -> 13.3 s in all); ClickHouse's grouping of the writes and evictions per
+    # block took 5.1 s where its judging of those points took ~2, so it judges every writer.
+    if d.clickhouse:
+        per_block = _per_block(d, t, "instance, group_id, ord, ord AS w_ord, 0 AS x_ord", f"kind IN {_WRITE_KINDS}")
+        group = "p.lid, e.instance, p.want"
+    else:
+        per_block = _per_block(d, t, f"instance, group_id, ord, {_WRITTEN_TIER} AS wtier,"
+                                     " CASE WHEN kind = 'evict' THEN 0 ELSE ord END AS w_ord,"
+                                     " CASE WHEN kind = 'evict' THEN ord ELSE 0 END AS x_ord",
+                               "kind IN ('create', 'commit', 'offload', 'load', 'evict')")
+        group = "p.lid, e.instance, p.want, p.g, p.key, e.wtier"
     fc = (
         "SELECT DISTINCT x.lid AS lid, x.instance AS instance FROM ("
         " SELECT p.lid AS lid, e.instance AS instance, p.want AS want, max(e.w_ord) AS w_ord, max(e.x_ord) AS x_ord"
         " FROM ("
         f"  SELECT b.*, coalesce(oi.model, b.scope) AS want FROM ({blocks}) b"
         f"  LEFT JOIN {d.table(t.fi)} oi ON oi.instance = b.instance AND oi.first_ord < b.at_ord WHERE b.key <> 0) p"
-        f" JOIN {acts} e ON e.group_id = p.g AND e.block_key = p.key"
-        " WHERE e.ord < p.at_ord AND e.instance <> p.instance"
-        " GROUP BY p.lid, e.instance, p.want, p.g, p.key, e.wtier) x"
+        f" JOIN {per_block} e ON e.group_id = p.g AND e.block_key = p.key"
+        f" WHERE e.ord < p.at_ord AND e.instance <> p.instance GROUP BY {group}) x"
         f" JOIN {d.table(t.fi)} ci ON ci.instance = x.instance WHERE ci.model = x.want AND x.w_ord > x.x_ord"
     )
     names = [c.strip() for c in _PG_COLUMNS.split(",")]
