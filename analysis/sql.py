@@ -769,7 +769,7 @@ def _steps_fleet_points(d: Dialect, t: _Plan, pg: str, cols: str) -> list[tuple[
         per_block = _per_block(d, t, f"instance, group_id, ord, {_WRITTEN_TIER} AS wtier,"
                                      " CASE WHEN kind = 'evict' THEN 0 ELSE ord END AS w_ord,"
                                      " CASE WHEN kind = 'evict' THEN ord ELSE 0 END AS x_ord",
-                               "kind IN ('create', 'commit', 'offload', 'load', 'evict')")
+                               f"kind IN {_WRITE_KINDS} OR kind = 'evict'")
         group = "p.lid, e.instance, p.want, p.g, p.key, e.wtier"
     fc = (
         "SELECT DISTINCT x.lid AS lid, x.instance AS instance FROM ("
