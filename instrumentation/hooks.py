@@ -6,16 +6,57 @@ reads it, and any error in the hook is handed to the shim's failure counter inst
 engine. A missing method (another engine release) logs once and leaves that hook off.
 
 Each shim keeps what it wrapped in one `HookSet`, made with its engine's name, its logger and
-its failure counter, and puts everything back with `restore()`.
+its failure counter, and puts everything back with `restore()`. Where a hook must sit on a class
+(the engine builds the object in a process kvtrace never sees before, or calls the method on the
+class), `patch_class` does it, once per process.
+
+Every wrapper wears its original's face (`transparent`): name, qualified name, docstring,
+annotations and signature. Engines read them: vLLM converts a utility call's msgpack arguments
+by the annotations of the method it calls (`inspect.signature`), so a bare `*args, **kwargs`
+wrapper on `EngineCore.add_lora` handed the adapter in as a raw list and killed the engine core.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 _MISSING = object()
+
+
+def transparent(original: Any, wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """`wrapper`, wearing `original`'s name, qualified name, module, docstring and annotations,
+    with `__wrapped__` pointing at it: `inspect.signature` and `typing.get_type_hints` then read
+    the original's (its module's globals too, for annotations written as strings)."""
+    functools.update_wrapper(wrapper, original)
+    return wrapper
+
+
+_class_patches: list[tuple[type, str, Any]] = []  # (class, name, what vars(class) held before)
+
+
+def patch_class(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Put `make(original)` in place of `cls.name`, wearing the original's face; a classmethod or
+    staticmethod stays one (`make` gets and returns the plain function). False, and nothing done,
+    when the class has no such method. Every patch is listed by `class_patches()`."""
+    try:
+        raw = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return False
+    kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+    function = raw.__func__ if kind is not None else raw
+    wrapper = transparent(function, make(function))
+    setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
+    _class_patches.append((cls, name, raw))
+    return True
+
+
+def class_patches() -> list[tuple[type, str, Any]]:
+    """What `patch_class` replaced in this process: (class, name, the attribute it held before)."""
+    return list(_class_patches)
 
 
 def _holds_itself(obj: Any, name: str, current: Any) -> bool:
@@ -57,6 +98,10 @@ class HookSet:
     def __len__(self) -> int:
         """How many methods are wrapped now."""
         return len(self._saved)
+
+    def wrapped(self) -> list[tuple[Any, str, Any]]:
+        """What is wrapped now: (object, name, the method before the wrap)."""
+        return [(obj, name, original) for obj, name, original, _ in self._saved]
 
     def _original(self, obj: Any, name: str) -> Any:
         original = getattr(obj, name, None) if obj is not None else None
@@ -103,11 +148,12 @@ class HookSet:
 
     def replace(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
         """Put `wrapper`, written by hand around the method `obj.name` (which must exist: the
-        wrapper calls it), in its place; `restore` puts the method back. A wrapper written so
-        fences its own hooks: the engine's call must run and return as it would."""
+        wrapper calls it), in its place, wearing the method's face; `restore` puts the method
+        back. A wrapper written so fences its own hooks: the engine's call must run and return
+        as it would."""
         original = getattr(obj, name)
         self._saved.append((obj, name, original, _holds_itself(obj, name, original)))
-        setattr(obj, name, wrapper)
+        setattr(obj, name, transparent(original, wrapper))
 
     def restore(self) -> None:
         """Put every wrapped method back, the last wrapped first: an attribute the object had of

@@ -3,11 +3,15 @@ as it would, whatever the hook does, and a shim's `HookSet` puts back exactly wh
 
 from __future__ import annotations
 
+import inspect
 import logging
+import typing
 
+import msgspec
 import pytest
+from transparency import face_differences, unfaithful
 
-from kvtrace.instrumentation.hooks import HookSet
+from kvtrace.instrumentation.hooks import HookSet, class_patches, patch_class
 
 log = logging.getLogger("test")
 
@@ -61,3 +65,99 @@ def test_restore_undoes_the_last_wrap_first_and_only_once() -> None:
     engine.step = lambda x: 0  # type: ignore[method-assign]  # set after the restore: left alone
     hooks.restore()
     assert engine.step(5) == 0
+
+
+# -- wrappers wear the original's face ----------------------------------------------------------
+
+class Adapter(msgspec.Struct, array_like=True):  # as vLLM's LoRARequest
+    name: str
+    rank: int
+
+
+class Core:
+    """A method an engine calls by name with decoded arguments, as vLLM's engine core does."""
+
+    def add_lora(self, lora_request: Adapter, retries: int = 0) -> bool:
+        """Load an adapter."""
+        return isinstance(lora_request, Adapter)
+
+    @classmethod
+    def probe(cls, keys: list[int], group: int = 0) -> int:
+        return len(keys) + group
+
+
+def utility_call(obj: object, name: str, *args: object) -> object:
+    """What vLLM's `EngineCore` does with a utility call's msgpack arguments: each is converted to
+    the struct its parameter's annotation names, read from the method's signature (evaluated:
+    this module's annotations are strings, vLLM's engine core's are not)."""
+    method = getattr(obj, name)
+    params = inspect.signature(method, eval_str=True).parameters.values()
+    return method(*(msgspec.convert(v, type=p.annotation)
+                    if inspect.isclass(p.annotation) and issubclass(p.annotation, msgspec.Struct) else v
+                    for v, p in zip(args, params, strict=False)))
+
+
+def assert_same_face(original: object, wrapped: object) -> None:
+    assert face_differences(original, wrapped) == []
+    assert str(inspect.signature(wrapped)) == str(inspect.signature(original))
+    assert typing.get_type_hints(wrapped) == typing.get_type_hints(original)
+
+
+@pytest.mark.parametrize("wrap", ["wrap_after", "wrap_before", "replace"])
+def test_an_instance_wrapper_keeps_the_methods_signature_annotations_and_name(wrap: str) -> None:
+    core, seen = Core(), []
+    before = core.add_lora
+    hooks = HookSet("Test", log, lambda name: None)
+    if wrap == "replace":
+        hooks.replace(core, "add_lora", lambda *a, **k: seen.append(a) or before(*a, **k))
+    else:
+        getattr(hooks, wrap)(core, "add_lora", lambda *a, **k: seen.append(a))
+    assert core.add_lora is not before and seen == []
+    assert_same_face(before, core.add_lora)
+    assert hooks.wrapped() == [(core, "add_lora", before)] and unfaithful(hooks.wrapped()) == {}
+    # the engine's argument conversion still finds the struct: the adapter arrives as one
+    assert utility_call(core, "add_lora", ["sql", 8]) is True and seen
+
+
+def test_a_class_patch_keeps_the_face_of_methods_and_classmethods() -> None:
+    class Engine(Core):
+        add_lora = Core.add_lora
+        probe = Core.__dict__["probe"]
+
+    before, probe_before = Engine.add_lora, Engine.probe
+    calls = []
+
+    def counting(original):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls.append(original.__name__)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    assert patch_class(Engine, "add_lora", counting) and patch_class(Engine, "probe", counting)
+    assert not patch_class(Engine, "gone", counting)
+    assert_same_face(before, Engine.add_lora)
+    assert_same_face(probe_before, Engine.probe)
+    assert isinstance(vars(Engine)["probe"], classmethod)
+    assert utility_call(Engine(), "add_lora", ["sql", 8]) is True
+    assert Engine.probe([1, 2], group=1) == 3 and calls == ["add_lora", "probe"]
+    assert [(cls, name) for cls, name, _ in class_patches()][-2:] == [(Engine, "add_lora"), (Engine, "probe")]
+    assert unfaithful(class_patches()[-2:]) == {}
+
+
+def test_the_check_names_a_wrapper_that_hides_its_original() -> None:
+    core = Core()
+    original = core.add_lora
+    core.add_lora = lambda *a, **k: original(*a, **k)  # type: ignore[method-assign]
+    (diffs,) = unfaithful([(core, "add_lora", original)]).values()
+    assert diffs[0] == "signature (*a, **k) instead of (lora_request: 'Adapter', retries: 'int' = 0) -> 'bool'"
+    assert "__name__ '<lambda>' instead of 'add_lora'" in diffs
+
+
+def test_a_bare_wrapper_would_have_broken_the_engines_conversion() -> None:
+    """Why: the same call through a `*args, **kwargs` wrapper hands the engine a raw list (the
+    `'list' object has no attribute 'lora_int_id'` that killed vLLM's engine core)."""
+    core = Core()
+    original = core.add_lora
+    core.add_lora = lambda *a, **k: original(*a, **k)  # type: ignore[method-assign]
+    assert utility_call(core, "add_lora", ["sql", 8]) is False

@@ -40,21 +40,24 @@ def enable() -> bool:
         except ImportError:
             log.warning("kvtrace: LMCache is not importable here; nothing to instrument")
             return False
-        original = getattr(LMCacheEngine, "post_init", None)
-        if original is None:
+        from kvtrace.instrumentation.hooks import patch_class
+
+        def attaching(original: Any) -> Any:
+            def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(self, *args, **kwargs)
+                try:
+                    fresh = getattr(self, "_kvtrace_shim", None) is None
+                    if fresh and getattr(self, "storage_manager", None) is not None:
+                        attach(self, settings)
+                except Exception:  # noqa: BLE001 - never stop LMCache from starting
+                    log.exception("kvtrace: could not attach to this LMCache engine; it runs untraced")
+                return result
+
+            return post_init
+
+        if not patch_class(LMCacheEngine, "post_init", attaching):
             log.warning("kvtrace: this LMCache's engine has no post_init; it runs untraced")
             return False
-
-        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            try:
-                if getattr(self, "_kvtrace_shim", None) is None and getattr(self, "storage_manager", None) is not None:
-                    attach(self, settings)
-            except Exception:  # noqa: BLE001 - never stop LMCache from starting
-                log.exception("kvtrace: could not attach to this LMCache engine; it runs untraced")
-            return result
-
-        LMCacheEngine.post_init = post_init
         _enabled = True
         return True
     except Exception:  # noqa: BLE001

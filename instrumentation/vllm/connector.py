@@ -33,6 +33,7 @@ connector's own tier are not visible through this API and are not reported.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import time
 import weakref
@@ -45,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtrace.instrumentation.api import get_emitter
 from kvtrace.instrumentation.config import engine_instance
+from kvtrace.instrumentation.hooks import transparent
 from kvtrace.instrumentation.vllm.recipe import component_of
 from kvtrace.instrumentation.vllm.shim import bytes_per_block, key_of, key_of_pool_key
 from kvtrace.schema.events import Event
@@ -370,7 +372,6 @@ def _forward(name: str) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._inner, name)(*args, **kwargs)
 
-    method.__name__ = name
     return method
 
 
@@ -378,15 +379,19 @@ def _forward_property(name: str) -> property:
     return property(lambda self: getattr(self._inner, name))
 
 
-# Forward every base-class method and property the wrapper does not observe itself.
+# Forward every base-class method and property the wrapper does not observe itself; every method
+# (forwarded or observed) wears the base method's face, as vLLM's own connectors do.
 _SKIP = {"role", "_get_connector_metadata", "build_kv_connector_stats"}
 for _name, _value in list(vars(KVConnectorBase_V1).items()):
-    if _name.startswith("__") or _name in _SKIP or _name in vars(_Observing):
+    if _name.startswith("__") or _name in _SKIP:
         continue
-    if isinstance(_value, property):
+    if _name in vars(_Observing):
+        if inspect.isfunction(_value) and inspect.isfunction(vars(_Observing)[_name]):
+            transparent(_value, vars(_Observing)[_name])
+    elif isinstance(_value, property):
         setattr(_Observing, _name, _forward_property(_name))
     elif callable(_value) and not isinstance(_value, (classmethod, staticmethod)):
-        setattr(_Observing, _name, _forward(_name))
+        setattr(_Observing, _name, transparent(_value, _forward(_name)))
 
 
 class KvtraceConnector(_Observing):
@@ -398,3 +403,7 @@ class KvtraceConnectorHMA(_Observing, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
         return self._inner.request_finished_all_groups(request, block_ids)
+
+
+if inspect.isfunction(getattr(SupportsHMA, "request_finished_all_groups", None)):
+    transparent(SupportsHMA.request_finished_all_groups, KvtraceConnectorHMA.request_finished_all_groups)

@@ -47,16 +47,19 @@ def _patch_scheduler(settings: Any) -> None:
     except ImportError:
         log.warning("kvtrace: vLLM's v1 Scheduler is not importable; tracing is off")
         return
-    original = Scheduler.__init__
+    from kvtrace.instrumentation.hooks import patch_class
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        try:
-            attach(self, settings)
-        except Exception:  # noqa: BLE001
-            log.exception("kvtrace: could not attach to this scheduler; it runs without tracing")
+    def with_shim(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            try:
+                attach(self, settings)
+            except Exception:  # noqa: BLE001
+                log.exception("kvtrace: could not attach to this scheduler; it runs without tracing")
 
-    Scheduler.__init__ = __init__
+        return __init__
+
+    patch_class(Scheduler, "__init__", with_shim)
 
 
 def _patch_engine_core() -> None:
@@ -80,21 +83,24 @@ def _patch_engine_core() -> None:
     except ImportError:
         log.warning("kvtrace: vLLM's v1 EngineCore is not importable; the canary is off")
         return
-    original = EngineCore.add_request
+    from kvtrace.instrumentation.hooks import patch_class
 
-    def add_request(self: Any, request: Any, request_wave: int = 0) -> Any:
-        if not hasattr(self, "_kvtrace_canary"):  # never self.__dict__: it would slow the engine's attribute reads
-            self._kvtrace_canary = None
-            try:
-                attached = attach_canary(self, canary) is not None
-            except Exception:  # noqa: BLE001 - only the attach is fenced: the request is the engine's business
-                log.exception("kvtrace: could not attach the canary; the engine runs without it")
-                attached = False
-            if attached:
-                return self.add_request(request, request_wave)  # through the canary's own wrapper
-        return original(self, request, request_wave)
+    def with_canary(original: Any) -> Any:
+        def add_request(self: Any, request: Any, request_wave: int = 0) -> Any:
+            if not hasattr(self, "_kvtrace_canary"):  # never self.__dict__: it would slow the engine's attribute reads
+                self._kvtrace_canary = None
+                try:
+                    attached = attach_canary(self, canary) is not None
+                except Exception:  # noqa: BLE001 - only the attach is fenced: the request is the engine's business
+                    log.exception("kvtrace: could not attach the canary; the engine runs without it")
+                    attached = False
+                if attached:
+                    return self.add_request(request, request_wave)  # through the canary's own wrapper
+            return original(self, request, request_wave)
 
-    EngineCore.add_request = add_request
+        return add_request
+
+    patch_class(EngineCore, "add_request", with_canary)
 
 
 def attach(scheduler: Any, settings: Any = None) -> Any:

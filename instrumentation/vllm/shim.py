@@ -46,7 +46,7 @@ from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.attach import attach_events, distribution_version
-from kvtrace.instrumentation.hooks import HookSet
+from kvtrace.instrumentation.hooks import HookSet, patch_class
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.vllm.recipe import component_of, recipe_from_kv_cache_config
 from kvtrace.instrumentation.vllm.weights import adapter_label
@@ -137,23 +137,24 @@ def _install_probe_hooks() -> None:
     except ImportError:
         return
     for cls in vars(stm).values():
-        if not (isinstance(cls, type) and "find_longest_cache_hit" in vars(cls)):
-            continue
-        found = vars(cls)["find_longest_cache_hit"]
-        if not isinstance(found, classmethod):
-            continue
-        original = found.__func__
+        if isinstance(cls, type) and isinstance(vars(cls).get("find_longest_cache_hit"), classmethod):
+            patch_class(cls, "find_longest_cache_hit", _probing)
 
-        def probe(klass: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            result = _original(klass, *args, **kwargs)
-            hits = getattr(_PROBES, "hits", None)
-            if hits is not None:
-                groups = kwargs.get("kv_cache_group_ids", args[2] if len(args) > 2 else ())
-                for g in groups:
-                    hits.setdefault(g, int(result[1]))  # the first probe: before reconciliation
-            return result
 
-        cls.find_longest_cache_hit = classmethod(probe)
+def _probing(original: Any) -> Any:
+    """`find_longest_cache_hit` (a classmethod's function), telling `_PROBES` each group's first
+    answer."""
+
+    def probe(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(klass, *args, **kwargs)
+        hits = getattr(_PROBES, "hits", None)
+        if hits is not None:
+            groups = kwargs.get("kv_cache_group_ids", args[2] if len(args) > 2 else ())
+            for g in groups:
+                hits.setdefault(g, int(result[1]))  # the first probe: before reconciliation
+        return result
+
+    return probe
 
 
 def key_of(block_hash: bytes) -> int:

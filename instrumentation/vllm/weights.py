@@ -27,6 +27,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from kvtrace.instrumentation.hooks import patch_class
+
 log = logging.getLogger("kvtrace.vllm")
 
 WEIGHT_METHODS = frozenset({"reload_weights", "update_weights", "finish_weight_update", "load_weights"})
@@ -115,23 +117,24 @@ def _patch_engine_core() -> None:
     except ImportError:
         log.warning("kvtrace: vLLM's EngineCore is not importable; weight updates are not tracked")
         return
-    original = getattr(EngineCore, "collective_rpc", None)
-    if original is None:
+
+    def recording_updates(original: Any) -> Any:
+        def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
+            result = original(self, method, timeout, args, kwargs)
+            try:
+                name = _method_name(method)
+                if name in WEIGHT_METHODS:
+                    weights_changed(name, args, kwargs, str(getattr(self, "_weight_version", "") or ""))
+            except Exception:  # noqa: BLE001
+                log.exception("kvtrace: could not record a weight update")
+            return result
+
+        return collective_rpc
+
+    if not patch_class(EngineCore, "collective_rpc", recording_updates):
         log.warning("kvtrace: vLLM's EngineCore has no collective_rpc; weight updates are not tracked")
         return
     _patched = True
-
-    def collective_rpc(self: Any, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> Any:
-        result = original(self, method, timeout, args, kwargs)
-        try:
-            name = _method_name(method)
-            if name in WEIGHT_METHODS:
-                weights_changed(name, args, kwargs, str(getattr(self, "_weight_version", "") or ""))
-        except Exception:  # noqa: BLE001
-            log.exception("kvtrace: could not record a weight update")
-        return result
-
-    EngineCore.collective_rpc = collective_rpc
     # An in-place adapter reload re-reads its fingerprint; a new weight version moves the revision.
     _after(EngineCore, "add_lora", lambda core, lora_request, *a, **k: adapter_label(lora_request))
     _after(EngineCore, "set_weight_version", lambda core, *a, **k: weights_changed(
@@ -140,18 +143,16 @@ def _patch_engine_core() -> None:
 
 def _after(cls: Any, name: str, hook: Any) -> None:
     """Run `hook(self, *args)` after `cls.name`, fenced; nothing when vLLM has no such method."""
-    original = getattr(cls, name, None)
-    if original is None:
-        return
 
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        try:
-            hook(self, *args, **kwargs)
-        except Exception:  # noqa: BLE001 - never fail the engine's call
-            log.exception("kvtrace: the %s hook failed", name)
-        return result
+    def hooked(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            try:
+                hook(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - never fail the engine's call
+                log.exception("kvtrace: the %s hook failed", name)
+            return result
 
-    setattr(cls, name, wrapper)
+        return wrapper
 
-
+    patch_class(cls, name, hooked)

@@ -85,3 +85,40 @@ def test_plugin_events_reconstruct_the_engines_cached_tokens(name: str, config: 
     assert [r.adopted_tokens for r in results] == reported
     assert [r.recoverable_hit_tokens for r in results] == reported
     assert not any(r.unsafe_reuse for r in results)
+
+
+def test_every_method_the_plugin_wraps_wears_its_originals_face(spool: Path, tmp_path: Path) -> None:
+    """vLLM reads the methods it calls: a utility call's msgpack arguments are converted by the
+    annotations of the engine core's method (a bare wrapper on `add_lora` handed the adapter in
+    as a list and killed the engine core). Every class patch, every method the shim wrapped on
+    the engine's objects and every method of the connector shim has its original's signature,
+    annotations, name and docstring."""
+    import inspect
+
+    from transparency import unfaithful
+    from vllm import LLM
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtrace.instrumentation.hooks import class_patches
+    from kvtrace.instrumentation.vllm.connector import KvtraceConnector, KvtraceConnectorHMA
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=True,
+              block_size=32, enforce_eager=True, max_model_len=512)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    patched = {f"{cls.__name__}.{name}" for cls, name, _ in class_patches()}
+    assert {"Scheduler.__init__", "EngineCore.collective_rpc", "EngineCore.add_lora",
+            "EngineCore.set_weight_version"} <= patched, patched
+    assert any(name.endswith(".find_longest_cache_hit") for name in patched), patched
+    assert unfaithful(class_patches()) == {}
+    wrapped = scheduler._kvtrace_shim.hooks.wrapped()
+    assert {name for _, name, _ in wrapped} >= {"get_computed_blocks", "record_prefix_cache_stats",
+                                                "reset_prefix_cache"}, wrapped
+    assert unfaithful(wrapped) == {}
+    base = [(name, value) for name, value in vars(KVConnectorBase_V1).items()
+            if inspect.isfunction(value) and not name.startswith("__")]
+    assert len(base) > 10
+    for connector in (KvtraceConnector, KvtraceConnectorHMA):
+        assert unfaithful((connector, name, value) for name, value in base) == {}
