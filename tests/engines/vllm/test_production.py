@@ -17,14 +17,13 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +33,13 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 from collector_proc import free_port
+from served import LLAMA, Proc, dump_dom, kvtrace, metric
 
 from kvtrace.instrumentation.replay import tokens_of
 from kvtrace.instrumentation.traces import read_trace
 
 TRACE = Path(__file__).parent / "data" / "mooncake_synthetic_head.jsonl.gz"
 MODEL = "tiny-llama"
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 2048,
-    "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
 MAX_MODEL_LEN = 4096
 MAX_TOKENS = 2
 INSTANCE = "vllm-prod"
@@ -57,71 +52,6 @@ KILL_AFTER = 20  # responses the third server gives before it is killed
 IN_FLIGHT = 4  # requests the client keeps open at once
 START_S = 300  # bound on vLLM's start-up (about 40 s on two busy cores)
 SETTLE_S = 120  # bound on the collector storing and judging what the engine sent
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-class Proc:
-    """A child process in its own process group, its output in a log file; `stop()` sends
-    SIGTERM and waits, then SIGKILLs the group (vLLM's engine core and worker with it)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], root: Path) -> None:
-        self.name = name
-        self.log_path = root / f"{name}.log"
-        self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str | Callable[[], str]) -> None:
-        """Poll `ready` while this process lives; fail naming `what` (a string, or a function that
-        says what was reached so far) and showing the end of the process's log."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if ready():
-                    return
-            except httpx.HTTPError:
-                pass
-            if not self.alive() or time.monotonic() > deadline:
-                said = what() if callable(what) else what
-                ended = f"exited ({self.proc.returncode})" if not self.alive() else f"timed out after {timeout_s} s"
-                raise AssertionError(f"{self.name} {ended} waiting for {said}:\n{self.tail()}")
-            time.sleep(0.25)
-
-    def stop(self, timeout_s: float = 60) -> int | None:
-        """SIGTERM, as an operator stops a service; SIGKILL to the whole group after the timeout."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group outlived its leader
-        except ProcessLookupError:
-            pass
-        if self.alive():
-            self.proc.wait(30)
-        self._log.close()
-        return self.proc.returncode
-
-
-def kvtrace(env: dict[str, str], dsn: str, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    """The `kvtrace` command in its own process, as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, *argv], env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
-
-
-def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "headless Chromium is needed (Debian's `chromium`; scripts/test.sh installs it)"
-    return path
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -183,12 +113,6 @@ class Observed:
     journals_left: list[str] = field(default_factory=list)  # after the shippers had their time
     alerts: subprocess.CompletedProcess[str] | None = None
     health_dom: str = ""
-
-
-def metric(text: str, name: str) -> int:
-    values = [float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)]
-    assert values, f"/metrics has no {name}"
-    return int(sum(values))
 
 
 def send(client: httpx.Client, url: str, sent: Sent) -> tuple[str, int, int]:
@@ -376,17 +300,6 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     finally:
         for proc in reversed(setup.procs):
             proc.stop(timeout_s=30)
-
-
-def dump_dom(url: str) -> str:
-    args = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--enable-logging=stderr", "--v=0", "--virtual-time-budget=15000", "--dump-dom", url]
-    dom = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
-    assert not [line for line in console if "rror" in line or "Uncaught" in line], console
-    assert 'data-ready="1"' in dom.stdout, url
-    return dom.stdout
 
 
 # -- the checks --------------------------------------------------------------------------------
