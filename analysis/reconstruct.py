@@ -438,6 +438,8 @@ class Reconstructor:
             tenant=lookup.tenant,
             prompt_tokens=lookup.prompt_tokens,
             reported_hit_tokens=lookup.reported_hit_tokens,
+            preemptions=lookup.preemptions,
+            computed_before_preemption=lookup.computed_before_preemption,
             logical_hit_tokens=ev.logical,
             recoverable_hit_tokens=recoverable,
             resident_hit_tokens=resident,

@@ -48,7 +48,7 @@ _VERDICTS = (Verdict.MISS, Verdict.HIT, Verdict.PARTIAL)  # `classify`'s rule, v
 _VERDICT_NAMES = pa.array([v.value for v in _VERDICTS])
 _GAP_NAMES = pa.array([g.value for g in _GAPS])
 _LOOKUP_FIELDS = ("ts_ns", "source_id", "seq", "request_id", "model", "tenant", "prompt_tokens",
-                  "reported_hit_tokens")
+                  "reported_hit_tokens", "preemptions", "computed_before_preemption")
 
 
 @dataclass(slots=True)
@@ -344,11 +344,13 @@ def results(lane: Lane, state: NativeState, rows: list[int], adopts: list[int]) 
     for i, (row, seen, adopted, recoverable, own, reason, own_reason) in enumerate(zip(
             rows, v.seen.tolist(), v.adopted.tolist(), v.recoverable.tolist(), v.own.tolist(), v.reason.tolist(),
             v.own_reason.tolist(), strict=True)):
-        instance, ts, source, seq, request, model, tenant, prompt, reported = lane.row(row)
+        instance, ts, source, seq, request, model, tenant, prompt, reported, preemptions, before = lane.row(row)
         restore = v.restore[i].tolist()
         out.append(LookupResult(
             ts_ns=ts, source_id=source, seq=seq, instance=instance, request_id=request, model=model, tenant=tenant,
-            prompt_tokens=prompt, reported_hit_tokens=reported, logical_hit_tokens=int(v.logical[i]),
+            prompt_tokens=prompt, reported_hit_tokens=reported, preemptions=preemptions,
+            computed_before_preemption=before,
+            logical_hit_tokens=int(v.logical[i]),
             recoverable_hit_tokens=recoverable, resident_hit_tokens=int(v.resident[i]), adopted_tokens=adopted,
             recomputed_tokens=int(v.recomputed[i]), adopt_seen=seen, verdict=_VERDICTS[v.verdict[i]],
             reason=_GAPS[reason], reason_group=int(v.group[i]), reason_detail=v.detail[i],

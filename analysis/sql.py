@@ -403,6 +403,8 @@ def _steps_events(d: Dialect, t: _Plan, source: str, in_order: bool = False,
     picked = (", ".join(f"r.{c} AS {c}" for c in asked if c not in _REQUEST_SUMS)
               + ", CAST(r.prompt_tokens AS BIGINT) AS prompt_tokens,"
               " CAST(r.reported_hit_tokens AS BIGINT) AS reported_hit_tokens,"
+              " CAST(r.preemptions AS BIGINT) AS preemptions,"
+              " CAST(r.computed_before_preemption AS BIGINT) AS computed_before_preemption,"
               f" CAST({d.list_sum('r.reused_tokens')} AS BIGINT) AS adopted,"
               " CAST(r.recomputed_tokens AS BIGINT) AS recomputed")
     if inline:
@@ -461,7 +463,8 @@ def _requests_read(d: Dialect, source: str, bare: str) -> str:
 
 _Parts = list[tuple[str, str, list[tuple[str, str, str]]]]
 
-_REQUEST_SUMS = ("prompt_tokens", "reported_hit_tokens", "reused_tokens", "recomputed_tokens")
+_REQUEST_SUMS = ("prompt_tokens", "reported_hit_tokens", "preemptions", "computed_before_preemption", "reused_tokens",
+                 "recomputed_tokens")
 """The request columns `rq` casts (or sums) as it reads them."""
 
 
@@ -1115,7 +1118,9 @@ def _final(d: Dialect, t: _Plan, fleet: bool) -> str:
     return (
         "SELECT k.ts_ns AS ts_ns, k.source_id AS source_id, k.seq AS seq, k.instance AS instance,"
         " k.request_id AS request_id, k.model AS model, k.tenant AS tenant, k.prompt_tokens AS prompt_tokens,"
-        " k.reported_hit_tokens AS reported_hit_tokens, l.logical AS logical_hit_tokens,"
+        " k.reported_hit_tokens AS reported_hit_tokens, k.preemptions AS preemptions,"
+        " k.computed_before_preemption AS computed_before_preemption,"
+        " l.logical AS logical_hit_tokens,"
         f" {rec} AS recoverable_hit_tokens, {res} AS resident_hit_tokens, {adopted} AS adopted_tokens,"
         f" CASE WHEN {seen} THEN k.next_recomputed ELSE 0 END AS recomputed_tokens,"
         f" CASE WHEN {seen} THEN 1 ELSE 0 END AS adopt_seen,"

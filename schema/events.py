@@ -33,7 +33,7 @@ from kvtrace.schema.columns import (
 )
 from kvtrace.schema.kinds import ComponentKind, EventKind, Reason, Tier, Transform
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Bump when fields are added; readers accept every version up to this one."""
 
 
@@ -164,6 +164,18 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
         _doc("The engine's cache groups as a kvtrace recipe, JSON (attach): what its lookups are judged by "
              "when no recipe is given."),
     ] = ""
+
+    # -- preemption (schema version 8) -------------------------------------------------------------
+    preemptions: Annotated[
+        U32,
+        _doc("Times the request had been preempted before this lookup (lookup): 0 for its first admission, "
+             "more for a re-admission, whose reuse engines count apart from their prefix-cache hit rates."),
+    ] = 0
+    computed_before_preemption: Annotated[
+        U32,
+        _doc("Tokens the request had computed when it was last preempted (lookup of a re-admission): what "
+             "it computes again is this less what it reuses on resume."),
+    ] = 0
 
 
 PROBE_PREFIX = "kvtrace-verify-"

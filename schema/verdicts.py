@@ -75,6 +75,8 @@ class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     tenant: Label
     prompt_tokens: U32
     reported_hit_tokens: U32
+    preemptions: U32 = 0  # the request's preemptions before this lookup: 0 for its first admission
+    computed_before_preemption: U32 = 0  # tokens it had computed when last preempted (a re-admission)
     logical_hit_tokens: U32
     recoverable_hit_tokens: U32
     resident_hit_tokens: U32
@@ -101,6 +103,14 @@ class LookupResult(msgspec.Struct, kw_only=True, omit_defaults=False):
     routing_regret_tokens: U32 = 0  # recoverable anywhere, not here (at the lookup)
     fleet_reason: GapReason = GapReason.NONE  # why the longest seen hit was not recoverable where it was seen
     best_restore_bytes: U64 = 0  # to fetch from slower tiers on the best instance
+
+
+COUNTED_SQL = "adopt_seen AND preemptions = 0"
+"""The verdict rows an engine counts in its prefix-cache hit rate, as SQL: a request's first
+admission, adopted (`analysis.funnel.counted` is the same over a frame). A request preempted and
+admitted again looks up again; vLLM counts those apart (`PrefixCacheStats.preempted_*`)."""
+READMITTED_SQL = "adopt_seen AND preemptions > 0"
+"""The verdict rows of re-admissions after a preemption, as SQL."""
 
 
 class Agreement(StrEnum):

@@ -60,6 +60,10 @@ _identity = st.fixed_dictionaries(
         "epoch": st.sampled_from([1] * 30 + [0, 2]),
     }
 )
+# a request's first admission, or a re-admission after preemptions with what it had computed
+_admission = st.one_of(st.just({}), st.fixed_dictionaries({"preemptions": st.integers(1, 3),
+                                                          "computed_before_preemption": st.integers(0, 64)}))
+
 _where = st.fixed_dictionaries(
     {"instance": st.sampled_from(["i0"] * 4 + ["i1"]), "model": st.sampled_from(["hybrid"] * 3 + ["dense"])}
 )
@@ -152,7 +156,7 @@ def _operation(draw: Any, op: str = "") -> list[dict[str, Any]]:
         tokens = draw(st.sampled_from([PROMPT_TOKENS, PROMPT_TOKENS, 9, 13]))
         chains = [chain(recipe, g.group_id, prompt, tokens) for g in recipe.groups]
         return [dict(where, **draw(_identity), kind=EventKind.LOOKUP, request_id=request, prompt_tokens=tokens,
-                     group_block_keys=chains)]
+                     group_block_keys=chains, **draw(_admission))]
     reused = draw(st.integers(0, PROMPT_TOKENS))
     return [dict(where, kind=EventKind.ADOPT, request_id=request, reused_tiers=[Tier.DEVICE],
                  reused_tokens=[reused], recomputed_tokens=PROMPT_TOKENS - reused)]

@@ -90,6 +90,8 @@ _OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
     "group_block_keys": st.lists(st.lists(U64, max_size=4), max_size=3),
     "group_hit_tokens": st.lists(U32, max_size=3),
     "reported_hit_tokens": U32,
+    "preemptions": U32,
+    "computed_before_preemption": U32,
     "recomputed_tokens": U32,
     "probe_of": TEXT,
     "probe_positions": U32,
@@ -236,6 +238,8 @@ def seeded_events(n: int, seed: int = 0, sources: int = 4, ts_base: int = STORE_
             f["group_block_keys"] = [[u(64) for _ in range(rng.randint(0, 5))] for _ in range(groups)]
             f["group_hit_tokens"] = [rng.randint(0, prompt) for _ in range(groups)]
             f["reported_hit_tokens"] = rng.randint(0, prompt)
+            f["preemptions"] = rng.choice([0, 0, 0, 1, u(32)])
+            f["computed_before_preemption"] = rng.randint(0, prompt) if f["preemptions"] else 0
         if kind is EventKind.ADOPT:
             tiers = rng.sample(TIERS, rng.randint(0, len(TIERS)))
             f["reused_tiers"] = tiers

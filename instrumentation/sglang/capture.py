@@ -77,6 +77,7 @@ from kvtrace.instrumentation.sglang.shim import (
     kept_row,
     row_pages,
     usage_counters,
+    watch_retractions,
 )
 
 log = logging.getLogger("kvtrace.sglang")
@@ -245,6 +246,7 @@ class CaptureShim:
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> CaptureShim:
         c = self.cache
+        watch_retractions()
         self._wrap(c, "match_prefix", None, self._lookup)
         self._wrap(c, "checkpoint", self._checkpoint, self._checkpointed, optional=True, opens=False)
         self._wrap(c, "insert", self._insert, self._inserted)
@@ -407,9 +409,11 @@ class CaptureShim:
                 ids, out = tokens_blob(key.token_ids), _NO_TOKENS
             counters = self._usage_due(rid)
         fresh = req is not None and not getattr(req, "_kvtrace_seen", False)
+        retracted = int(getattr(req, "retraction_count", 0) or 0) if req is not None else 0
         fields = encode(Lookup(device, host, full, rid, _text(getattr(key, "extra_key", None)),
                                _text(getattr(key, "cache_salt", None)), counters, req is not None, repeat,
-                               opened, fresh))
+                               opened, fresh, retracted,
+                               int(getattr(req, "_kvtrace_computed", 0) or 0) if retracted else 0))
         if not self._put(Rec.LOOKUP, 0, (fields, ids, out) if len(out) else (fields, ids)):
             if counters is not None:
                 self._usage_due_ns = 0  # the sample did not get through: the next lookup takes it

@@ -89,6 +89,8 @@ class Lookup(Fields, tag=int(Rec.LOOKUP)):
     repeat: bool  # the request asked again with the same answer: no tokens
     opened: bool  # something inside the call was recorded, and its opening with it (else this opens it)
     fresh: bool  # a request object not seen before (in-process its page chain starts anew)
+    preemptions: int = 0  # the request's retractions so far (SGLang's retraction_count)
+    computed: int = 0  # what it had computed when last retracted
 
 
 class Insert(Fields, tag=int(Rec.INSERT)):

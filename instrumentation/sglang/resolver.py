@@ -224,6 +224,7 @@ class Replayer:
         req = None
         if f.request:
             req = self._request(f.request_id, fresh=f.fresh)
+            req.retraction_count, req._kvtrace_computed = f.preemptions, f.computed
             if not f.repeat:
                 req.origin_input_ids = _tokens(blobs[1])
                 req.output_ids = _tokens(blobs[2]) if len(blobs) > 2 else array("q")

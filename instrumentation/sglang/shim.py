@@ -37,6 +37,7 @@ tokens and namespace; HiCache's storage names are translated to them.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from array import array
 from collections import OrderedDict
@@ -49,7 +50,7 @@ from msgspec.structs import replace
 
 from kvtrace.instrumentation.api import Emitter, request_key
 from kvtrace.instrumentation.attach import attach_events, distribution_version
-from kvtrace.instrumentation.hooks import HookSet
+from kvtrace.instrumentation.hooks import HookSet, patch_class
 from kvtrace.instrumentation.identity import Identity
 from kvtrace.instrumentation.sglang.hicache import HiCacheHooks
 from kvtrace.instrumentation.sglang.keys import Chain, new_chain
@@ -60,6 +61,30 @@ from kvtrace.schema.kinds import EventKind, Reason, Tier
 from kvtrace.schema.recipes import Recipe
 
 log = logging.getLogger("kvtrace.sglang")
+_retractions_watched = False
+
+
+def watch_retractions() -> None:
+    """Note on each SGLang request what it had computed when it is retracted (SGLang's
+    `reset_for_retract` sets that to 0): its re-admission's lookup carries it. Once per process,
+    and only where SGLang's scheduler module is loaded already: never in the resolver process,
+    which imports nothing of the engine's."""
+    global _retractions_watched
+    module = sys.modules.get("sglang.srt.managers.schedule_batch")
+    if _retractions_watched or module is None or not hasattr(module, "Req"):
+        return
+    _retractions_watched = patch_class(module.Req, "reset_for_retract", _noting_committed)
+
+
+def _noting_committed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reset_for_retract(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self._kvtrace_computed = int(self.kv.kv_committed_len)
+        except Exception:  # noqa: BLE001 - another SGLang release: the retraction is the engine's business
+            pass
+        return original(self, *args, **kwargs)
+
+    return reset_for_retract
 
 @dataclass(slots=True)
 class _Scope:
@@ -160,6 +185,7 @@ class RadixCacheShim:
     # -- install -----------------------------------------------------------------------------------
     def install(self) -> RadixCacheShim:
         c = self.cache
+        watch_retractions()
         self.wrap_scoped(c, "match_prefix", self.after_lookup)
         self.wrap_scoped(c, "checkpoint", self.after_checkpoint, before=self.before_checkpoint, optional=True)
         self.wrap_scoped(c, "insert", self.after_insert, before=self.before_insert)
@@ -571,12 +597,15 @@ class RadixCacheShim:
         full = int(getattr(result, "full_kv_hit_length", 0) or 0) or device + host
         hits = [full if g == self.full else device + host for g in range(len(self.components))]
         prompt = len(tokens) + (1 if req is None else 0)  # a bare key is the prompt less its last token
+        # A request retracted under memory pressure is matched again when it is admitted again
+        preemptions = int(getattr(req, "retraction_count", 0) or 0) if req is not None else 0
         self.emitter.emit(replace(
             self._base, kind=EventKind.LOOKUP, request_id=rid, prompt_tokens=prompt,
             tenant=getattr(key, "cache_salt", None) or self.identity.default_tenant,
             adapter=str(getattr(key, "extra_key", None) or ""), block_size=0,
             group_block_keys=tuple([keys] * len(self.components)), group_hit_tokens=tuple(hits),
-            reported_hit_tokens=device + host))
+            reported_hit_tokens=device + host, preemptions=preemptions,
+            computed_before_preemption=int(getattr(req, "_kvtrace_computed", 0) or 0) if preemptions else 0))
         if self.usage_interval_ns:
             self.sample_usage()
 

@@ -123,6 +123,7 @@ def attach(scheduler: Any, settings: Any = None) -> Any:
         default_tenant=settings.tenant,
     )
     shim = CacheManagerShim(scheduler.kv_cache_manager, emitter, identity, sample_rate=settings.sample_rate).install()
+    shim.watch_preemptions(scheduler)
     scheduler._kvtrace_shim = shim
     from kvtrace.instrumentation.vllm.weights import track
 

@@ -157,6 +157,10 @@ def _probing(original: Any) -> Any:
     return probe
 
 
+def _note_computed(request: Any, *args: Any, **kwargs: Any) -> None:
+    request._kvtrace_computed = int(request.num_computed_tokens)
+
+
 def key_of(block_hash: bytes) -> int:
     """kvtrace block key of a vLLM block hash (bytes): its low 64 bits, never 0."""
     return _U64(block_hash, len(block_hash) - 8)[0] or 1
@@ -253,6 +257,12 @@ class CacheManagerShim:
     def uninstall(self) -> None:
         self.hooks.restore()
 
+    def watch_preemptions(self, scheduler: Any) -> None:
+        """Keep on each request what it had computed when the scheduler preempts it (vLLM sets it
+        to 0 there): its re-admission's lookup says so, and what it then computes again is that
+        less what it reuses on resume."""
+        self.hooks.wrap_before(scheduler, "_preempt_request", _note_computed)
+
     def _wrap_lookup(self, manager: Any) -> None:
         original = getattr(manager, "get_computed_blocks", None)
         if original is None:
@@ -329,6 +339,11 @@ class CacheManagerShim:
         event.group_block_keys = self.chains(request)
         event.group_hit_tokens = tuple(hits.get(g, 0) for g in range(len(self.groups)))  # type: ignore[assignment]
         event.reported_hit_tokens = int(hit)
+        # A re-admission after a preemption looks up again (its prompt now with its outputs);
+        # vLLM keeps those out of its prefix-cache counters (PrefixCacheStats.preempted_*).
+        event.preemptions = preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+        if preemptions:
+            event.computed_before_preemption = int(getattr(request, "_kvtrace_computed", 0))
         self.emitter.emit(event)
         if self.usage_interval_ns:
             self.sample_usage()

@@ -439,6 +439,7 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
     driver.prefill(run_c, 256)
     driver.prefill(run_c)
     assert driver.decode(run_c, 5) == 14  # 6 of its 20 outputs made
+    committed_before = run_c.req.kv.kv_committed_len  # what SGLang had computed for it
     driver.retract(run_c)
     evicted = cache.evict(EvictParams(num_tokens=1 << 12)).num_tokens_evicted
     driver.readmit(run_c)  # matched on its prompt and the 6 outputs: nothing is left
@@ -467,3 +468,7 @@ def test_chunked_prefill_decode_and_retraction_are_reported_as_sglang_reuses(cor
         assert r.group_logical_tokens[0] == r.recoverable_hit_tokens == r.adopted_tokens, r.request_id
         assert not r.unsafe_reuse, r.request_id
     assert [r.prompt_tokens for r in results if r.request_id == "c"] == [len(c), len(c) + 6]
+    # its second admission says it is one, and what it had computed when retracted
+    assert [(r.preemptions, r.computed_before_preemption) for r in results if r.request_id == "c"] == [
+        (0, 0), (1, committed_before)]
+    assert committed_before > 0
