@@ -34,46 +34,97 @@ def users(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.filter(~pl.col("request_id").str.starts_with(PROBE_PREFIX))
 
 
+def admitted(frame: pl.DataFrame, first: bool) -> pl.Expr:
+    """Lookups adopted at a request's first admission (`first`), or at a re-admission after a
+    preemption. A frame without the column (made by hand) holds first admissions only."""
+    adopted = pl.col("adopt_seen") if "adopt_seen" in frame.columns else pl.lit(True)
+    if "preemptions" not in frame.columns:
+        return adopted & pl.lit(first)
+    return adopted & ((pl.col("preemptions") == 0) if first else (pl.col("preemptions") > 0))
+
+
+def counted(frame: pl.DataFrame) -> pl.DataFrame:
+    """The lookups an engine counts in its prefix-cache hit rate: users' requests at their first
+    admission, with the adopt that admitted them. A request preempted and admitted again looks
+    up again, and vLLM keeps those lookups apart (`PrefixCacheStats.preempted_*`, not in its
+    `prefix_cache_queries`); a lookup the scheduler made while the request waited for room is
+    followed by the one it was admitted on, and counted by no engine."""
+    frame = users(frame)
+    return frame.filter(admitted(frame, first=True)) if frame.height else frame
+
+
 def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> pl.DataFrame:
-    """Logical, recoverable, resident and adopted hit rates, token- and request-weighted.
+    """Logical, recoverable, resident and adopted hit rates, token- and request-weighted, over
+    the lookups the engine counts (`counted`), so the adopted rate is the engine's own hit rate.
 
     Token rates divide by prompt tokens; request rates are the share of lookups with a
-    non-zero hit of each kind. `bucket_ns` > 0 adds a time bucket to the grouping.
+    non-zero hit of each kind. The alarms (unsafe, missed, cross-tenant reuse) count every
+    adopted lookup, re-admissions too: a wrong reuse on resume is as wrong. `readmissions`
+    counts those (see `preemption`). `bucket_ns` > 0 adds a time bucket to the grouping.
     """
     keys = list(by)
     frame = users(frame)
     if bucket_ns:
         frame = frame.with_columns((pl.col("ts_ns") // bucket_ns * bucket_ns).alias("bucket_ns"))
         keys.append("bucket_ns")
-    prompt = pl.col("prompt_tokens").sum()
+    first = admitted(frame, first=True)
+
+    def of(column: str) -> pl.Expr:
+        return pl.col(column).filter(first)
+
+    prompt = of("prompt_tokens").sum()
     aggs = [
-        pl.len().alias("lookups"),
+        first.sum().alias("lookups"),
         prompt.alias("prompt_tokens"),
         *(
-            (pl.col(f"{name}_hit_tokens").sum() / prompt).alias(f"{name}_token_rate")
+            (of(f"{name}_hit_tokens").sum() / prompt).alias(f"{name}_token_rate")
             for name in ("logical", "recoverable", "resident")
         ),
-        (pl.col("adopted_tokens").sum() / prompt).alias("adopted_token_rate"),
+        (of("adopted_tokens").sum() / prompt).alias("adopted_token_rate"),
         *(
-            (pl.col(f"{name}_hit_tokens") > 0).mean().alias(f"{name}_request_rate")
+            (of(f"{name}_hit_tokens") > 0).mean().alias(f"{name}_request_rate")
             for name in ("logical", "recoverable", "resident")
         ),
-        (pl.col("adopted_tokens") > 0).mean().alias("adopted_request_rate"),
-        ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
+        (of("adopted_tokens") > 0).mean().alias("adopted_request_rate"),
+        ((of("logical_hit_tokens") - of("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
         pl.col("unsafe_reuse").sum().alias("unsafe_reuse"),
         pl.col("missed_reuse").sum().alias("missed_reuse"),
         pl.col("cross_tenant").sum().alias("cross_tenant"),
+        admitted(frame, first=False).sum().alias("readmissions"),
     ]
     if not keys:
         return frame.select(aggs)
     return frame.group_by(keys).agg(aggs).sort(keys)
 
 
+def preemption(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
+    """What preemption cost, beside the hit rates: the re-admissions (adopted lookups of a
+    request after a preemption), the requests preempted, the tokens they reused on resume, and
+    the tokens they computed again: what each had computed when it was preempted, less what it
+    reused on resume. Those were freed at the preemption and their blocks taken for other
+    requests under the same cache pressure (evicted) before it came back; a re-admission whose
+    hash hit was not valid says so in its own gap reason, as any lookup does."""
+    frame = users(frame)
+    frame = frame.filter(admitted(frame, first=False)) if frame.height else frame
+    before = (pl.col("computed_before_preemption") if "computed_before_preemption" in frame.columns
+              else pl.col("prompt_tokens")).cast(pl.Int64)
+    again = (before - pl.col("adopted_tokens").cast(pl.Int64)).clip(lower_bound=0)
+    aggs = [pl.len().alias("readmissions"), pl.col("request_id").n_unique().alias("requests"),
+            pl.col("prompt_tokens").cast(pl.Int64).sum().alias("prompt_tokens"),
+            pl.col("adopted_tokens").cast(pl.Int64).sum().alias("reused_tokens"),
+            again.sum().alias("recomputed_tokens"),
+            (pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).cast(pl.Int64).sum().alias("tokens_lost")]
+    if not by:
+        return frame.select(aggs)
+    return frame.group_by(list(by)).agg(aggs).sort(list(by))
+
+
 def reasons(frame: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
-    """Tokens lost between logical and recoverable, per reason (largest first)."""
+    """Tokens lost between logical and recoverable, per reason (largest first), over the lookups
+    the hit rates count (`counted`)."""
     keys = [*by, "reason"]
     return (
-        users(frame).filter(pl.col("reason") != "")
+        counted(frame).filter(pl.col("reason") != "")
         .group_by(keys)
         .agg(
             pl.len().alias("lookups"),

@@ -110,6 +110,7 @@ _FUNNEL_COLUMNS = {
     "unsafe_reuse": "unsafe",
     "missed_reuse": "missed",
     "cross_tenant": "x-tenant",
+    "readmissions": "readmitted",
 }
 
 
@@ -133,7 +134,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     import polars as pl
 
     from kvtrace.analysis.evaluate import Policy
-    from kvtrace.analysis.funnel import fleet_funnel, funnel, reasons, regret_pairs
+    from kvtrace.analysis.funnel import fleet_funnel, funnel, preemption, reasons, regret_pairs
     from kvtrace.analysis.run import AnalysisPath, analyze, analyze_range, save_verdicts
     from kvtrace.schema.recipes import RecipeBook, RecipeError, UnknownModel
     from kvtrace.store.client import Store
@@ -203,6 +204,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         if frame.height:
             print("\ngap between logical and recoverable, by reason")
             print(reasons(frame, by).head(20))
+            cost = preemption(frame, by)
+            if cost.height and int(cost["readmissions"].sum()):
+                print("\npreemption: requests admitted again, apart from the rates above as the engine counts them "
+                      "(tokens; computed again: what they had computed, evicted before they came back)")
+                print(cost)
         if args.fleet and frame.height:
             print("\nfleet: where each prompt token went (tokens; routing regret: recoverable on another instance)")
             print(fleet_funnel(frame, by))

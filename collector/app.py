@@ -31,6 +31,7 @@ from kvtrace.schema.arrow_wire import ARROW_TYPE
 from kvtrace.schema.clickhouse import EVENTS, VERDICTS
 from kvtrace.schema.events import WIRE_REQUIRED
 from kvtrace.schema.kinds import EventKind
+from kvtrace.schema.verdicts import COUNTED_SQL, READMITTED_SQL
 from kvtrace.schema.wire import CONTENT_TYPE, WIRE_VERSION, Batch
 
 log = logging.getLogger("kvtrace.collector")
@@ -57,6 +58,10 @@ class ErrorReply(BaseModel):
 
 
 class HitRates(BaseModel):
+    """Counted as the engine counts its prefix-cache hits: each request once, at its first
+    admission. A request preempted and admitted again is counted apart (`readmitted_*`); unsafe
+    reuse counts every adopted lookup."""
+
     key: str
     lookups: int
     prompt_tokens: int
@@ -67,6 +72,9 @@ class HitRates(BaseModel):
     logical_rate: float
     recoverable_rate: float
     adopted_rate: float
+    readmissions: int = 0
+    readmitted_prompt_tokens: int = 0
+    readmitted_adopted_tokens: int = 0
 
 
 class GroupBy(StrEnum):
@@ -322,18 +330,23 @@ def create_app(collector: Collector, manage_lifecycle: bool = True) -> FastAPI:
         grant = _grant(collector, request)
         params: dict[str, Any] = {"since": since_ns}
         where = f"{_tenant_filter(grant, params)} AND ts_ns >= {{since:Int64}} AND adopt_seen"
-        sql = (f"SELECT toString({by.value}) AS key, count() AS lookups, sum(prompt_tokens) AS prompt_tokens, "
-               "sum(logical_hit_tokens) AS logical_hit_tokens, sum(recoverable_hit_tokens) AS recoverable_hit_tokens, "
-               "sum(adopted_tokens) AS adopted_tokens, countIf(unsafe_reuse) AS unsafe_reuse "
+        # Aliased apart from the columns: ClickHouse resolves a column name to a same-named alias,
+        # and the re-admissions' sums read the columns the first admissions' sums are named after.
+        sums = {"lookups": f"countIf({COUNTED_SQL})", "unsafe_reuse": "countIf(unsafe_reuse)",
+                "readmissions": f"countIf({READMITTED_SQL})",
+                **{c: f"sumIf({c}, {COUNTED_SQL})" for c in ("prompt_tokens", "logical_hit_tokens",
+                                                              "recoverable_hit_tokens", "adopted_tokens")},
+                **{f"readmitted_{c}": f"sumIf({c}, {READMITTED_SQL})" for c in ("prompt_tokens", "adopted_tokens")}}
+        sql = (f"SELECT toString({by.value}) AS key, {', '.join(f'{e} AS n_{name}' for name, e in sums.items())} "
                f"FROM {collector.store.db}.{VERDICTS.name} FINAL WHERE {where} GROUP BY key ORDER BY key")
         rows = await run_in_threadpool(_rows, sql, params)
         out = []
         for r in rows:
-            total = max(1, int(r["prompt_tokens"]))
-            out.append(HitRates(**{k: int(v) if k != "key" else v for k, v in r.items()},
-                                logical_rate=r["logical_hit_tokens"] / total,
-                                recoverable_rate=r["recoverable_hit_tokens"] / total,
-                                adopted_rate=r["adopted_tokens"] / total))
+            n = {name: int(r[f"n_{name}"]) for name in sums}
+            total = max(1, n["prompt_tokens"])
+            out.append(HitRates(key=r["key"], **n, logical_rate=n["logical_hit_tokens"] / total,
+                                recoverable_rate=n["recoverable_hit_tokens"] / total,
+                                adopted_rate=n["adopted_tokens"] / total))
         return out
 
     # -- operations --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from urllib.parse import urlencode
 import msgspec
 import polars as pl
 
-from kvtrace.analysis.funnel import users
+from kvtrace.analysis.funnel import admitted, users
 from kvtrace.dashboards.alert_delivery import (
     DeliveryError,
     Notice,
@@ -216,14 +216,21 @@ def _labels(row: Mapping[str, Any], by: Sequence[Label]) -> tuple[tuple[str, str
 
 
 def _rates(frame: pl.DataFrame, by: Sequence[Label]) -> pl.DataFrame:
+    """The rates over the lookups the engine counts (`funnel.counted`); unsafe reuse over every
+    adopted lookup, re-admissions after a preemption too."""
     keys = [b.value for b in by]
     frame = users(frame)  # a correctness canary's re-runs are not users' traffic
-    prompt = pl.col("prompt_tokens").sum()
-    aggs = [pl.len().alias("lookups"), prompt.alias("prompt"),
-            ((pl.col("logical_hit_tokens") - pl.col("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
-            (pl.col("recoverable_hit_tokens").sum() / prompt).alias("recoverable_rate"),
+    first = admitted(frame, first=True)
+
+    def of(column: str) -> pl.Expr:
+        return pl.col(column).filter(first)
+
+    prompt = of("prompt_tokens").sum()
+    aggs = [first.sum().alias("lookups"), prompt.alias("prompt"),
+            ((of("logical_hit_tokens") - of("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
+            (of("recoverable_hit_tokens").sum() / prompt).alias("recoverable_rate"),
             pl.col("unsafe_reuse").cast(pl.Int64).sum().alias("unsafe"),
-            (pl.col("routing_regret_tokens").sum() / prompt).alias("routing_regret")]
+            (of("routing_regret_tokens").sum() / prompt).alias("routing_regret")]
     return frame.group_by(keys).agg(aggs) if keys else frame.select(aggs)
 
 

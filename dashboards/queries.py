@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvtrace.schema.events import PROBE_PREFIX
+from kvtrace.schema.verdicts import COUNTED_SQL, READMITTED_SQL
 from kvtrace.store.client import endings_sql
 
 VARIABLES = ("model", "instance", "tenant", "engine")
@@ -98,13 +99,17 @@ def _any(name: str, column: str = "") -> str:
     return f"('${{{name}}}' IN ('', '{ALL}') OR {column or name} = '${{{name}}}')"
 
 
-def filters(table: str) -> str:
-    """Time range and variable filters; verdict rows know their engine through their instance."""
+def filters(table: str, counted: bool = True) -> str:
+    """Time range and variable filters; verdict rows know their engine through their instance.
+    Verdicts are the lookups the hit rates count, unless `counted` is False (every lookup:
+    unsafe reuse on a re-admission is as wrong)."""
     clauses = ["ts_ns >= toUnixTimestamp($__fromTime) * 1000000000",
                "ts_ns < (toUnixTimestamp($__toTime) + 1) * 1000000000",
                _any("model"), _any("instance"), _any("tenant")]
     if table == "verdicts":  # a correctness canary's re-runs are not users' traffic
         clauses.append(f"NOT startsWith(request_id, '{PROBE_PREFIX}')")
+        if counted:
+            clauses.append(COUNTED_SQL)
     if table == "events":
         clauses.append(_any("engine"))
     else:
@@ -133,6 +138,11 @@ _LOAD_POSITION = "token_start"
 _ADOPT_POSITION = "arraySum(reused_tokens)"
 
 
+def _counted_share(column: str) -> str:
+    """`column` as a share of prompt tokens, over the lookups the engine counts."""
+    return f"sumIf({column}, {COUNTED_SQL}) / nullIf(sumIf(prompt_tokens, {COUNTED_SQL}), 0)"
+
+
 def _position_bucket(position: str) -> str:
     """Context positions in powers of two from 256 tokens: the cost of a token grows with its depth."""
     return f"toUInt64(if({position} < 256, 0, exp2(floor(log2({position})))))"
@@ -141,20 +151,22 @@ def _position_bucket(position: str) -> str:
 PANELS: tuple[Panel, ...] = (
     Panel(
         key="headline", title="Headline", kind=PanelKind.STAT, x="lookups",
-        series=("logical_rate", "recoverable_rate", "adopted_rate", "tokens_lost", "unsafe_reuses"),
+        series=("logical_rate", "recoverable_rate", "adopted_rate", "tokens_lost", "unsafe_reuses", "readmissions"),
         labels=(("logical_rate", "Logical hit rate"), ("recoverable_rate", "Recoverable hit rate"),
                 ("adopted_rate", "Adopted hit rate"), ("tokens_lost", "Tokens lost (logical - recoverable)"),
-                ("unsafe_reuses", "Unsafe reuses")),
-        description="Shares of prompt tokens over the whole range; tokens lost are hash hits whose state was not "
-                    "valid, recomputed although the hash matched; an unsafe reuse adopted more than was recoverable.",
+                ("unsafe_reuses", "Unsafe reuses"), ("readmissions", "Re-admissions after preemption")),
+        description="Shares of prompt tokens over the whole range, counted as the engine counts them (each request "
+                    "once, at its first admission); tokens lost are hash hits whose state was not valid, recomputed "
+                    "although the hash matched; an unsafe reuse adopted more than was recoverable (re-admissions "
+                    "too); a re-admission is a request preempted and admitted again (Preemption says what it cost).",
         source=Source.VERDICTS,
-        sql="SELECT count() AS lookups, "
-            "sum(logical_hit_tokens) / nullIf(sum(prompt_tokens), 0) AS logical_rate, "
-            "sum(recoverable_hit_tokens) / nullIf(sum(prompt_tokens), 0) AS recoverable_rate, "
-            "sum(adopted_tokens) / nullIf(sum(prompt_tokens), 0) AS adopted_rate, "
-            "toInt64(sum(logical_hit_tokens)) - toInt64(sum(recoverable_hit_tokens)) AS tokens_lost, "
-            "countIf(unsafe_reuse) AS unsafe_reuses "
-            f"FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')}"),
+        sql=f"SELECT countIf({COUNTED_SQL}) AS lookups, {_counted_share('logical_hit_tokens')} AS logical_rate, "
+            f"{_counted_share('recoverable_hit_tokens')} AS recoverable_rate, "
+            f"{_counted_share('adopted_tokens')} AS adopted_rate, "
+            f"toInt64(sumIf(logical_hit_tokens, {COUNTED_SQL})) "
+            f"- toInt64(sumIf(recoverable_hit_tokens, {COUNTED_SQL})) AS tokens_lost, "
+            f"countIf(unsafe_reuse) AS unsafe_reuses, countIf({READMITTED_SQL}) AS readmissions "
+            f"FROM {{db}}.verdicts FINAL WHERE {filters('verdicts', counted=False)}"),
     Panel(
         key="funnel", title="Hit funnel: logical -> recoverable -> resident -> adopted (share of prompt tokens)",
         kind=PanelKind.TIMESERIES, x="time",
@@ -252,7 +264,24 @@ PANELS: tuple[Panel, ...] = (
                 "adopted_tokens", "reason", "reason_detail"),
         sql="SELECT fromUnixTimestamp64Nano(ts_ns) AS time, instance, request_id, model, tenant, "
             "logical_hit_tokens, recoverable_hit_tokens, adopted_tokens, reason, reason_detail "
-            f"FROM {{db}}.verdicts FINAL WHERE unsafe_reuse AND {filters('verdicts')} ORDER BY ts_ns DESC LIMIT 500"),
+            f"FROM {{db}}.verdicts FINAL WHERE unsafe_reuse AND {filters('verdicts', counted=False)} "
+            "ORDER BY ts_ns DESC LIMIT 500"),
+    Panel(
+        key="preemption", title="Preemption: what requests preempted and admitted again reused and computed again",
+        kind=PanelKind.BARS, x="instance", series=("reused_tokens", "recomputed_tokens"), right_axis=("readmissions",),
+        unit=Unit.TOKENS, y_title="tokens", x_title="instance",
+        labels=(("reused_tokens", "reused on resume"), ("recomputed_tokens", "computed again (evicted meanwhile)"),
+                ("readmissions", "re-admissions")),
+        source=Source.VERDICTS,
+        description="A request preempted under cache pressure frees its blocks; admitted again, it reuses those "
+                    "still cached and computes again what it had computed before whose blocks were taken for "
+                    "other requests meanwhile. Engines keep these lookups out of their hit rates, and so do the "
+                    "rates above.",
+        when_empty="None: no request in this range was preempted and admitted again.",
+        sql="SELECT instance, count() AS readmissions, sum(adopted_tokens) AS reused_tokens, "
+            "sum(greatest(toInt64(computed_before_preemption) - toInt64(adopted_tokens), 0)) AS recomputed_tokens "
+            f"FROM {{db}}.verdicts FINAL WHERE {READMITTED_SQL} AND {filters('verdicts', counted=False)} "
+            "GROUP BY instance ORDER BY instance"),
     Panel(
         key="verify", title="Verified by re-execution: did reuse give what recompute gives?",
         kind=PanelKind.TABLE, x="time", source=Source.VERIFICATIONS,
@@ -376,6 +405,7 @@ PAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "": ("Hit funnel", ("funnel", "verdicts")),
     "gaps": ("Why the gap", ("reasons", "restore")),
     "unsafe": ("Unsafe reuse", ("unsafe", "verify")),
+    "preemption": ("Preemption", ("preemption",)),
     "tiers": ("Tiers", ("usage", "tiers", "inflight")),
     "timings": ("Lifecycle timings", ("transfers", "residency")),
     "costs": ("Load vs recompute", ("loadcost",)),
@@ -388,7 +418,7 @@ def coverage_sql() -> str:
     """What the store holds for a view, in one row: the web page reads it to say why a panel is
     empty (no events at all, events but no verdicts, no timed loads) rather than "no data"."""
     return (f"SELECT (SELECT count() FROM {{db}}.events WHERE {filters('events')}) AS events, "
-            f"(SELECT count() FROM {{db}}.verdicts FINAL WHERE {filters('verdicts')}) AS verdicts, "
+            f"(SELECT count() FROM {{db}}.verdicts FINAL WHERE {filters('verdicts', counted=False)}) AS verdicts, "
             f"(SELECT count() FROM {{db}}.events WHERE kind IN ('load', 'offload', 'adopt') AND duration_ns > 0 "
             f"AND {filters('events')}) AS timed, "
             f"(SELECT count() FROM {{db}}.events WHERE kind = 'usage' AND {filters('events')}) AS usage, "
