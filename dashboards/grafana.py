@@ -195,7 +195,7 @@ def build(db: str = "kvtrace") -> model.Dashboard:
                           "pick its absolute range. The web dashboard (`kvtrace dashboard`) shows the same panels.")
              .variables(_variables(db)))
     grid = _Grid()
-    for tile, width in zip(_stats(by_key("headline"), db), (5, 5, 5, 5, 4), strict=True):
+    for tile, width in zip(_stats(by_key("headline"), db), (4, 4, 4, 4, 4, 4), strict=True):
         board = board.with_panel(tile.grid_pos(grid.place(width, 4)))
     for title, keys in PAGES.values():
         grid.newline()

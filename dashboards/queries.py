@@ -268,20 +268,20 @@ PANELS: tuple[Panel, ...] = (
             "ORDER BY ts_ns DESC LIMIT 500"),
     Panel(
         key="preemption", title="Preemption: what requests preempted and admitted again reused and computed again",
-        kind=PanelKind.BARS, x="instance", series=("reused_tokens", "recomputed_tokens"), right_axis=("readmissions",),
-        unit=Unit.TOKENS, y_title="tokens", x_title="instance",
-        labels=(("reused_tokens", "reused on resume"), ("recomputed_tokens", "computed again (evicted meanwhile)"),
-                ("readmissions", "re-admissions")),
+        kind=PanelKind.BARS, x="readmitted_on", series=("reused_tokens", "recomputed_tokens"),
+        unit=Unit.TOKENS, y_title="tokens on resume", x_title="instance (re-admissions)",
+        labels=(("reused_tokens", "reused on resume"), ("recomputed_tokens", "computed again (evicted meanwhile)")),
         source=Source.VERDICTS,
         description="A request preempted under cache pressure frees its blocks; admitted again, it reuses those "
                     "still cached and computes again what it had computed before whose blocks were taken for "
                     "other requests meanwhile. Engines keep these lookups out of their hit rates, and so do the "
                     "rates above.",
         when_empty="None: no request in this range was preempted and admitted again.",
-        sql="SELECT instance, count() AS readmissions, sum(adopted_tokens) AS reused_tokens, "
+        sql="SELECT concat(instance, ' (', toString(count()), ')') AS readmitted_on, count() AS readmissions, "
+            "sum(adopted_tokens) AS reused_tokens, "
             "sum(greatest(toInt64(computed_before_preemption) - toInt64(adopted_tokens), 0)) AS recomputed_tokens "
             f"FROM {{db}}.verdicts FINAL WHERE {READMITTED_SQL} AND {filters('verdicts', counted=False)} "
-            "GROUP BY instance ORDER BY instance"),
+            "GROUP BY instance ORDER BY readmitted_on"),
     Panel(
         key="verify", title="Verified by re-execution: did reuse give what recompute gives?",
         kind=PanelKind.TABLE, x="time", source=Source.VERIFICATIONS,

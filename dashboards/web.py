@@ -163,7 +163,8 @@ _TILE_HINTS = {"logical_rate": "prompt tokens whose hash was found",
                "recoverable_rate": "prompt tokens backed by valid state",
                "adopted_rate": "prompt tokens the engine reused",
                "tokens_lost": "hash hits without valid state: recomputed",
-               "unsafe_reuses": "lookups that adopted beyond recoverable"}
+               "unsafe_reuses": "lookups that adopted beyond recoverable",
+               "readmissions": "preempted requests admitted again, counted apart"}
 
 
 def _tile_text(column: str, value: Any) -> tuple[str, str]:
@@ -191,13 +192,15 @@ def tiles(panel: Panel, rows: pl.DataFrame, base: str, view: View, why_empty: tu
     for column in panel.series:
         value = row.get(column) if judged else None
         text, css = _tile_text(column, value)
-        link = (f" <a href='{base}/unsafe?{view.query()}'>which</a>"
-                if column == "unsafe_reuses" and css == "bad" else "")
+        link = (f" <a href='{base}/unsafe?{view.query()}'>which</a>" if column == "unsafe_reuses" and css == "bad"
+                else f" <a href='{base}/preemption?{view.query()}'>what they cost</a>"
+                if column == "readmissions" and value else "")
         cells.append(f"<div class='tile {css}' data-stat='{column}' data-value='{'' if value is None else value}'>"
                      f"<div class='v'>{text}</div><div class='l'>{html.escape(panel.label(column))}{link}</div>"
                      f"<div class='h'>{html.escape(_TILE_HINTS.get(column, ''))}</div></div>")
     if why_empty is None:
-        note = f"<p class='note'>{row['lookups']:,} lookups judged in this range.</p>"
+        note = (f"<p class='note'>{row['lookups']:,} requests judged in this range, each at its first admission "
+                "as the engine counts it.</p>")
     else:
         note = f"<div class='{why_empty[0]}' id='why-empty'>{why_empty[1]}</div>"
     return f"<div class='tiles' data-lookups='{row.get('lookups', 0) or 0}'>{''.join(cells)}</div>{note}"

@@ -132,6 +132,8 @@ class SimRequest:
     tenant: str = ""
     adapter: str = ""
     arrival_ns: int = 0  # trace time; 0 = as soon as the previous request is done
+    preemptions: int = 0  # > 0: a re-admission of a request preempted that many times
+    computed_before_preemption: int = 0  # what it had computed when last preempted
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +357,8 @@ class CacheSimulator:
         ident = dict(tenant=request.tenant, adapter=request.adapter, request_id=request.request_id)
         hit, runs = self._engine_hit(chains, len(tokens))
         self._emit(EventKind.LOOKUP, prompt_tokens=len(tokens), group_block_keys=chains, group_hit_tokens=runs,
-                   reported_hit_tokens=hit, **ident)
+                   reported_hit_tokens=hit, preemptions=request.preemptions,
+                   computed_before_preemption=request.computed_before_preemption, **ident)
         if c.evict_before_adopt and hit:
             g = self.recipe.groups[0]
             victim = self._present(g, chains[0][(hit - 1) // g.block_size])

@@ -68,6 +68,10 @@ def replay(store: Store, engines: tuple[tuple[str, AdoptPolicy], ...] = ENGINES,
             if i % 9 == 4:
                 sim.inject(Fault.SKIP_CHECKPOINT, request, len(doc) // 256 * 256)
             sim.serve(request)
+            if i % 20 == 7:  # preempted after its prefill and admitted again: counted apart
+                sim.serve(SimRequest(request.request_id, request.tokens, tenant=request.tenant,
+                                     arrival_ns=request.arrival_ns + S, preemptions=1,
+                                     computed_before_preemption=len(request.tokens) - 1))
         assert emitter.shutdown()
     if not verdicts:
         return
@@ -99,7 +103,8 @@ def fill(store: Store, scenario: Scenario) -> None:
 def store_says(store: Store) -> dict[str, object]:
     """The headline numbers from the verdict rows themselves (read whole, summed here: not the
     dashboard's SQL), with the events' time bounds."""
-    rows = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")
+    every = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")
+    rows = every.filter(pl.col("preemptions") == 0) if every.height else every  # the first admissions
     bounds = store.query_arrow(f"SELECT min(ts_ns) AS lo, max(ts_ns) AS hi FROM {store.db}.events").to_pylist()[0]
     out: dict[str, object] = {"lookups": rows.height, "lo": (bounds["lo"] or 0) // S,
                               "hi": (bounds["hi"] or 0) // S + 1 if bounds["hi"] else 0}
@@ -109,7 +114,10 @@ def store_says(store: Store) -> dict[str, object]:
                 "recoverable_rate": rows["recoverable_hit_tokens"].sum() / prompt,
                 "adopted_rate": rows["adopted_tokens"].sum() / prompt,
                 "tokens_lost": int(rows["logical_hit_tokens"].sum() - rows["recoverable_hit_tokens"].sum()),
-                "unsafe_reuses": int(rows["unsafe_reuse"].sum()),
+                "unsafe_reuses": int(every["unsafe_reuse"].sum()),
+                "readmissions": every.height - rows.height,
+                "recomputed_on_resume": int((every["computed_before_preemption"].cast(pl.Int64)
+                                             - every["adopted_tokens"].cast(pl.Int64)).clip(0).sum()),
                 "verdicts": {v: int(n) for v, n in rows.group_by("verdict").len().iter_rows()}}
     return out
 

@@ -22,6 +22,7 @@ AXES = {
              "bytes to move (GiB)"],
     "tiers": ["time (UTC)", "bytes (GiB)", "time (UTC)", "bytes (GiB)", "time (UTC)", "bytes resident (GiB)"],
     "timings": ["tier path", "transfer time (ms)", "tier", "time on tier before eviction (s)"],
+    "preemption": ["instance (re-admissions)", "tokens on resume (tokens)"],
     "costs": ["context position: tokens before the span (bucket start)", "time per token (µs)",
               "context position (tokens cached before)", "smallest restore that pays (tokens)"],
 }
@@ -68,6 +69,7 @@ def test_tiles_show_what_the_store_says_and_every_axis_its_unit(full) -> None:
             "adopted_rate": ("", f"{says['adopted_rate']:.1%}"),
             "tokens_lost": ("", f"{says['tokens_lost']:,}"),
             "unsafe_reuses": ("bad", f"{says['unsafe_reuses']:,}"),
+            "readmissions": ("", f"{says['readmissions']:,}"),
         }, path
     funnel = draw(f"{dash.url}/?range=all", ARTIFACTS / "browser-funnel.png")
     # shares are percents on the axis, and every one of the five series is in the legend
@@ -88,7 +90,7 @@ def test_events_never_judged_say_how_to_judge_them(tmp_path: Path) -> None:
     with DashboardProcess(tmp_path, dsn) as dash:
         page = draw(f"{dash.url}/?range=all", ARTIFACTS / "browser-no-verdicts.png")
     assert {stat: text for stat, (_, text) in tiles(page).items()} == dict.fromkeys(
-        ("logical_rate", "recoverable_rate", "adopted_rate", "tokens_lost", "unsafe_reuses"), "n/a")
+        ("logical_rate", "recoverable_rate", "adopted_rate", "tokens_lost", "unsafe_reuses", "readmissions"), "n/a")
     why = re.search(r'<div class="empty" id="why-empty">(.*?)</div>', page, re.S)
     assert why and "kvtrace analyze --write-verdicts" in why.group(1) and "kvtrace collector" in why.group(1)
     sections = dict(re.findall(r'<section data-panel="(\w+)">(.*?)</section>', page, re.S))
@@ -99,10 +101,10 @@ def test_events_never_judged_say_how_to_judge_them(tmp_path: Path) -> None:
 
 def test_zero_unsafe_reuses_read_as_none(tmp_path: Path) -> None:
     dsn, says = filled(tmp_path, Scenario.SAFE)
-    assert says["unsafe_reuses"] == 0 and says["lookups"] == 80
+    assert says["unsafe_reuses"] == 0 and says["lookups"] == 80 and says["readmissions"] == 4
     with DashboardProcess(tmp_path, dsn) as dash:
         page = draw(f"{dash.url}/unsafe?range=all", ARTIFACTS / "browser-zero-unsafe.png")
     assert tiles(page)["unsafe_reuses"] == ("good", "none")
     sections = dict(re.findall(r'<section data-panel="(\w+)">(.*?)</section>', page, re.S))
     assert re.search(r'<div class="none" data-points="0"><b>None\.</b> No request adopted more than was '
-                     r"recoverable in this range \(80 lookups judged\)\.</div>", sections["unsafe"])
+                     r"recoverable in this range \(84 lookups judged\)\.</div>", sections["unsafe"])

@@ -122,8 +122,13 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     # its checkpoints) was sent requests engine-a could have resumed further
     stages = {r["stage"]: r["tokens"] for r in rows["fleet"]}
     verdict_rows = store.query_polars(f"SELECT * FROM {store.db}.verdicts FINAL")
-    assert sum(stages.values()) == verdict_rows["prompt_tokens"].sum()
-    assert stages["routing regret"] == verdict_rows["routing_regret_tokens"].sum() > 0
+    first = verdict_rows.filter(pl.col("preemptions") == 0)  # what the rates count: first admissions
+    assert sum(stages.values()) == first["prompt_tokens"].sum() < verdict_rows["prompt_tokens"].sum()
+    assert stages["routing regret"] == first["routing_regret_tokens"].sum() > 0
+    # the requests preempted and admitted again, apart: how many, reused and computed again
+    assert sum(r["readmissions"] for r in rows["preemption"]) == says["readmissions"] > 0
+    assert sum(r["recomputed_tokens"] for r in rows["preemption"]) == says["recomputed_on_resume"]
+    assert headline["readmissions"] == says["readmissions"]
     assert [(r["pair"], r["regret_tokens"]) for r in rows["regret_pairs"]] == [
         ("engine-b -> engine-a", stages["routing regret"])]
     assert any(r["routing_regret"] > 0 for r in rows["regret"])
@@ -131,7 +136,7 @@ def test_grafana_panels_run_and_match_the_web_dashboard(store: Store) -> None:
     from kvtrace.analysis.costs import fit_prefill, fit_transfers, routing_regret_seconds
 
     events = store.query_polars(f"SELECT * FROM {store.db}.events FINAL")
-    priced = routing_regret_seconds(verdict_rows, fit_transfers(events), fit_prefill(events))
+    priced = routing_regret_seconds(first, fit_transfers(events), fit_prefill(events))
     assert priced["regret_s"].null_count() == 0 and priced["regret_s"].sum() > 0
     page = client.get("/fleet", params={"from": lo, "to": hi}).text
     section = re.search(r"<section data-panel='regret_seconds'>(.*?)</section>", page, re.S).group(1)

@@ -70,9 +70,9 @@ def test_stat_tiles_match_the_web_tiles() -> None:
     assert [p["options"]["reduceOptions"]["fields"] for p in stats] == [f"/^{c}$/" for c in headline.series]
     assert {p["targets"][0]["rawSql"] for p in stats} == {headline.sql.replace("{db}", "kvtrace")}
     units = [p["fieldConfig"]["defaults"]["unit"] for p in stats]
-    assert units == ["percentunit"] * 3 + ["suffix: tokens", "short"]
+    assert units == ["percentunit"] * 3 + ["suffix: tokens", "short", "short"]
     # zero unsafe reuses reads "none", in green
-    mappings = stats[-1]["fieldConfig"]["defaults"]["mappings"]
+    mappings = stats[headline.series.index("unsafe_reuses")]["fieldConfig"]["defaults"]["mappings"]
     assert mappings == [{"type": "value", "options": {"0": {"text": "none", "color": "green"}}}]
 
 
