@@ -4,7 +4,9 @@ the request up again. vLLM counts a re-admission's lookup apart from its prefix-
 numbers equal vLLM's own books on both sides of that line.
 
 In process, the truth is every `PrefixCacheStats.record` the engine makes, summed by the test
-(vLLM resets its stats object each step, and its `/metrics` export drops the preempted ones).
+(vLLM resets its stats object each step, and its `/metrics` export drops the preempted ones),
+what each request had computed at each of its preemptions, and the engine's own evictions: what
+a re-admission computes again was evicted while it waited.
 As served (`vllm serve` with the plugin on, 8 clients at once, chunked prefill, a KV cache small
 enough to preempt), it is `/metrics`: the hit rates the collector, `kvtrace analyze` and the
 dashboard show equal `prefix_cache_queries`/`hits` to the token, and their re-admissions equal
@@ -113,11 +115,21 @@ def test_each_lookup_says_its_admission_and_both_books_match_vllms(spool: Path, 
         readmitted.setdefault(r.request_id, []).append((r.preemptions, r.computed_before_preemption))
     assert readmitted == {rid: list(enumerate(computed, start=1)) for rid, computed in preempted.items()}
     assert sum(max(r.computed_before_preemption - r.adopted_tokens, 0) for r in again) > 0
-    # and the lookups the scheduler made while a request waited for room (no adopt) are the
-    # same admission as the one that followed
-    lookups = [e for e in events if e.kind.value == "lookup"]
-    assert len(lookups) >= len(results)
-    assert max(r.preemptions for r in again) >= 1
+    # and why it computed them again: the first block it had computed and did not reuse was
+    # evicted for want of room after its preemption, before it came back
+    lookup_of = {(e.source_id, e.seq): e for e in events if e.kind.value == "lookup"}
+    evicted = [(e.ts_ns, k) for e in events if e.kind.value == "evict" and e.reason.value == "capacity"
+               for k in (e.block_key, *e.more_keys)]
+    checked = 0
+    for r in again:
+        first_lost, had = r.adopted_tokens // 32, r.computed_before_preemption // 32
+        if first_lost >= had:
+            continue  # it reused all it had computed in whole blocks
+        lookup = lookup_of[(r.source_id, r.seq)]
+        key = lookup.group_block_keys[0][first_lost]
+        assert any(k == key and ts < lookup.ts_ns for ts, k in evicted), r.request_id
+        checked += 1
+    assert checked > 0
 
 
 # -- as served ---------------------------------------------------------------------------------
