@@ -32,6 +32,9 @@ def transparent(original: Any, wrapper: Callable[..., Any]) -> Callable[..., Any
     with `__wrapped__` pointing at it: `inspect.signature` and `typing.get_type_hints` then read
     the original's (its module's globals too, for annotations written as strings)."""
     functools.update_wrapper(wrapper, original)
+    # What the original's __dict__ held comes along (an engine's own markers), except that it was
+    # abstract: the wrapper is not, and a class whose methods say so cannot be built.
+    wrapper.__dict__.pop("__isabstractmethod__", None)
     return wrapper
 
 

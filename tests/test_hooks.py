@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from transparency import face_differences, unfaithful
 
-from kvtrace.instrumentation.hooks import HookSet, class_patches, patch_class
+from kvtrace.instrumentation.hooks import HookSet, class_patches, patch_class, transparent
 
 log = logging.getLogger("test")
 
@@ -161,3 +161,21 @@ def test_a_bare_wrapper_would_have_broken_the_engines_conversion() -> None:
     original = core.add_lora
     core.add_lora = lambda *a, **k: original(*a, **k)  # type: ignore[method-assign]
     assert utility_call(core, "add_lora", ["sql", 8]) is False
+
+
+def test_a_wrapper_of_an_abstract_method_is_not_abstract() -> None:
+    """A connector's forwarding method wears the abstract base method's face, and its class can
+    still be built."""
+    import abc
+
+    class Base(abc.ABC):
+        @abc.abstractmethod
+        def start(self, n: int) -> int:
+            """Start."""
+
+    class Forwarding(Base):
+        pass
+
+    Forwarding.start = transparent(Base.start, lambda self, n: n + 1)  # type: ignore[method-assign]
+    abc.update_abstractmethods(Forwarding)
+    assert Forwarding().start(1) == 2 and face_differences(Base.start, Forwarding.start) == []
