@@ -78,6 +78,22 @@ class Proc:
         return self.proc.returncode
 
 
+def start_collector(root: Path, dsn: str, env: dict[str, str], tokens: Path) -> tuple[Proc, str]:
+    """`kvtrace collector` over `dsn` with the bearer tokens in `tokens`, once it is ready; and its URL."""
+    from collector_proc import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    collector = Proc("collector", [sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, "collector", "--port",
+                                   str(port), "--tokens-file", str(tokens)], env, root)
+    try:
+        collector.wait_until(lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200, 120, "readiness")
+    except BaseException:
+        collector.stop(timeout_s=30)
+        raise
+    return collector, url
+
+
 def kvtrace(env: dict[str, str], dsn: str, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     """The `kvtrace` command in its own process, as an operator runs it."""
     return subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, *argv], env=env,

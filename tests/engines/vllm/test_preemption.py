@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from collector_proc import free_port
-from served import LLAMA, Proc, kvtrace, metric
+from served import LLAMA, Proc, kvtrace, metric, start_collector
 
 from kvtrace.analysis.reconstruct import reconstruct
 from kvtrace.instrumentation.api import get_emitter
@@ -176,15 +176,11 @@ def under_load(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UnderLoad]:
     base["KVTRACE_HOME"] = str(root / "home")
     dsn = f"chdb://{root / 'store'}"
     cli_env = {**base, "KVTRACE_COLLECTOR_SPOOL_DIR": str(root / "spool")}
-    collector_url = f"http://127.0.0.1:{(collector_port := free_port())}"
     prompts = workload()
     procs: list[Proc] = []
     try:
-        collector = Proc("collector", [sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, "collector", "--port",
-                                       str(collector_port), "--tokens-file", str(root / "tokens")], cli_env, root)
+        collector, collector_url = start_collector(root, dsn, cli_env, root / "tokens")
         procs.append(collector)
-        collector.wait_until(lambda: httpx.get(f"{collector_url}/readyz", timeout=2).status_code == 200, 120,
-                             "readiness")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = Proc("vllm", [

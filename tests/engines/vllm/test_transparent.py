@@ -36,7 +36,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 from collector_proc import free_port
-from served import Proc, dump_dom, kvtrace, lora_adapter, metric, tiny_llama
+from served import Proc, dump_dom, kvtrace, lora_adapter, metric, start_collector, tiny_llama
 
 MODEL = "tiny-llama"
 ADAPTER = "sql"
@@ -154,6 +154,14 @@ class Operator:
                                                   "vllm:request_success_total", "vllm:prompt_tokens_total")})))
 
 
+def abort_while_paused(op: Operator) -> None:
+    """`abort_requests` with a request in flight: paused first (keeping it), so that it cannot
+    finish before the abort arrives, however slow the client is."""
+    op.post("pause-for-abort", "/pause", mode="keep")
+    op.post("abort-requests", "/abort_requests", {})
+    op.post("resume-after-abort", "/resume")
+
+
 def operate(op: Operator) -> None:
     """The operations, in order; the adapter's files are written afresh first."""
     lora_adapter(op.adapter, seed=1)
@@ -194,7 +202,7 @@ def operate(op: Operator) -> None:
     op.complete("base-7", BASE)
     op.stream_then("dropped-1", None)
     op.idle()
-    op.stream_then("aborted-1", lambda: op.post("abort-requests", "/abort_requests", {}))
+    op.stream_then("aborted-1", lambda: abort_while_paused(op))
     op.idle()
     op.complete("base-8", BASE)
     op.metrics()
@@ -257,15 +265,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 
     dsn = f"chdb://{root / 'store'}"
     cli_env = {**base, "KVTRACE_COLLECTOR_SPOOL_DIR": str(root / "spool")}
-    collector_port = free_port()
-    collector_url = f"http://127.0.0.1:{collector_port}"
     procs: list[Proc] = []
     try:
-        collector = Proc("collector", [sys.executable, "-m", "kvtrace.cli.main", "--dsn", dsn, "collector", "--port",
-                                       str(collector_port), "--tokens-file", str(root / "tokens")], cli_env, root)
+        collector, collector_url = start_collector(root, dsn, cli_env, root / "tokens")
         procs.append(collector)
-        collector.wait_until(lambda: httpx.get(f"{collector_url}/readyz", timeout=2).status_code == 200, 120,
-                             "readiness")
         on = serve(root, "vllm-on", {**vllm_env, "KVTRACE_ENABLED": "1", "KVTRACE_COLLECTOR_URL": collector_url,
                                      "KVTRACE_TOKEN": ENGINE_TOKEN, "KVTRACE_INSTANCE": INSTANCE,
                                      "KVTRACE_TENANT": TENANT}, model)
