@@ -43,6 +43,11 @@ def admitted(frame: pl.DataFrame, first: bool) -> pl.Expr:
     return adopted & ((pl.col("preemptions") == 0) if first else (pl.col("preemptions") > 0))
 
 
+def of_counted(frame: pl.DataFrame, column: str) -> pl.Expr:
+    """`column` of the lookups `counted` keeps, for aggregations beside others over every lookup."""
+    return pl.col(column).filter(admitted(frame, first=True))
+
+
 def counted(frame: pl.DataFrame) -> pl.DataFrame:
     """The lookups an engine counts in its prefix-cache hit rate: users' requests at their first
     admission, with the adopt that admitted them. A request preempted and admitted again looks
@@ -67,14 +72,12 @@ def funnel(frame: pl.DataFrame, by: Sequence[str] = (), bucket_ns: int = 0) -> p
     if bucket_ns:
         frame = frame.with_columns((pl.col("ts_ns") // bucket_ns * bucket_ns).alias("bucket_ns"))
         keys.append("bucket_ns")
-    first = admitted(frame, first=True)
-
     def of(column: str) -> pl.Expr:
-        return pl.col(column).filter(first)
+        return of_counted(frame, column)
 
     prompt = of("prompt_tokens").sum()
     aggs = [
-        first.sum().alias("lookups"),
+        admitted(frame, first=True).sum().alias("lookups"),
         prompt.alias("prompt_tokens"),
         *(
             (of(f"{name}_hit_tokens").sum() / prompt).alias(f"{name}_token_rate")

@@ -26,7 +26,7 @@ from urllib.parse import urlencode
 import msgspec
 import polars as pl
 
-from kvtrace.analysis.funnel import admitted, users
+from kvtrace.analysis.funnel import admitted, of_counted, users
 from kvtrace.dashboards.alert_delivery import (
     DeliveryError,
     Notice,
@@ -220,13 +220,11 @@ def _rates(frame: pl.DataFrame, by: Sequence[Label]) -> pl.DataFrame:
     adopted lookup, re-admissions after a preemption too."""
     keys = [b.value for b in by]
     frame = users(frame)  # a correctness canary's re-runs are not users' traffic
-    first = admitted(frame, first=True)
-
     def of(column: str) -> pl.Expr:
-        return pl.col(column).filter(first)
+        return of_counted(frame, column)
 
     prompt = of("prompt_tokens").sum()
-    aggs = [first.sum().alias("lookups"), prompt.alias("prompt"),
+    aggs = [admitted(frame, first=True).sum().alias("lookups"), prompt.alias("prompt"),
             ((of("logical_hit_tokens") - of("recoverable_hit_tokens")).sum() / prompt).alias("divergence"),
             (of("recoverable_hit_tokens").sum() / prompt).alias("recoverable_rate"),
             pl.col("unsafe_reuse").cast(pl.Int64).sum().alias("unsafe"),
